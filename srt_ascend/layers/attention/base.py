@@ -1,0 +1,54 @@
+"""Attention backends over the paged MLA latent cache, registered by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
+
+
+def register_attention_backend(name: str):
+    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+        ATTENTION_BACKENDS[name] = cls
+        return cls
+
+    return wrap
+
+
+def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
+    return ATTENTION_BACKENDS[name](**kwargs)
+
+
+class AttentionBackend(ABC):
+    """Computes absorbed MLA attention for one layer of a ForwardBatch.
+
+    Every mode is the same shape of problem: row b has q_len_b new query tokens at positions
+    seq_len_b - q_len_b .. seq_len_b - 1 and attends, causally, over KV positions
+    0 .. seq_len_b - 1 whose slots are req_to_token[req_pool_indices[b], :seq_len_b]. The new
+    tokens' latents are written to `out_cache_loc` before attention, so rows that share a request
+    row (batch-expanded verify) read what the shorter rows wrote in the same pass.
+    """
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
+        """Precompute per-batch index tensors once, before the layers run (optional)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q_latent: torch.Tensor,  # [T, H, kv_lora_rank]: q_nope absorbed through W_UK
+        q_pe: torch.Tensor,  # [T, H, rope_dim], rotated
+        c_kv: torch.Tensor,  # [T, kv_lora_rank], new tokens' normalised latent
+        k_pe: torch.Tensor,  # [T, rope_dim], new tokens' rotated rope key
+        layer_id: int,
+        scale: float,
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:  # [T, H, kv_lora_rank]: attention output in latent space
+        ...

@@ -1,0 +1,82 @@
+"""Multi-query MLA attention through `npu_fused_infer_attention_score` (FIA), TND layout.
+
+Used for TARGET_VERIFY: one row of 1+K query tokens per request, causal inside the row
+(sparse_mode 3 with the compressed 2048x2048 mask), paged KV through a block table. On NPU the
+call goes to torch_npu; elsewhere to the reference op with the same contract (fia_reference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
+from srt_ascend.layers.attention.fia_reference import build_compressed_causal_mask, to_cumulative
+from srt_ascend.layers.attention.npu_ops import fused_infer_attention_score
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class FiaMetadata:
+    block_table: torch.Tensor  # [B, max_blocks] int32: page ids of each request's KV
+    actual_seq_lengths: list[int]  # cumulative query ends
+    actual_seq_lengths_kv: list[int]  # KV length per request
+
+
+def build_block_table(fb: ForwardBatch, page_size: int) -> torch.Tensor:
+    """Page id of every page of each row: the slot of the page's first position // page size."""
+    max_blocks = max(-(-s // page_size) for s in fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
+    cols = torch.arange(max_blocks, device=fb.seq_lens.device) * page_size
+    firsts = fb.req_to_token_pool.req_to_token[fb.req_pool_indices][:, cols]  # [B, max_blocks]
+    return (firsts // page_size).to(torch.int32)
+
+
+@register_attention_backend("fia")
+class FiaMLABackend(AttentionBackend):
+    def __init__(self, page_size: int = 1, **_: object) -> None:
+        self.page_size = page_size
+        self._mask: torch.Tensor | None = None
+
+    def _causal_mask(self, device) -> torch.Tensor:
+        if self._mask is None or self._mask.device != device:
+            self._mask = build_compressed_causal_mask(device)
+        return self._mask
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        forward_batch.attn_metadata = FiaMetadata(
+            build_block_table(forward_batch, self.page_size),
+            to_cumulative(forward_batch.extend_seq_lens_cpu),
+            list(forward_batch.seq_lens_cpu),
+        )
+
+    def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
+        pool = forward_batch.token_to_kv_pool
+        pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
+        meta: FiaMetadata = forward_batch.attn_metadata
+        rank, ps = q_latent.shape[-1], self.page_size
+        buf = pool.get_key_buffer(layer_id)  # [slots, 1, R + P]; slot = page * ps + offset
+        paged = buf.view(buf.shape[0] // ps, ps, buf.shape[-1]).to(q_latent.dtype)
+        out, _ = fused_infer_attention_score(
+            q_latent,
+            paged[..., :rank],
+            paged[..., :rank],
+            query_rope=q_pe,
+            key_rope=paged[..., rank:],
+            num_heads=q_latent.shape[1],
+            num_key_value_heads=1,
+            input_layout="TND",
+            atten_mask=self._causal_mask(q_latent.device),
+            sparse_mode=3,
+            scale=scale,
+            antiquant_mode=0,
+            antiquant_scale=None,
+            block_table=meta.block_table,
+            block_size=ps,
+            actual_seq_lengths=meta.actual_seq_lengths,
+            actual_seq_lengths_kv=meta.actual_seq_lengths_kv,
+        )
+        return out

@@ -1,0 +1,474 @@
+"""Plain-torch reference of ``torch_npu.npu_fused_infer_attention_score`` (FIA).
+
+Scope: the call vllm-ascend makes for DeepSeek MLA multi-query decode / target verify
+(vllm_ascend/attention/mla_v1.py ``_forward_decode`` at commit 71c21f76f5, before the move to
+``npu_fused_infer_attention_score_v2``)::
+
+    torch_npu.npu_fused_infer_attention_score(
+        q_nope, k_nope, k_nope,                  # [T, N, kv_lora_rank]; paged latent cache twice
+        query_rope=q_pe, key_rope=k_pe,          # [T, N, rope_dim]; paged rope-key cache
+        num_heads=N, num_key_value_heads=1, input_layout="TND_NTD" (or "TND"),
+        atten_mask=triu(ones(2048, 2048), 1).to(int8), sparse_mode=3, scale=softmax_scale,
+        antiquant_mode=0, antiquant_scale=None, block_table=[B, max_blocks] int32,
+        block_size=bs, actual_seq_lengths=cumulative query ends, actual_seq_lengths_kv=kv lens)
+
+On CPU/CUDA this function computes the same thing; ``npu_ops.fused_infer_attention_score`` picks
+the real op for NPU tensors. Keyword names, layouts, defaults and validation follow the op.
+
+Constraints, from the torch_npu API doc (Ascend/op-plugin
+docs/context/torch_npu-npu_fused_infer_attention_score.md, "约束说明") unless noted:
+  * TND/TND_NTD/NTD_TND: ``actual_seq_lengths`` and ``actual_seq_lengths_kv`` are required, the
+    number of elements is the batch B; ``actual_seq_lengths`` holds cumulative query ends (each
+    >= the previous one); T <= 1M; sparse only 0 without a mask or 3 with a mask.
+  * MLA (query_rope/key_rope given): both or neither; query S per request 1-16 (also vllm-ascend
+    ``decode_threshold <= 16`` assert in mla_v1.py, and seeds/000: "支持query每个batch的S为1-16");
+    for D=512: Q_S == 1 only sparse 0 without mask, Q_S > 1 only sparse 3 with mask; layouts
+    TND/TND_NTD; paged KV required; query N in {32, 64, 128}, key N == 1, D == 512, rope D == 64,
+    block_size in {16, 128}; no softmax_lse, pse, prefix, anti-/post-quantisation.
+  * sparse_mode 2/3/4: ``atten_mask`` of shape (2048, 2048), (1, 2048, 2048) or
+    (1, 1, 2048, 2048), lower triangle 0 and upper triangle 1 (1/True = masked), dtype bool, int8
+    or uint8; vllm-ascend builds it as ``torch.triu(torch.ones(2048, 2048), 1).to(torch.int8)``
+    (attention_mask.py ``get_splitfuse_attn_mask``). pre_tokens/next_tokens are ignored.
+  * sparse_mode 3 (rightDownCausal): query i of a request with q_len queries and kv_len keys sees
+    keys j <= kv_len - q_len + i; for the int8-output path the doc rejects kv_len < q_len.
+  * Page attention: block_table int32, 2-D, rows == B, columns >= the most blocks any request
+    needs; key/value/key_rope in (num_blocks, block_size, N_kv * D) or
+    (num_blocks, N_kv, block_size, D) (vllm-ascend: the latter, N_kv = 1), key and value of
+    identical shape; num_blocks >= the sum of blocks the kv lengths need; block ids unchecked.
+  * ``actual_seq_lengths_kv`` per request, not cumulative. "TND_NTD" returns [N, T, D].
+  * Empty inputs: an empty query returns at once; empty key/value (S2 == 0) fills zeros.
+  * softmax_lse_flag False returns a float32 zero tensor of shape [1] as the second output.
+  * Graph padding (vllm-ascend mla_v1.py ``pad_actual_seq_len_q_mtp_*``, seeds/000 section on
+    PD padding): padded requests have kv length 0 and 0..16 queries, e.g. [1, 2, 4, 5, 6, 6].
+
+Deliberate differences: hardware limits (N, D, rope D, block_size values, fp16/bf16 only) are
+not enforced, so tiny float32 CPU configs work; ``mla_npu_shape_problems`` lists them. A request
+with kv_len 0 yields zeros (the op's empty-KV rule, applied per request). num_blocks >= sum of
+blocks is not enforced (requests sharing radix-prefix blocks would trip it on small pools);
+instead used block ids are range-checked, and the mask pattern is spot-checked.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+MASK_SIZE = 2048  # side of the compressed causal mask required by sparse_mode 2/3/4
+MAX_QUERY_TOKENS_PER_REQ = 16  # MLA TND: query S per request is 1-16
+MAX_TOTAL_TOKENS = 1 << 20  # TND: T <= 1M
+SUPPORTED_LAYOUTS = ("TND", "TND_NTD")  # MLA with D=512 supports exactly these TND layouts
+SPARSE_NO_MASK = 0
+SPARSE_RIGHT_DOWN_CAUSAL = 3
+_MASK_DTYPES = (torch.bool, torch.int8, torch.uint8)
+_SCORE_BUDGET = 1 << 26  # float32 score elements per chunk of requests (~256 MiB)
+
+# Keywords of the real op this reference accepts only at their default value (None or 0).
+_DEFAULT_ONLY_KWARGS: dict[str, object] = dict.fromkeys(
+    "pse_shift dequant_scale1 quant_scale1 dequant_scale2 quant_scale2 quant_offset2 "
+    "antiquant_offset query_padding_size kv_padding_size key_antiquant_scale key_antiquant_offset "
+    "value_antiquant_scale value_antiquant_offset key_shared_prefix value_shared_prefix "
+    "actual_shared_prefix_len key_rope_antiquant_scale".split()
+) | {"key_antiquant_mode": 0, "value_antiquant_mode": 0}
+# Keywords the real op ignores under sparse_mode 0 without a mask and sparse_mode 3
+# (pre/next tokens), or that only pick a kernel precision (inner_precise 0-3).
+_IGNORED_KWARGS = ("pre_tokens", "next_tokens", "inner_precise")
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Host-side per-request lengths derived from the TND length lists."""
+
+    q_starts: list[int]  # [B] first token of each request
+    q_lens: list[int]  # [B]
+    kv_lens: list[int]  # [B]
+
+    def token_span(self, lo: int, hi: int) -> tuple[int, int]:
+        """[first, end) TND rows of requests lo..hi-1 (contiguous by construction)."""
+        start = self.q_starts[lo]
+        return start, start + sum(self.q_lens[lo:hi])
+
+
+def build_compressed_causal_mask(device: torch.device | str | None = None) -> torch.Tensor:
+    """Return the 2048x2048 bool mask FIA needs for sparse_mode 3: True (masked) above the
+    diagonal, False on and below it. The caller owns the new tensor; build it once."""
+    ones = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.bool, device=device)
+    return torch.triu(ones, diagonal=1)
+
+
+def to_cumulative(q_lens: Sequence[int]) -> list[int]:
+    """Per-request query lengths -> cumulative query ends (``actual_seq_lengths`` in TND)."""
+    ends, total = [], 0
+    for n in q_lens:
+        if int(n) < 0:
+            raise ValueError(f"query lengths must be >= 0, got {list(q_lens)}")
+        total += int(n)
+        ends.append(total)
+    return ends
+
+
+def mla_npu_shape_problems(
+    num_heads: int, kv_lora_rank: int, rope_dim: int, block_size: int, num_kv_heads: int = 1
+) -> list[str]:
+    """Hardware limits of FIA's MLA TND path (D=512) that the reference does not enforce.
+
+    Returns one message per violated limit (empty when the shapes run on NPU), per the torch_npu
+    doc's "query_rope和key_rope输入时即为MLA场景" section."""
+    problems = []
+    if num_heads not in (32, 64, 128):
+        problems.append(f"query heads must be 32, 64 or 128, got {num_heads}")
+    if num_kv_heads != 1:
+        problems.append(f"key/value heads must be 1, got {num_kv_heads}")
+    if kv_lora_rank != 512:
+        problems.append(f"query/key D must be 512, got {kv_lora_rank}")
+    if rope_dim != 64:
+        problems.append(f"query_rope/key_rope D must be 64, got {rope_dim}")
+    if block_size not in (16, 128):
+        problems.append(f"block_size must be 16 or 128, got {block_size}")
+    return problems
+
+
+def npu_fused_infer_attention_score(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    query_rope: torch.Tensor | None = None,
+    key_rope: torch.Tensor | None = None,
+    atten_mask: torch.Tensor | None = None,
+    actual_seq_lengths: Sequence[int] | None = None,
+    actual_seq_lengths_kv: Sequence[int] | None = None,
+    block_table: torch.Tensor | None = None,
+    num_heads: int = 1,
+    scale: float = 1.0,
+    input_layout: str = "TND",
+    num_key_value_heads: int = 0,
+    block_size: int = 0,
+    sparse_mode: int = 0,
+    antiquant_mode: int = 0,
+    antiquant_scale: torch.Tensor | None = None,
+    softmax_lse_flag: bool = False,
+    **unsupported: object,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paged TND attention, MLA form: ``softmax(scale * (q.k + q_rope.k_rope) + mask) . v``.
+
+    query [T, N, D], query_rope [T, N, Dr]; key/value/key_rope paged caches
+    (num_blocks, block_size, N_kv * D) or (num_blocks, N_kv, block_size, D); value is usually the
+    key cache itself (MLA latent). Returns ``(attention_out, softmax_lse)``: attention_out is
+    [T, N, Dv] ("TND") or [N, T, Dv] ("TND_NTD") in query's dtype, newly allocated;
+    softmax_lse is [T, N, 1] float32 with softmax_lse_flag, else a float32 zero of shape [1].
+    Reads the inputs only. Raises ValueError for inputs the real op rejects (module docstring),
+    TypeError for keywords the real op does not have.
+    """
+    _check_extra_kwargs(unsupported)
+    _check_flags(input_layout, antiquant_mode, antiquant_scale, softmax_lse_flag, query_rope)
+    kv_heads = _check_shapes(
+        query, key, value, query_rope, key_rope, num_heads, num_key_value_heads
+    )
+    batch = _split_lengths(actual_seq_lengths, actual_seq_lengths_kv, query.shape[0])
+    _check_sparse(sparse_mode, atten_mask, batch, mla=query_rope is not None)
+    _check_block_table(block_table, block_size, batch, key)
+    caches = [_paged_view(t, kv_heads, block_size) for t in (key, value, key_rope) if t is not None]
+    num_tokens, dev = query.shape[0], query.device
+    out = torch.zeros(num_tokens, num_heads, caches[1].shape[-1], dtype=torch.float32, device=dev)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), dtype=torch.float32, device=dev)
+    causal = sparse_mode == SPARSE_RIGHT_DOWN_CAUSAL
+    for lo, hi in _request_chunks(batch, num_heads):
+        t0, t1 = batch.token_span(lo, hi)
+        if t1 > t0:
+            chunk = _attend_chunk(
+                query, query_rope, caches, block_table, batch, (lo, hi), scale, causal
+            )
+            out[t0:t1], lse[t0:t1] = chunk
+    out = out.to(query.dtype)
+    if input_layout == "TND_NTD":
+        out = out.transpose(0, 1).contiguous()
+    if softmax_lse_flag:
+        return out, lse.unsqueeze(-1)
+    return out, torch.zeros(1, dtype=torch.float32, device=dev)
+
+
+def _check_extra_kwargs(extra: dict[str, object]) -> None:
+    """Reject keywords the real op lacks (TypeError) or that this reference cannot honour."""
+    for name, val in extra.items():
+        if name in _IGNORED_KWARGS:
+            if name == "inner_precise" and val not in (0, 1, 2, 3):
+                raise ValueError(f"inner_precise must be 0, 1, 2 or 3, got {val!r}")
+            continue
+        if name not in _DEFAULT_ONLY_KWARGS:
+            raise TypeError(f"npu_fused_infer_attention_score() got an unexpected keyword {name!r}")
+        default = _DEFAULT_ONLY_KWARGS[name]
+        if (val is not None) if default is None else (val != default):
+            raise ValueError(f"{name}={val!r} is not supported by the FIA reference")
+
+
+def _check_flags(
+    layout: str,
+    antiquant_mode: int,
+    antiquant_scale: torch.Tensor | None,
+    softmax_lse_flag: bool,
+    query_rope: torch.Tensor | None,
+) -> None:
+    """Layout and feature switches the MLA TND path supports."""
+    if layout not in SUPPORTED_LAYOUTS:
+        raise ValueError(f"input_layout must be one of {SUPPORTED_LAYOUTS}, got {layout!r}")
+    if antiquant_mode != 0 or antiquant_scale is not None:
+        raise ValueError("antiquantisation (antiquant_mode/antiquant_scale) is not supported")
+    if softmax_lse_flag and query_rope is not None:
+        raise ValueError("softmax_lse_flag=True is not supported with query_rope (MLA)")
+
+
+def _as_host_ints(name: str, values: Sequence[int] | None) -> list[int]:
+    """A host-side list of ints; the op takes int[] and TND requires it."""
+    if values is None:
+        raise ValueError(f"{name} is required with input_layout TND")
+    if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
+        raise TypeError(f"{name} must be a host list of ints, got {type(values).__name__}")
+    if not all(isinstance(v, numbers.Integral) for v in values):
+        raise TypeError(f"{name} must contain ints, got {values!r}")
+    return [int(v) for v in values]
+
+
+def _split_lengths(
+    actual_seq_lengths: Sequence[int] | None,
+    actual_seq_lengths_kv: Sequence[int] | None,
+    num_tokens: int,
+) -> _Batch:
+    """Validate the TND length lists and turn them into per-request lengths."""
+    ends = _as_host_ints("actual_seq_lengths", actual_seq_lengths)
+    kv_lens = _as_host_ints("actual_seq_lengths_kv", actual_seq_lengths_kv)
+    if len(ends) != len(kv_lens):
+        raise ValueError(f"actual_seq_lengths_kv has {len(kv_lens)} requests, not {len(ends)}")
+    if num_tokens > MAX_TOTAL_TOKENS:
+        raise ValueError(f"T={num_tokens} exceeds the TND limit of {MAX_TOTAL_TOKENS} tokens")
+    starts = [0, *ends][: len(ends)]
+    q_lens = [e - s for s, e in zip(starts, ends, strict=True)]
+    if any(n < 0 for n in q_lens):
+        raise ValueError(f"actual_seq_lengths must be cumulative (non-decreasing), got {ends}")
+    if (ends[-1] if ends else 0) != num_tokens:
+        raise ValueError(f"actual_seq_lengths must end at T={num_tokens}, got {ends}")
+    if any(n > MAX_QUERY_TOKENS_PER_REQ for n in q_lens):
+        raise ValueError(
+            f"at most {MAX_QUERY_TOKENS_PER_REQ} query tokens per request, got {q_lens}"
+        )
+    if any(n < 0 for n in kv_lens):
+        raise ValueError(f"actual_seq_lengths_kv must be >= 0, got {kv_lens}")
+    return _Batch(q_starts=starts, q_lens=q_lens, kv_lens=kv_lens)
+
+
+def _check_sparse(sparse_mode: int, mask: torch.Tensor | None, batch: _Batch, mla: bool) -> None:
+    """TND supports sparse 0 without a mask or sparse 3 with the compressed 2048x2048 mask."""
+    if sparse_mode == SPARSE_NO_MASK:
+        if mask is not None:
+            raise ValueError("sparse_mode=0 with input_layout TND takes no atten_mask")
+        if mla and any(n > 1 for n in batch.q_lens):
+            raise ValueError("MLA with more than 1 query token per request needs sparse_mode=3")
+        return
+    if sparse_mode != SPARSE_RIGHT_DOWN_CAUSAL:
+        raise ValueError(
+            f"sparse_mode must be 0 (no mask) or 3 (rightDownCausal) with TND, got {sparse_mode}"
+        )
+    if mask is None:
+        raise ValueError(f"sparse_mode=3 requires atten_mask ({MASK_SIZE}x{MASK_SIZE})")
+    if (
+        mask.shape[-2:] != (MASK_SIZE, MASK_SIZE)
+        or any(d != 1 for d in mask.shape[:-2])
+        or mask.dim() > 4
+    ):
+        raise ValueError(
+            f"sparse_mode=3 requires atten_mask of shape ({MASK_SIZE}, {MASK_SIZE}) "
+            f"(optionally with leading 1s), got {tuple(mask.shape)}"
+        )
+    if mask.dtype not in _MASK_DTYPES:
+        raise ValueError(f"atten_mask dtype must be bool, int8 or uint8, got {mask.dtype}")
+    # The op trusts the caller to pass the upper-triangular pattern; spot-check it here so an
+    # inverted or all-zero mask fails on CPU instead of silently differing on NPU.
+    rows = torch.tensor([0, 0, 1, MASK_SIZE - 1, 0, MASK_SIZE - 2], device=mask.device)
+    cols = torch.tensor([0, 1, 0, MASK_SIZE - 1, MASK_SIZE - 1, MASK_SIZE - 1], device=mask.device)
+    if mask.reshape(MASK_SIZE, MASK_SIZE)[rows, cols].ne(0).tolist() != [0, 1, 0, 0, 1, 1]:
+        raise ValueError("atten_mask must be upper-triangular (1/True = masked above diagonal)")
+    for i, (q, kv) in enumerate(zip(batch.q_lens, batch.kv_lens, strict=True)):
+        if 0 < kv < q:  # kv == 0 is a padding request; its output is zeros
+            raise ValueError(
+                f"request {i}: {q} query tokens but only {kv} KV tokens; "
+                "sparse_mode=3 needs q_len <= kv_len"
+            )
+
+
+def _check_shapes(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_rope: torch.Tensor | None,
+    key_rope: torch.Tensor | None,
+    num_heads: int,
+    num_key_value_heads: int,
+) -> int:
+    """Check TND query and paged KV shapes; return the number of KV heads."""
+    if query.dim() != 3 or query.shape[1] != num_heads:
+        raise ValueError(f"query must be [T, num_heads={num_heads}, D], got {tuple(query.shape)}")
+    kv_heads = num_key_value_heads or num_heads
+    if num_heads % kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={kv_heads}")
+    if key.shape != value.shape or key.dim() not in (3, 4):
+        raise ValueError(
+            f"key and value must share one paged shape (num_blocks, block_size, H) "
+            f"or (num_blocks, N, block_size, D), got {tuple(key.shape)} and "
+            f"{tuple(value.shape)}"
+        )
+    _check_kv_heads("key", key, kv_heads, query.shape[2])
+    if (query_rope is None) != (key_rope is None):
+        raise ValueError("query_rope and key_rope must be given together (MLA) or not at all")
+    if query_rope is not None and key_rope is not None:
+        if query_rope.shape[:2] != query.shape[:2] or query_rope.dim() != 3:
+            raise ValueError(
+                f"query_rope must be [T, N, Dr] matching query {tuple(query.shape)}, "
+                f"got {tuple(query_rope.shape)}"
+            )
+        if key_rope.dim() != key.dim() or key_rope.shape[:-1] != key.shape[:-1]:
+            raise ValueError(
+                f"key_rope must match key {tuple(key.shape)} except the last dim, "
+                f"got {tuple(key_rope.shape)}"
+            )
+        _check_kv_heads("key_rope", key_rope, kv_heads, query_rope.shape[2])
+        if query_rope.dtype != query.dtype or key_rope.dtype != key.dtype:
+            raise ValueError("query_rope/key_rope must have the dtypes of query/key")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(f"query/key/value dtypes differ: {query.dtype, key.dtype, value.dtype}")
+    return kv_heads
+
+
+def _check_kv_heads(name: str, cache: torch.Tensor, kv_heads: int, head_dim: int) -> None:
+    """A paged cache carries kv_heads heads of head_dim each."""
+    if cache.dim() == 3:
+        ok = cache.shape[2] == kv_heads * head_dim
+    else:
+        ok = cache.shape[1] == kv_heads and cache.shape[3] == head_dim
+    if not ok:
+        raise ValueError(
+            f"{name} {tuple(cache.shape)} does not hold {kv_heads} KV heads of dim {head_dim}"
+        )
+
+
+def _check_block_table(
+    block_table: torch.Tensor | None,
+    block_size: int,
+    batch: _Batch,
+    key: torch.Tensor,
+) -> None:
+    """Page attention is mandatory for MLA TND: check the table covers every KV length."""
+    if block_table is None:
+        raise ValueError("block_table is required (page attention) for the TND MLA path")
+    if block_table.dtype != torch.int32 or block_table.dim() != 2:
+        raise ValueError(
+            f"block_table must be 2-D int32, got {block_table.dtype} {block_table.dim()}-D"
+        )
+    cache_block = key.shape[1] if key.dim() == 3 else key.shape[2]
+    if block_size <= 0 or block_size != cache_block:
+        raise ValueError(f"block_size={block_size} must be > 0 and match the cache's {cache_block}")
+    if block_table.shape[0] != len(batch.kv_lens):
+        raise ValueError(
+            f"block_table has {block_table.shape[0]} rows for {len(batch.kv_lens)} requests"
+        )
+    need = [-(-kv // block_size) for kv in batch.kv_lens]
+    if need and max(need) > block_table.shape[1]:
+        raise ValueError(
+            f"block_table has {block_table.shape[1]} columns but a request needs "
+            f"{max(need)} blocks (kv lens {batch.kv_lens}, block_size {block_size})"
+        )
+
+
+def _paged_view(cache: torch.Tensor, kv_heads: int, block_size: int) -> torch.Tensor:
+    """View a paged cache as [num_blocks, block_size, kv_heads, D] (no copy for 3-D caches)."""
+    if cache.dim() == 3:
+        return cache.view(cache.shape[0], block_size, kv_heads, -1)
+    return cache.transpose(1, 2)
+
+
+def _request_chunks(batch: _Batch, num_heads: int) -> list[tuple[int, int]]:
+    """Split requests into runs whose padded score tensors stay under _SCORE_BUDGET."""
+    num = len(batch.q_lens)
+    per_req = num_heads * max(batch.q_lens, default=0) * max(batch.kv_lens, default=0)
+    step = max(1, _SCORE_BUDGET // max(per_req, 1))
+    return [(lo, min(lo + step, num)) for lo in range(0, num, step)]
+
+
+def _gather_kv(
+    caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    max_kv: int,
+    block_size: int,
+) -> list[torch.Tensor]:
+    """Gather each request's first kv_len slots into [B, max_kv, kv_heads, D] float32 tensors.
+
+    Positions past kv_len read block 0 (masked later), so unused table entries may hold any id."""
+    pos = torch.arange(max_kv, device=block_table.device)
+    valid = pos[None, :] < kv_lens[:, None]  # [B, max_kv]
+    ids = block_table.long()[:, pos // block_size]
+    ids = torch.where(valid, ids, torch.zeros_like(ids))
+    num_blocks = caches[0].shape[0]
+    if bool(((ids < 0) | (ids >= num_blocks)).any()):
+        raise ValueError(f"block_table holds block ids outside [0, {num_blocks}) for valid slots")
+    offs = (pos % block_size).expand_as(ids)
+    return [c[ids, offs].float() for c in caches]
+
+
+def _attend_chunk(
+    query: torch.Tensor,
+    query_rope: torch.Tensor | None,
+    caches: list[torch.Tensor],
+    block_table: torch.Tensor,
+    batch: _Batch,
+    span: tuple[int, int],
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention for requests span = [lo, hi) with at least one query token: pad them to
+    [b, max_q] queries x [b, max_kv] keys; return float32 (out [t, N, Dv], lse [t, N]) for
+    their t tokens in TND order."""
+    lo, hi = span
+    dev = query.device
+    q_lens = torch.tensor(batch.q_lens[lo:hi], device=dev)
+    kv_lens = torch.tensor(batch.kv_lens[lo:hi], device=dev)
+    t0, t1 = batch.token_span(lo, hi)
+    req = torch.repeat_interleave(torch.arange(hi - lo, device=dev), q_lens)  # [t]
+    starts = torch.tensor(batch.q_starts[lo:hi], device=dev) - t0
+    slot = torch.arange(t1 - t0, device=dev) - starts[req]  # query index inside its request
+    max_q, max_kv = max(batch.q_lens[lo:hi]), max(batch.kv_lens[lo:hi])
+    kv = _gather_kv(caches, block_table[lo:hi], kv_lens, max_kv, caches[0].shape[1])
+    kv_heads = kv[0].shape[2]
+    group = query.shape[1] // kv_heads
+
+    def padded(x: torch.Tensor) -> torch.Tensor:  # [T, N, d] -> [b, max_q, kv_heads, group, d]
+        buf = torch.zeros(hi - lo, max_q, *x.shape[1:], dtype=torch.float32, device=dev)
+        buf[req, slot] = x[t0:t1].float()
+        return buf.view(hi - lo, max_q, kv_heads, group, -1)
+
+    scores = torch.einsum("bqhgd,bkhd->bhgqk", padded(query), kv[0])
+    if query_rope is not None:
+        scores += torch.einsum("bqhgd,bkhd->bhgqk", padded(query_rope), kv[2])
+    scores *= scale
+    allowed = _allowed_keys(q_lens, kv_lens, max_q, max_kv, causal)[:, None, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).masked_fill(~allowed, 0.0)  # all-masked rows -> 0
+    ctx = torch.einsum("bhgqk,bkhd->bqhgd", probs, kv[1])[req, slot].flatten(1, 2)
+    lse = torch.logsumexp(scores, dim=-1).permute(0, 3, 1, 2)[req, slot].flatten(1, 2)
+    return ctx, lse
+
+
+def _allowed_keys(
+    q_lens: torch.Tensor, kv_lens: torch.Tensor, max_q: int, max_kv: int, causal: bool
+) -> torch.Tensor:
+    """[b, max_q, max_kv] bool: which keys each (padded) query row may attend.
+
+    Query i (0-based) of a request sees keys j < kv_len; with sparse_mode 3 (rightDownCausal,
+    the causal diagonal aligned to the bottom-right corner) only j <= kv_len - q_len + i.
+    Padded query rows (i >= q_len) and requests with kv_len 0 see nothing."""
+    i = torch.arange(max_q, device=q_lens.device)[None, :, None]
+    j = torch.arange(max_kv, device=q_lens.device)[None, None, :]
+    q = q_lens[:, None, None]
+    end = kv_lens[:, None, None] - (q - 1 - i if causal else 0)  # exclusive key bound
+    return (j < end) & (i < q)

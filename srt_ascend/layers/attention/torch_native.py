@@ -1,0 +1,77 @@
+"""Torch-native MLA attention over the paged latent cache: plain torch, vectorised over rows.
+
+The project's "flashinfer-free custom op": every row is padded to the batch's longest query and
+KV length, one masked einsum computes all rows at once, and padding is dropped afterwards. The
+same code serves EXTEND, DECODE, batch-expanded TARGET_VERIFY and DRAFT_EXTEND.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class PaddedRows:
+    """Per-batch gather plan shared by all layers."""
+
+    kv_slots: torch.Tensor  # [B, Lmax] slot of key j of row b (0 = padding slot)
+    mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where query i of row b may attend key j
+    token_row: torch.Tensor  # [T] row of each packed query token
+    token_col: torch.Tensor  # [T] index of the token inside its row
+    max_q: int
+
+
+def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
+    seq_lens, q_lens = fb.seq_lens, fb.extend_seq_lens
+    b = fb.batch_size
+    max_kv = max(fb.seq_lens_cpu, default=0)
+    max_q = max(fb.extend_seq_lens_cpu, default=0)
+    device = seq_lens.device
+    cols = torch.arange(max_kv, device=device)
+    rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_kv]  # [B, Lmax]
+    kv_valid = cols[None, :] < seq_lens[:, None]
+    kv_slots = torch.where(kv_valid, rows, torch.zeros_like(rows))
+    # Query i of row b sits at position seq_len - q_len + i and sees keys j <= that position.
+    q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
+    mask = (cols[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    token_row = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    token_col = torch.arange(fb.num_tokens, device=device) - starts[token_row]
+    return PaddedRows(kv_slots, mask.unsqueeze(1), token_row, token_col, max_q)
+
+
+@register_attention_backend("torch_native")
+class TorchNativeMLABackend(AttentionBackend):
+    def __init__(self, **_: object) -> None:
+        pass
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        forward_batch.attn_metadata = build_padded_rows(forward_batch)
+
+    def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
+        pool = forward_batch.token_to_kv_pool
+        pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
+        meta: PaddedRows = forward_batch.attn_metadata
+        rank = q_latent.shape[-1]
+        kv = pool.get_key_buffer(layer_id)[meta.kv_slots].squeeze(2).to(q_latent.dtype)
+        keys_c, keys_pe = kv[..., :rank], kv[..., rank:]  # [B, Lmax, R], [B, Lmax, P]
+        b, h = forward_batch.batch_size, q_latent.shape[1]
+        q_c = q_latent.new_zeros(b, meta.max_q, h, rank)
+        q_r = q_pe.new_zeros(b, meta.max_q, h, q_pe.shape[-1])
+        q_c[meta.token_row, meta.token_col] = q_latent
+        q_r[meta.token_row, meta.token_col] = q_pe
+        scores = torch.einsum("bqhr,blr->bhql", q_c, keys_c)
+        scores = scores + torch.einsum("bqhp,blp->bhql", q_r, keys_pe)
+        scores = scores.float() * scale
+        scores = scores.masked_fill(~meta.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q_latent.dtype)
+        out = torch.einsum("bhql,blr->bqhr", probs, keys_c)
+        return out[meta.token_row, meta.token_col]  # [T, H, R]

@@ -1,0 +1,133 @@
+"""DeepSeekMoE: grouped sigmoid routing with a score-correction bias, routed + shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU feed-forward (`gate_proj`, `up_proj`, `down_proj`), as in the checkpoint."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TopkRouter(nn.Module):
+    """DeepSeek-V3's gate: sigmoid scores; the bias picks experts but does not weight them.
+
+    Rule: score = sigmoid(W x); choice = score + e_score_correction_bias; groups rank by the sum
+    of their two best choices, the best `topk_group` groups stay, the top `top_k` experts among
+    them are picked; weights are the un-biased scores (normalised if norm_topk_prob) times
+    routed_scaling_factor.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        n_experts: int,
+        top_k: int,
+        n_group: int,
+        topk_group: int,
+        norm_topk_prob: bool,
+        routed_scaling_factor: float,
+    ) -> None:
+        super().__init__()
+        if n_experts % n_group:
+            raise ValueError(f"n_routed_experts {n_experts} not divisible by n_group {n_group}")
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+        self.n_experts, self.top_k = n_experts, top_k
+        self.n_group, self.topk_group = n_group, topk_group
+        self.norm_topk_prob = norm_topk_prob
+        self.routed_scaling_factor = routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias
+        per_group = choice.view(-1, self.n_group, self.n_experts // self.n_group)
+        group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(-1)
+        group_idx = group_scores.topk(self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
+        expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, self.n_experts)
+        choice = choice.masked_fill(expert_mask == 0, float("-inf"))
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        topk_weights = scores.gather(1, topk_ids)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+        return topk_weights * self.routed_scaling_factor, topk_ids
+
+
+class RoutedExperts(nn.Module):
+    """Experts stored stacked: w13 [E, 2I, H] (gate; up) and w2 [E, H, I].
+
+    The loader maps checkpoint names `experts.{e}.gate_proj/up_proj/down_proj` into these rows.
+    """
+
+    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.n_experts, self.intermediate_size = n_experts, intermediate_size
+        self.w13 = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
+
+    def forward(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, H]; each token goes through its k experts, outputs summed with their weights.
+
+        Token copies are sorted by expert, each expert runs once over its contiguous slice, and
+        the results are put back in (token, k) order and summed: no scatter-add.
+        """
+        t, k = topk_ids.shape
+        flat_ids = topk_ids.flatten()  # [T*k]
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(xs[start : start + n], self.w13[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, self.w2[e]))
+                start += n
+        ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
+        unsorted = torch.empty_like(ys).index_put_((order,), ys)
+        return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.gate = TopkRouter(
+            config.hidden_size,
+            config.n_routed_experts,
+            config.num_experts_per_tok,
+            config.n_group or 1,
+            config.topk_group or 1,
+            bool(config.norm_topk_prob),
+            float(config.routed_scaling_factor),
+        )
+        self.experts = RoutedExperts(
+            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
+        )
+        self.shared_experts = (
+            DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, ids = self.gate(flat)
+        out = self.experts(flat, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(shape)

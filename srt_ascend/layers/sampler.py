@@ -1,0 +1,180 @@
+"""Token sampling: processed distributions, seeded draws, and logprobs.
+
+`processed_probs` is the one definition of "the distribution a request samples from"; the
+speculative rejection test (speculative/acceptance.py) applies it to both the target and the
+draft logits, so it is row-wise, deterministic and vectorised. Randomness enters only through
+`draw_uniforms`, one row per request, from the request's own generator when it is seeded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+def draw_uniforms(
+    generators: Sequence[torch.Generator | None],  # [B]
+    num: int,
+    device: torch.device | str,
+) -> torch.Tensor:  # [B, num] float32 in (0, 1]
+    """Uniform draws in (0, 1], `num` per row.
+
+    Rule: a row with a generator draws its `num` numbers from that generator alone, so its
+    values do not depend on the other rows of the batch; the other rows share one draw from
+    the global RNG. The interval excludes 0 so that `u * p <= q` never accepts q == 0 and
+    inverse-CDF sampling never lands on a zero-probability token.
+    """
+    u = torch.rand(len(generators), num, device=device)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            u[row] = torch.rand(num, generator=generator, device=device)
+    return 1.0 - u
+
+
+def inverse_cdf_sample(
+    probs: torch.Tensor,  # [B, V] non-negative, each row with positive mass
+    uniforms: torch.Tensor,  # [B] in (0, 1]
+) -> torch.Tensor:  # [B] int64
+    """Sample one token per row by inverting the CDF: the first v with cdf(v) >= u * cdf(V-1).
+
+    Rows need not be normalised. With u in (0, 1] a zero-probability token is never chosen,
+    and a one-hot row always returns its hot index.
+    """
+    cdf = probs.to(torch.float32).cumsum(dim=-1)
+    threshold = (uniforms.to(torch.float32) * cdf[:, -1]).unsqueeze(-1)  # [B, 1]
+    token = torch.searchsorted(cdf, threshold).squeeze(-1)
+    return token.clamp_(max=probs.shape[-1] - 1)
+
+
+def processed_probs(
+    logits: torch.Tensor,  # [B, V]
+    info: SamplingBatchInfo,
+) -> torch.Tensor:  # [B, V] float32, rows sum to 1
+    """The distribution each row samples from.
+
+    Rule: p = softmax(logits / temperature). Token v is kept iff
+    - its rank in p (descending, ties by lower index first) is < top_k, and
+    - the mass of the tokens ranked above it is < top_p (top_p == 1 keeps all), and
+    - p(v) >= min_p * max(p).
+    Dropped tokens get 0 and the row is renormalised; the top-ranked token is always kept.
+    All three conditions read the same temperature-scaled p (SGLang's torch-native order).
+    Greedy rows (top_k == 1) are exactly one-hot at argmax(logits) (first index on ties).
+    """
+    logits = logits.to(torch.float32)
+    vocab = logits.shape[-1]
+    if info.is_all_greedy:
+        return nn.functional.one_hot(logits.argmax(dim=-1), vocab).to(torch.float32)
+    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    keep = None
+    if info.need_top_p_top_k:
+        keep = top_k_top_p_keep_mask(probs, info.top_ks, info.top_ps)
+    if info.need_min_p:
+        min_p_keep = probs >= probs.amax(dim=-1, keepdim=True) * info.min_ps.view(-1, 1)
+        keep = min_p_keep if keep is None else keep & min_p_keep
+    if keep is None:
+        return probs
+    probs = probs.masked_fill(~keep, 0.0)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if info.need_top_p_top_k:
+        # Pin greedy rows to argmax(logits) so they agree bit-for-bit with an all-greedy batch.
+        greedy = nn.functional.one_hot(logits.argmax(dim=-1), vocab).to(torch.float32)
+        probs = torch.where(info.is_greedy.view(-1, 1), greedy, probs)
+    return probs
+
+
+def top_k_top_p_keep_mask(
+    probs: torch.Tensor,  # [B, V] normalised
+    top_ks: torch.Tensor,  # [B] int64 >= 1
+    top_ps: torch.Tensor,  # [B] float32 in (0, 1]
+) -> torch.Tensor:  # [B, V] bool
+    """Mask of tokens with rank < top_k and (mass ranked above them < top_p or top_p >= 1).
+
+    Ranks come from a stable descending sort, so equal probabilities rank by token index.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
+    mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
+    top_ps = top_ps.view(-1, 1)
+    keep_sorted = (ranks < top_ks.view(-1, 1)) & ((mass_above < top_ps) | (top_ps >= 1.0))
+    return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [B, V] from processed_probs
+    info: SamplingBatchInfo,
+) -> torch.Tensor:  # [B] int64
+    """One token per row: argmax for greedy rows, otherwise a multinomial draw by inverse CDF
+    with uniforms from `draw_uniforms(info.generators)` (seeded rows are batch-independent)."""
+    if info.is_all_greedy:
+        return probs.argmax(dim=-1)
+    uniforms = draw_uniforms(info.generators, 1, probs.device)[:, 0]
+    sampled = inverse_cdf_sample(probs, uniforms)
+    return torch.where(info.is_greedy, probs.argmax(dim=-1), sampled)
+
+
+def compute_logprobs(
+    logits: torch.Tensor,  # [N, V]
+    token_ids: torch.Tensor,  # [N] int64
+) -> torch.Tensor:  # [N] float32
+    """log_softmax(logits)[n, token_ids[n]]: the logprob of each given token (prompt or output)."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return logprobs.gather(-1, token_ids.view(-1, 1).to(torch.int64)).squeeze(-1)
+
+
+def top_k_logprobs(
+    logits: torch.Tensor,  # [N, V]
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # values [N, k] float32, ids [N, k] int64
+    """The k largest entries of log_softmax(logits) per row, descending."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    return logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+
+
+@dataclass
+class SamplerOutput:
+    """Result of one sampling step; tensors live on the logits' device and belong to the caller."""
+
+    next_token_ids: torch.Tensor  # [B] int64
+    next_token_logprobs: torch.Tensor | None  # [B] float32, log_softmax of the input logits
+    # Per row: (values [k], ids [k]) for rows asking k > 0 top logprobs, else None.
+    top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+
+
+class Sampler(nn.Module):
+    """Chooses the next token of every row. Penalties and min-new-tokens masks are applied by
+    the caller beforehand (sampling/penalties.py); the input logits are not modified."""
+
+    def forward(
+        self,
+        logits: torch.Tensor,  # [B, V]
+        info: SamplingBatchInfo,
+        return_logprob: bool = False,
+        top_logprobs_nums: Sequence[int] | None = None,  # [B]
+    ) -> SamplerOutput:
+        """Sample next tokens; logprobs (when asked) are of the logits as given, before
+        temperature and top-k/top-p/min-p, as SGLang reports them."""
+        logits = logits.to(torch.float32)
+        if info.is_all_greedy:
+            next_ids = logits.argmax(dim=-1)
+        else:
+            next_ids = sample_from_probs(processed_probs(logits, info), info)
+        if not return_logprob:
+            return SamplerOutput(next_ids, None, None)
+        logprobs = torch.log_softmax(logits, dim=-1)
+        token_logprobs = logprobs.gather(-1, next_ids.view(-1, 1)).squeeze(-1)
+        return SamplerOutput(next_ids, token_logprobs, _top_logprobs(logprobs, top_logprobs_nums))
+
+
+def _top_logprobs(
+    logprobs: torch.Tensor,  # [B, V]
+    nums: Sequence[int] | None,  # [B]
+) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+    if not nums or max(nums) <= 0:
+        return None
+    values, ids = logprobs.topk(min(max(nums), logprobs.shape[-1]), dim=-1)
+    return [(values[row, :k], ids[row, :k]) if k > 0 else None for row, k in enumerate(nums)]

@@ -1,0 +1,56 @@
+"""Typed messages between the API layer (TokenizerManager) and the Scheduler."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from srt_ascend.sampling.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenizedGenerateReq:
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams  # verified and normalized
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: only output logprobs
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    rid: str  # "" aborts everything
+
+
+@dataclass
+class FlushCacheReq:
+    reply: Future = field(default_factory=Future)  # -> bool (False while requests run)
+
+
+@dataclass
+class GetInternalStateReq:
+    reply: Future = field(default_factory=Future)  # -> dict
+
+
+@dataclass
+class ReqOutput:
+    """Incremental output of one request after one scheduler step.
+
+    `new_token_ids` are the tokens committed this step (several with speculative decoding).
+    `finish_reason` is set on the last message of a request; `meta` carries counters.
+    """
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: dict | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    spec_verify_ct: int = 0
+    spec_accepted_tokens: int = 0
+    input_token_logprobs: list | None = None  # [(logprob | None, token_id)], once
+    input_top_logprobs: list | None = None
+    output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)] new only
+    output_top_logprobs: list = field(default_factory=list)  # [[(logprob, token_id), ...]]

@@ -1,0 +1,92 @@
+"""Turns rows of logits into next tokens for a list of requests: penalties, min-new-tokens
+masking, sampling with per-request settings, and the logprobs SGLang reports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt_ascend.layers.sampler import Sampler
+from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+
+_sampler = Sampler()
+
+
+@dataclass
+class SampledRows:
+    token_ids: list[int]
+    logprobs: list[float] | None  # of the chosen tokens
+    top_logprobs: list[list[tuple[float, int]]] | None
+
+
+def penalised_logits(
+    logits: torch.Tensor,  # [B, V] float32
+    reqs: list[Req],
+    info: SamplingBatchInfo,
+    eos_ids: list[int],
+    extra: list[list[int]] | None = None,  # tokens each row has "generated" beyond output_ids
+) -> torch.Tensor:
+    """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask."""
+    extra = extra or [[] for _ in reqs]
+    vocab = logits.shape[-1]
+    if info.need_penalties:
+        counts = torch.zeros(len(reqs), vocab, dtype=torch.int64, device=logits.device)
+        prompt = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=logits.device)
+        for i, (r, more) in enumerate(zip(reqs, extra)):
+            out = torch.tensor(r.output_ids + more, dtype=torch.int64, device=logits.device)
+            counts[i].index_add_(0, out, torch.ones_like(out))
+            prompt[i, torch.tensor(r.origin_input_ids, device=logits.device)] = True
+        logits = apply_penalties(logits, info, counts, prompt)
+    rows, stops = [], []
+    for i, (r, more) in enumerate(zip(reqs, extra)):
+        p = r.sampling_params
+        if len(r.output_ids) + len(more) < p.min_new_tokens:
+            rows.append(i)
+            stops.append(sorted(set(eos_ids) | set(p.stop_token_ids or [])))
+    if rows:
+        logits = mask_stop_tokens(logits, rows, stops)
+    return logits
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [B, V] float32, one row per request
+    reqs: list[Req],
+    vocab_size: int,
+    eos_ids: list[int],
+) -> SampledRows:
+    params = [r.sampling_params for r in reqs]
+    info = SamplingBatchInfo.from_params(
+        params, vocab_size, logits.device, seed_offsets=[len(r.output_ids) for r in reqs]
+    )
+    logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids)
+    want_lp = any(r.return_logprob for r in reqs)
+    nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+    out = _sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=nums)
+    ids = out.next_token_ids.tolist()
+    if not want_lp:
+        return SampledRows(ids, None, None)
+    tops = None
+    if out.top_logprobs is not None:
+        tops = [
+            [] if t is None else list(zip(t[0].tolist(), t[1].tolist())) for t in out.top_logprobs
+        ]
+    return SampledRows(ids, out.next_token_logprobs.tolist(), tops)
+
+
+def input_logprobs(
+    logits: torch.Tensor,  # [N, V] logits at consecutive positions a..a+N-1
+    next_tokens: list[int],  # [N] the token at position p+1 for each of them
+    top_k: int,
+) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """Prompt logprobs: logprob of token p+1 under the logits at p (SGLang's semantics)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(next_tokens, dtype=torch.int64, device=logits.device)
+    chosen = lp.gather(-1, ids.view(-1, 1)).squeeze(-1).tolist()
+    tops: list[list[tuple[float, int]]] = [[] for _ in next_tokens]
+    if top_k > 0:
+        v, i = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+        tops = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
+    return chosen, tops

@@ -1,0 +1,490 @@
+"""Scheduler: waiting queue -> prefill (chunked) -> continuous decode batch -> outputs.
+
+Runs in its own thread. Talks to the API layer only through io_struct messages: requests come
+in through `submit`, per-step ReqOutputs go out through the `emit` callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from srt_ascend.managers.io_struct import (
+    AbortReq,
+    FlushCacheReq,
+    GetInternalStateReq,
+    ReqOutput,
+    TokenizedGenerateReq,
+)
+from srt_ascend.managers.sample_step import input_logprobs, sample_rows
+from srt_ascend.managers.schedule_batch import FinishReason, Req, ScheduleBatch
+from srt_ascend.managers.schedule_policy import (
+    DECODE_RESERVE_PER_REQ,
+    PrefillAdder,
+    order_waiting,
+)
+from srt_ascend.managers.stop_checker import StopChecker
+from srt_ascend.mem_cache import ChunkCache, RadixCache
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(
+        self, server_args: ServerArgs, runner: ModelRunner, stop_checker: StopChecker, emit
+    ) -> None:
+        self.args = server_args
+        self.runner = runner
+        self.stop_checker = stop_checker
+        self.emit = emit  # Callable[[list[ReqOutput]], None], called from the scheduler thread
+        self.page_size = server_args.page_size
+        self.allocator = runner.allocator
+        self.req_to_token_pool = runner.req_to_token_pool
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        if server_args.disable_radix_cache:
+            self.tree = ChunkCache(self.allocator)
+        else:
+            self.tree = RadixCache(
+                self.allocator, self.page_size, bigram_keys=server_args.spec_enabled
+            )
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.chunked_req: Req | None = None
+        self.inbox: queue.Queue = queue.Queue()
+        self.spec = None
+        if server_args.spec_enabled:
+            from srt_ascend.speculative.spec_decode import SpecDecoder
+
+            self.spec = SpecDecoder(self)
+        self.num_retractions = 0
+        self.total_cached_tokens = 0
+        self.total_prompt_tokens = 0
+        self._stop = threading.Event()
+
+    # ---- thread API -------------------------------------------------------------------------
+
+    def submit(self, msg) -> None:
+        self.inbox.put(msg)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+
+    def run_forever(self) -> None:
+        while not self._stop.is_set():
+            self._drain_inbox(block=not self.has_work())
+            try:
+                self.step()
+            except Exception:  # a bug must not kill the server silently: fail the requests
+                logger.exception("scheduler step failed; aborting the running requests")
+                self._abort_all("internal error in the scheduler step (see server log)")
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.chunked_req)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+        except queue.Empty:
+            return
+        while msg is not None:
+            self.handle(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedGenerateReq):
+            self._add_request(msg)
+        elif isinstance(msg, AbortReq):
+            self.abort(msg.rid)
+        elif isinstance(msg, FlushCacheReq):
+            msg.reply.set_result(self.flush_cache())
+        elif isinstance(msg, GetInternalStateReq):
+            msg.reply.set_result(self.internal_state())
+
+    def _add_request(self, m: TokenizedGenerateReq) -> None:
+        req = Req(
+            m.rid,
+            list(m.input_ids),
+            m.sampling_params,
+            m.return_logprob,
+            m.logprob_start_len,
+            m.top_logprobs_num,
+            m.stream,
+        )
+        limit = self.runner.context_len
+        if len(req.origin_input_ids) >= limit:
+            self._finish(
+                req,
+                FinishReason(
+                    "abort",
+                    message=(
+                        f"the prompt has {len(req.origin_input_ids)} tokens, the context length is "
+                        f"{limit}"
+                    ),
+                ),
+            )
+            return
+        if len(req.origin_input_ids) + self.page_size > self.runner.max_total_tokens:
+            self._finish(req, FinishReason("abort", message="the prompt does not fit the KV pool"))
+            return
+        self.waiting.append(req)
+
+    # ---- one step ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        batch = self._schedule_prefill()
+        if batch is not None:
+            self._run_prefill(batch)
+            return True
+        if self.running:
+            self._run_decode()
+            return True
+        return False
+
+    def _schedule_prefill(self) -> ScheduleBatch | None:
+        if not self.waiting and self.chunked_req is None:
+            return None
+        chunk = self.args.chunked_prefill_size
+        adder = PrefillAdder(
+            budget=chunk if chunk > 0 else 1 << 62,
+            available=self.allocator.available_size() + self.tree.evictable_size(),
+            free_req_slots=self.args.max_running_requests - len(self.running),
+            page_size=self.page_size,
+            reserve=sum(min(r.remaining_new_tokens, DECODE_RESERVE_PER_REQ) for r in self.running),
+        )
+        if self.chunked_req is not None:
+            r = self.chunked_req
+            adder.free_req_slots += 1  # it already holds its row
+            if not adder.try_add(r, r.seq_len - r.kv_len, can_chunk=True):
+                return None
+        for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree):
+            if not self._admit(req, adder):
+                break
+        plan = adder.plan
+        if not plan.reqs:
+            return None
+        admitted = {id(r) for r in plan.reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        return ScheduleBatch(plan.reqs, ForwardMode.EXTEND, plan.extend_lens, plan.chunked)
+
+    def _admit(self, req: Req, adder: PrefillAdder) -> bool:
+        """Matches the prefix, locks it, and asks the adder; undoes everything on refusal."""
+        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len()])
+        self.tree.inc_lock_ref(match.last_node)
+        adder.available = (
+            self.allocator.available_size()
+            + self.tree.evictable_size()
+            - sum(n + self.page_size for n in adder.plan.extend_lens)
+        )
+        can_chunk = self.chunked_req is None and not adder.plan.chunked
+        if not adder.try_add(req, req.seq_len - match.prefix_len, can_chunk):
+            self.tree.dec_lock_ref(match.last_node)
+            return False
+        rows = self.req_to_token_pool.alloc(1)
+        assert rows is not None, "request rows are sized by --max-running-requests"
+        req.req_pool_idx = rows[0]
+        req.prefix_len = req.kv_len = match.prefix_len
+        req.last_node = match.last_node
+        req.cached_tokens = match.prefix_len if not req.retracted else req.cached_tokens
+        self.req_to_token[req.req_pool_idx, : match.prefix_len] = match.device_indices
+        return True
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    def _run_prefill(self, batch: ScheduleBatch) -> None:
+        reqs, lens = batch.reqs, batch.extend_lens
+        loc = self._alloc_extend(reqs, lens)
+        input_ids = []
+        for r, n in zip(reqs, lens):
+            input_ids.extend(r.all_ids[r.kv_len : r.kv_len + n])
+        fb = self.runner.build_forward_batch(
+            ForwardMode.EXTEND,
+            input_ids,
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len + n for r, n in zip(reqs, lens)],
+            lens,
+            loc,
+        )
+        hidden = self.runner.forward(fb)
+        starts = fb.extend_start_loc.tolist()
+        kv_before = [r.kv_len for r in reqs]
+        for r, n, s in zip(reqs, lens, starts):
+            if r.wants_input_logprobs:
+                self._collect_input_logprobs(r, hidden[s : s + n], r.kv_len)
+            r.kv_len += n
+        for r in reqs:
+            if r.rid in batch.chunked:
+                self._cache_chunk(r)
+        self.chunked_req = next((r for r in reqs if r.rid in batch.chunked), None)
+        done = [r.rid not in batch.chunked for r in reqs]
+        outputs, to_sample, prompt_only = [], [], []
+        for r, d, s, n in zip(reqs, done, starts, lens):
+            if not d:
+                continue
+            if r.sampling_params.max_new_tokens == 0:  # e.g. prompt logprobs only
+                r.finished_reason = FinishReason("length", length=0)
+                prompt_only.append(r)
+                continue
+            to_sample.append((r, s + n - 1))
+            self.total_prompt_tokens += len(r.origin_input_ids)
+            self.total_cached_tokens += r.cached_tokens
+        if to_sample:
+            logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
+            outputs += self._sample_and_commit([r for r, _ in to_sample], logits)
+        if self.spec is not None:
+            self.spec.after_extend(reqs, kv_before, lens, hidden, done)
+        for r in reqs:
+            if r.finished:
+                self.release(r)
+        outputs += [self._make_output(r, []) for r in prompt_only]
+        self.running.extend(r for r, _ in to_sample if not r.finished)
+        self._emit(outputs)
+
+    def _collect_input_logprobs(self, req: Req, hidden: torch.Tensor, a: int) -> None:
+        """Positions a..a+n-1 were computed; the logits at q give the logprob of token q+1."""
+        start, prompt = req.logprob_start_len, req.origin_input_ids
+        if start == 0 and a == 0:
+            req.input_token_logprobs.append((None, prompt[0]))
+            req.input_top_logprobs.append(None)
+        lo, hi = max(start - 1, a, 0), min(a + hidden.shape[0], len(prompt) - 1)
+        if hi > lo:
+            logits = self.runner.compute_logits(hidden[lo - a : hi - a])
+            vals, tops = input_logprobs(logits, prompt[lo + 1 : hi + 1], req.top_logprobs_num)
+            req.input_token_logprobs.extend(zip(vals, prompt[lo + 1 : hi + 1]))
+            req.input_top_logprobs.extend(tops)
+
+    def _cache_chunk(self, req: Req) -> None:
+        row = self.req_to_token[req.req_pool_idx]
+        res = self.tree.cache_unfinished_req(
+            req.all_ids, row[: req.kv_len].clone(), req.prefix_len, req.last_node
+        )
+        row[: res.prefix_len] = res.device_indices
+        req.prefix_len, req.last_node = res.prefix_len, res.last_node
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    def _run_decode(self) -> None:
+        if self.spec is not None:
+            self._emit(self.spec.step())
+            return
+        loc = self.alloc_running(1)
+        reqs = self.running
+        if not reqs:
+            return
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE,
+            [r.all_ids[-1] for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len + 1 for r in reqs],
+            [1] * len(reqs),
+            loc,
+        )
+        hidden = self.runner.forward(fb)
+        for r in reqs:
+            r.kv_len += 1
+        outputs = self._sample_and_commit(reqs, self.runner.compute_logits(hidden))
+        for r in reqs:
+            if r.finished:
+                self.release(r)
+        self.running = [r for r in reqs if not r.finished]
+        self._emit(outputs)
+
+    # ---- sampling and stop conditions -------------------------------------------------------
+
+    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+        res = sample_rows(logits, reqs, self.runner.vocab_size, self.stop_checker.eos_ids)
+        outs = []
+        for i, r in enumerate(reqs):
+            lp = None if res.logprobs is None else res.logprobs[i]
+            top = None if res.top_logprobs is None else res.top_logprobs[i]
+            outs.append(self.commit_tokens(r, [res.token_ids[i]], [lp], [top], release=False))
+        return outs
+
+    def commit_tokens(
+        self, req: Req, tokens: list[int], logprobs=None, tops=None, release: bool = True
+    ) -> ReqOutput:
+        """Appends tokens one by one, stopping at the first that finishes the request. With
+        release=False a finished request keeps its KV until the caller calls `release`."""
+        committed = []
+        for j, t in enumerate(tokens):
+            req.output_ids.append(t)
+            committed.append(t)
+            if req.return_logprob and logprobs is not None:
+                req.pending_logprobs.append((logprobs[j], t))
+                req.pending_top_logprobs.append(tops[j] if tops else [])
+            reason = self.stop_checker.check(req, self.runner.context_len)
+            if reason is not None:
+                req.finished_reason = reason
+                if release:
+                    self.release(req)
+                break
+        return self._make_output(req, committed)
+
+    # ---- memory -----------------------------------------------------------------------------
+
+    def _alloc_extend(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + n for r, n in zip(reqs, lens)]
+        last = [
+            int(self.req_to_token[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs
+        ]
+        loc = self.allocator.alloc_extend(prefix, seq, last)
+        if loc is None:
+            self.tree.evict(sum(lens) + len(reqs) * self.page_size)
+            loc = self.allocator.alloc_extend(prefix, seq, last)
+        if loc is None:
+            raise RuntimeError("KV allocation failed after admission control (accounting bug)")
+        off = 0
+        for r, n in zip(reqs, lens):
+            self.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + n] = loc[off : off + n]
+            off += n
+        return loc
+
+    def alloc_running(self, n: int) -> torch.Tensor:
+        """n new slots per running request (positions kv_len .. kv_len+n-1, written into
+        req_to_token), evicting from the tree and then retracting requests until it fits.
+        Returns the slots [B * n] in request order; `self.running` may have shrunk."""
+        while True:
+            reqs = self.running
+            prefix = [r.kv_len for r in reqs]
+            seq = [r.kv_len + n for r in reqs]
+            last = [int(self.req_to_token[r.req_pool_idx, r.kv_len - 1]) for r in reqs]
+            loc = self.allocator.alloc_extend(prefix, seq, last)
+            if loc is None:
+                self.tree.evict(len(reqs) * (n + self.page_size))
+                loc = self.allocator.alloc_extend(prefix, seq, last)
+            if loc is not None:
+                for i, r in enumerate(reqs):
+                    self.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + n] = loc[
+                        i * n : (i + 1) * n
+                    ]
+                return loc
+            self._retract_one()
+            if not self.running:
+                return torch.zeros(0, dtype=torch.int64)
+
+    def free_positions(self, req: Req, lo: int, hi: int) -> None:
+        """Frees the request's slots for positions [lo, hi), whole pages only: a page that
+        also holds position lo-1 stays with the request (its next allocation continues it)."""
+        first = -(-lo // self.page_size) * self.page_size
+        if hi > first:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, first:hi].clone())
+
+    def _retract_one(self) -> None:
+        """Sends the most recently admitted request back to the queue, keeping its outputs."""
+        victim = self.running.pop()
+        if not self.running and not self.waiting and self.tree.evictable_size() == 0:
+            # Nothing else holds memory: it can never fit.
+            self._finish(victim, FinishReason("abort", message="KV cache pool too small"))
+            return
+        self.release(victim)
+        victim.retracted += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, victim)
+        logger.info("retracted request %s (KV pool full)", victim.rid)
+
+    def release(self, req: Req) -> None:
+        """Gives the request's KV to the tree (or frees it) and returns its row."""
+        if req.req_pool_idx is None:
+            return
+        row = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        self.tree.cache_finished_req(req.all_ids, row, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.kv_len, req.prefix_len, req.last_node = None, 0, 0, None
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finished_reason = reason
+        self.release(req)
+        self._emit([self._make_output(req, [])])
+
+    # ---- abort / flush / state --------------------------------------------------------------
+
+    def abort(self, rid: str) -> None:
+        """Aborts one request (or all with rid ""), freeing everything it holds."""
+        msg = "aborted by the client"
+        for r in list(self.waiting):
+            if rid in ("", r.rid):
+                self.waiting.remove(r)
+                self._finish(r, FinishReason("abort", message=msg))
+        if self.chunked_req is not None and rid in ("", self.chunked_req.rid):
+            r, self.chunked_req = self.chunked_req, None
+            self._finish(r, FinishReason("abort", message=msg))
+        for r in [r for r in self.running if rid in ("", r.rid)]:
+            self.running.remove(r)
+            self._finish(r, FinishReason("abort", message=msg))
+
+    def _abort_all(self, message: str) -> None:
+        for r in self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []):
+            if not r.finished:
+                self._finish(r, FinishReason("abort", message=message))
+        self.waiting, self.running, self.chunked_req = [], [], None
+
+    def flush_cache(self) -> bool:
+        if self.has_work():
+            return False
+        self.tree.reset()
+        return True
+
+    def internal_state(self) -> dict:
+        return {
+            "max_total_num_tokens": self.runner.max_total_tokens,
+            "available_kv_tokens": self.allocator.available_size(),
+            "cached_tokens_in_tree": self.tree.total_size(),
+            "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
+            "num_queue_reqs": len(self.waiting),
+            "num_retractions": self.num_retractions,
+            "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
+            "avg_spec_accept_length": self.spec.avg_accept_length if self.spec else 0.0,
+            "spec_accepted_per_position": list(self.spec.accepted_per_position)
+            if self.spec
+            else [],
+        }
+
+    # ---- outputs ----------------------------------------------------------------------------
+
+    def _make_output(self, req: Req, new_tokens: list[int]) -> ReqOutput:
+        out = ReqOutput(
+            rid=req.rid,
+            new_token_ids=new_tokens,
+            finish_reason=req.finished_reason.to_json() if req.finished_reason else None,
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_accepted_tokens=req.spec_accepted_tokens,
+            output_token_logprobs=req.pending_logprobs,
+            output_top_logprobs=req.pending_top_logprobs,
+        )
+        req.pending_logprobs, req.pending_top_logprobs = [], []
+        if req.return_logprob and not req.input_logprobs_sent and (req.output_ids or req.finished):
+            out.input_token_logprobs = req.input_token_logprobs
+            out.input_top_logprobs = req.input_top_logprobs
+            req.input_logprobs_sent = True
+        return out
+
+    def _emit(self, outputs: list[ReqOutput]) -> None:
+        if outputs:
+            self.emit(outputs)
+
+    def idle_check(self) -> tuple[int, int, int]:
+        """(free slots, slots held by the tree, pool size): equal sums when idle."""
+        return (
+            self.allocator.available_size(),
+            self.tree.total_size(),
+            self.runner.max_total_tokens,
+        )
+
+
+def run_scheduler_thread(scheduler: Scheduler) -> threading.Thread:
+    t = threading.Thread(target=scheduler.run_forever, name="srt-scheduler", daemon=True)
+    t.start()
+    return t

@@ -1,0 +1,40 @@
+"""Stop conditions: EOS / stop_token_ids, stop strings, max_new_tokens, context length."""
+
+from __future__ import annotations
+
+from srt_ascend.managers.schedule_batch import FinishReason, Req
+
+
+class StopChecker:
+    def __init__(self, tokenizer, eos_ids: list[int]) -> None:
+        self.tokenizer = tokenizer  # anything with decode(list[int]) -> str
+        self.eos_ids = sorted(set(eos_ids))
+
+    def check(self, req: Req, context_len: int) -> FinishReason | None:
+        """Called after each committed token; returns why the request is done, if it is."""
+        p = req.sampling_params
+        last = req.output_ids[-1]
+        if len(req.output_ids) >= p.min_new_tokens:
+            if not p.ignore_eos and last in self.eos_ids:
+                return FinishReason("stop", matched=last)
+            if p.stop_token_ids and last in p.stop_token_ids:
+                return FinishReason("stop", matched=last)
+            if p.stop:
+                matched = self._stop_string(req)
+                if matched is not None:
+                    return FinishReason("stop", matched=matched)
+        if len(req.output_ids) >= p.max_new_tokens:
+            return FinishReason("length", length=p.max_new_tokens)
+        if req.seq_len >= context_len:
+            return FinishReason("length", length=len(req.output_ids))
+        return None
+
+    def _stop_string(self, req: Req) -> str | None:
+        """Decodes just enough trailing tokens to contain the longest stop string."""
+        stops = req.sampling_params.stop
+        tail_tokens = max(len(s) for s in stops) + 4
+        tail = self.tokenizer.decode(req.output_ids[-tail_tokens:])
+        for s in stops:
+            if s in tail:
+                return s
+        return None

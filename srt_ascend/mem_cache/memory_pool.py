@@ -1,0 +1,161 @@
+"""Memory pools: request rows and the MLA KV cache.
+
+Two pools, two levels of indirection (as in SGLang):
+
+* ``ReqToTokenPool`` hands out *rows*, one per running request. Row ``r`` of ``req_to_token``
+  maps the request's token positions to KV slot indices.
+* ``MLATokenToKVPool`` holds the KV data itself, one buffer per layer, indexed by KV slot.
+  Which slots are free is not tracked here; that is the job of
+  :class:`srt_ascend.mem_cache.allocator.TokenToKVPoolAllocator`.
+
+DeepSeek-V3 uses MLA, so a slot stores the compressed latent ``c_kv`` [kv_lora_rank] followed
+by the rope key ``k_pe`` [qk_rope_head_dim] in one row of width ``kv_lora_rank + rope_dim``.
+The MTP draft layers are extra layers of the same pool, so one slot index serves the main
+model and the draft module alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class ReqToTokenPool:
+    """Rows mapping each running request's positions to KV slot indices.
+
+    Ownership: a row returned by :meth:`alloc` belongs to the caller (one request) until it is
+    given back with :meth:`free`. The pool never reads the row's contents; the caller writes
+    ``req_to_token[row, :seq_len]`` and is responsible for the KV slots it names.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
+        if size <= 0 or max_context_len <= 0:
+            raise ValueError(
+                f"size and max_context_len must be positive: {size=}, {max_context_len=}"
+            )
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = torch.device(device)
+        # [size, max_context_len] KV slot index of each (request row, position)
+        self.req_to_token = torch.zeros(
+            (size, max_context_len), dtype=torch.int64, device=self.device
+        )
+        self._free_rows: list[int] = []
+        self._is_free: list[bool] = []
+        self.clear()
+
+    def available_size(self) -> int:
+        """Number of rows that can still be allocated."""
+        return len(self._free_rows)
+
+    def alloc(self, n: int = 1) -> list[int] | None:
+        """Take ``n`` free rows; returns None (and changes nothing) if fewer are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} rows")
+        if n > len(self._free_rows):
+            return None
+        rows = self._free_rows[:n]
+        del self._free_rows[:n]
+        for row in rows:
+            self._is_free[row] = False
+        return rows
+
+    def free(self, idx: int | list[int]) -> None:
+        """Give rows back. Freeing a row that is already free raises ``ValueError``."""
+        rows = [int(r) for r in idx] if isinstance(idx, list | tuple) else [int(idx)]
+        if len(set(rows)) != len(rows):
+            raise ValueError(f"duplicate rows in free: {rows}")
+        for row in rows:
+            if not 0 <= row < self.size:
+                raise ValueError(f"row {row} out of range [0, {self.size})")
+            if self._is_free[row]:
+                raise ValueError(f"double free of request row {row}")
+        for row in rows:
+            self._is_free[row] = True
+        self._free_rows.extend(rows)
+
+    def clear(self) -> None:
+        """Mark every row free. Row contents are left as they are (callers overwrite them)."""
+        self._free_rows = list(range(self.size))
+        self._is_free = [True] * self.size
+
+
+class MLATokenToKVPool:
+    """Per-layer MLA KV buffers indexed by KV slot.
+
+    Each layer's buffer has shape [size + page_size, 1, kv_lora_rank + qk_rope_head_dim].
+    Slots ``0 .. page_size-1`` form a reserved padding page that the allocator never hands
+    out, so padded batches (graph replay, IDLE runs) may write to slot 0 harmlessly.
+
+    ``layer_num`` counts every layer that stores KV, including the MTP draft layers: the
+    caller passes ``num_hidden_layers + num_mtp_layers`` and addresses draft layers with ids
+    ``num_hidden_layers ..``. The pool owns its buffers; the views returned by the getters
+    alias them (writes through a view are writes to the cache).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        kv_lora_rank: int,
+        qk_rope_head_dim: int,
+        layer_num: int,
+        device: str | torch.device = "cpu",
+    ):
+        if size <= 0 or page_size <= 0 or layer_num <= 0:
+            raise ValueError(f"bad pool geometry: {size=}, {page_size=}, {layer_num=}")
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
+        self.layer_num = layer_num
+        self.device = torch.device(device)
+        # layer_num x [size + page_size, 1, kv_lora_rank + qk_rope_head_dim]
+        self.kv_buffer: list[torch.Tensor] = [
+            torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=self.device)
+            for _ in range(layer_num)
+        ]
+
+    def _buffer(self, layer_id: int) -> torch.Tensor:
+        if not 0 <= layer_id < self.layer_num:
+            raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
+        return self.kv_buffer[layer_id]
+
+    def set_mla_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
+    ) -> None:
+        """Write ``c_kv`` [N, kv_lora_rank] and ``k_pe`` [N, rope_dim] into slots ``loc`` [N].
+
+        Inputs may carry a singleton head axis ([N, 1, dim]); values are cast to the pool
+        dtype. Duplicate slots in ``loc`` (e.g. padding rows all pointing at slot 0) are
+        allowed; which write wins among them is unspecified.
+        """
+        buf = self._buffer(layer_id)
+        n = loc.shape[0]
+        c_kv = c_kv.reshape(n, self.kv_lora_rank).to(dtype=self.dtype, device=buf.device)
+        k_pe = k_pe.reshape(n, self.qk_rope_head_dim).to(dtype=self.dtype, device=buf.device)
+        loc = loc.to(device=buf.device, dtype=torch.int64)
+        buf[loc, 0, : self.kv_lora_rank] = c_kv
+        buf[loc, 0, self.kv_lora_rank :] = k_pe
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        """The whole layer buffer, [size + page_size, 1, kv_lora_rank + rope_dim]."""
+        return self._buffer(layer_id)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        """MLA's value is the latent: same as :meth:`get_c_kv`."""
+        return self.get_c_kv(layer_id)
+
+    def get_c_kv(self, layer_id: int) -> torch.Tensor:
+        """View of the latent part, [size + page_size, 1, kv_lora_rank]."""
+        return self._buffer(layer_id)[..., : self.kv_lora_rank]
+
+    def get_k_pe(self, layer_id: int) -> torch.Tensor:
+        """View of the rope-key part, [size + page_size, 1, qk_rope_head_dim]."""
+        return self._buffer(layer_id)[..., self.kv_lora_rank :]
+
+    def mem_usage_bytes(self) -> int:
+        """Bytes held by all layer buffers."""
+        return sum(buf.numel() * buf.element_size() for buf in self.kv_buffer)

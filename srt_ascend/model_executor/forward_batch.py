@@ -1,0 +1,109 @@
+"""ForwardBatch: what one model forward needs, as index tensors over the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from srt_ascend.layers.attention.base import AttentionBackend
+    from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill / chunked prefill: many new tokens per request
+    DECODE = auto()  # one new token per request
+    TARGET_VERIFY = auto()  # 1 + K tokens per request (speculative verify)
+    DRAFT_EXTEND = auto()  # MTP module over accepted tokens
+    IDLE = auto()  # no requests (a rank that must still join collectives)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
+
+
+@dataclass
+class ForwardBatch:
+    """Row b has `extend_seq_lens[b]` new tokens at positions seq_lens[b]-extend_seq_lens[b] ..
+    seq_lens[b]-1; its KV slots are req_to_token[req_pool_indices[b], :seq_lens[b]] (the new
+    tokens' slots, `out_cache_loc`, already written there by the scheduler).
+
+    Several rows may share one request row (batch-expanded verify): they differ in seq_lens.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    req_pool_indices: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, KV length after this forward
+    extend_seq_lens: torch.Tensor  # [B] int64, new tokens per row
+    out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
+    seq_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MLATokenToKVPool
+    attn_backend: AttentionBackend
+    attn_metadata: Any = field(default=None, repr=False)  # the backend's per-batch cache
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def extend_start_loc(self) -> torch.Tensor:  # [B] offset of each row's first token
+        return torch.cumsum(self.extend_seq_lens, 0) - self.extend_seq_lens
+
+    @property
+    def last_token_index(self) -> torch.Tensor:  # [B] index of each row's last token in [T]
+        return torch.cumsum(self.extend_seq_lens, 0) - 1
+
+    @classmethod
+    def build(
+        cls,
+        forward_mode: ForwardMode,
+        input_ids: list[int] | torch.Tensor,
+        req_pool_indices: list[int],
+        seq_lens: list[int],
+        extend_seq_lens: list[int],
+        out_cache_loc: torch.Tensor,
+        req_to_token_pool: ReqToTokenPool,
+        token_to_kv_pool: MLATokenToKVPool,
+        attn_backend: AttentionBackend,
+        device: torch.device | str = "cpu",
+    ) -> ForwardBatch:
+        """Builds positions from the lengths and lets the backend precompute its metadata."""
+        positions = (
+            torch.cat(
+                [
+                    torch.arange(s - e, s, dtype=torch.int64)
+                    for s, e in zip(seq_lens, extend_seq_lens)
+                ]
+            )
+            if seq_lens
+            else torch.zeros(0, dtype=torch.int64)
+        )
+        fb = cls(
+            forward_mode=forward_mode,
+            input_ids=torch.as_tensor(input_ids, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            req_pool_indices=torch.as_tensor(req_pool_indices, dtype=torch.int64, device=device),
+            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int64, device=device),
+            extend_seq_lens=torch.as_tensor(extend_seq_lens, dtype=torch.int64, device=device),
+            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            seq_lens_cpu=list(seq_lens),
+            extend_seq_lens_cpu=list(extend_seq_lens),
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool=token_to_kv_pool,
+            attn_backend=attn_backend,
+        )
+        attn_backend.init_forward_metadata(fb)
+        return fb

@@ -1,0 +1,125 @@
+"""ModelRunner: owns the model weights, the KV pools and the attention backend."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from srt_ascend.layers.attention.base import create_attention_backend
+from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt_ascend.model_executor.forward_batch import ForwardBatch
+from srt_ascend.models.loader import load_config, load_model
+from srt_ascend.platforms import Platform
+from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def resolve_dtype(name: str, config) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    ckpt = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+    if isinstance(ckpt, torch.dtype):
+        return ckpt
+    return _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, platform: Platform) -> None:
+        import srt_ascend.layers.attention.torch_native  # noqa: F401  (registers the backend)
+
+        self.server_args = server_args
+        self.platform = platform
+        self.device = platform.device
+        self.config = load_config(server_args.model_path)
+        self.dtype = resolve_dtype(server_args.dtype, self.config)
+        self.model, self.mtp = load_model(
+            server_args.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            load_mtp=server_args.spec_enabled,
+            config=self.config,
+        )
+        self.model.eval()
+        if self.mtp is not None:
+            self.mtp.eval()
+        self.vocab_size = self.config.vocab_size
+        # Speculative verify writes up to K positions past the committed length.
+        max_ctx = self.config.max_position_embeddings - (
+            MAX_SPEC_STEPS + 1 if server_args.spec_enabled else 0
+        )
+        self.context_len = server_args.context_length or max_ctx
+        if self.context_len > max_ctx:
+            raise ValueError(
+                f"--context-length {self.context_len} exceeds {max_ctx} (the model's "
+                f"max_position_embeddings, less the speculative margin)"
+            )
+        self.num_layers = self.config.num_hidden_layers + (
+            self.mtp.num_layers if self.mtp is not None else 0
+        )
+        self._init_pools()
+        self.attn_backend = create_attention_backend(server_args.attention_backend)
+
+    def _kv_bytes_per_token(self) -> int:
+        width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
+        return width * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _init_pools(self) -> None:
+        args = self.server_args
+        ps = args.page_size
+        if args.max_total_tokens is not None:
+            size = args.max_total_tokens
+        else:
+            budget = int(self.platform.total_memory_bytes() * args.mem_fraction_static)
+            size = min(
+                budget // self._kv_bytes_per_token(), args.max_running_requests * self.context_len
+            )
+        size = max(ps, size // ps * ps)
+        self.max_total_tokens = size
+        self.req_to_token_pool = ReqToTokenPool(
+            args.max_running_requests + 1, self.context_len + MAX_SPEC_STEPS + 2, self.device
+        )
+        self.allocator = TokenToKVPoolAllocator(size, ps, self.device)
+        self.kv_pool = MLATokenToKVPool(
+            size,
+            ps,
+            self.dtype,
+            self.config.kv_lora_rank,
+            self.config.qk_rope_head_dim,
+            self.num_layers,
+            self.device,
+        )
+        logger.info(
+            "KV pool: %d tokens, %.1f MB, %d layers",
+            size,
+            self.kv_pool.mem_usage_bytes() / 2**20,
+            self.num_layers,
+        )
+
+    def build_forward_batch(
+        self, mode, input_ids, req_pool_indices, seq_lens, extend_lens, loc, attn_backend=None
+    ) -> ForwardBatch:
+        return ForwardBatch.build(
+            mode,
+            input_ids,
+            req_pool_indices,
+            seq_lens,
+            extend_lens,
+            loc,
+            self.req_to_token_pool,
+            self.kv_pool,
+            attn_backend or self.attn_backend,
+            self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Main model forward. Returns final-normed hidden states [T, hidden]."""
+        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,181 @@
+"""DeepSeek-V3 (MLA + DeepSeekMoE) for the runtime and for training.
+
+Two attention forms share one set of weights:
+- absorbed (runtime): q_nope is folded through W_UK into the latent space and attention runs
+  over the cached latent `c_kv` and rope key `k_pe` through an AttentionBackend;
+- expanded (training / dense reference): K and V are materialised from the latent and
+  attention is causal over a [B, S] block with SDPA.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from srt_ascend.layers.layernorm import RMSNorm
+from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
+from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+
+def rope_params_of(config) -> dict:
+    """The rope dict, whichever name the config uses (transformers 5: rope_parameters)."""
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    legacy = getattr(config, "rope_scaling", None) or {}
+    params = {**legacy, **params}
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.setdefault("rope_type", "default")
+    return params
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        hidden, h = config.hidden_size, self.num_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, h * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
+        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bias)
+        rope = rope_params_of(config)
+        self.rotary_emb = RotaryEmbedding(
+            self.qk_rope_head_dim,
+            config.max_position_embeddings,
+            rope,
+            interleave=bool(getattr(config, "rope_interleave", True)),
+        )
+        self.scale = softmax_scale(self.qk_head_dim, rope)
+
+    def _project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
+        c_kv = self.kv_a_layernorm(c_kv)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        return q_nope, q_pe, c_kv, k_pe
+
+    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v, R]."""
+        w = self.kv_b_proj.weight.view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+        )
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+    ) -> torch.Tensor:
+        """Absorbed MLA over the paged latent cache. x [T, hidden] -> [T, hidden]."""
+        q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
+        w_uk, w_uv = self._w_uk_uv()
+        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, R]
+        o_latent = forward_batch.attn_backend.forward(
+            q_latent, q_pe, c_kv, k_pe, self.layer_id, self.scale, forward_batch
+        )
+        out = torch.einsum("thr,hvr->thv", o_latent.to(x.dtype), w_uv)  # [T, H, v]
+        return self.o_proj(out.reshape(x.shape[0], -1))
+
+    def forward_dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Expanded MLA, causal over each row. positions [S]; x [B, S, hidden]."""
+        b, s, _ = x.shape
+        q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
+        kv = self.kv_b_proj(c_kv).view(b, s, self.num_heads, -1)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1).transpose(1, 2)  # [B, H, S, qk]
+        k_pe = k_pe.unsqueeze(2).expand(b, s, self.num_heads, self.qk_rope_head_dim)
+        k = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
+        v = v.transpose(1, 2)
+        pad = self.qk_head_dim - self.v_head_dim
+        if pad > 0:  # equal head dims let SDPA take its fused (flash) CPU kernel
+            v = F.pad(v, (0, pad))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+        out = out[..., : self.v_head_dim]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_id)
+        if layer_id >= config.first_k_dense_replace and config.n_routed_experts:
+            self.mlp: nn.Module = DeepseekMoE(config)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions, x, forward_batch: ForwardBatch | None):
+        h = self.input_layernorm(x)
+        if forward_batch is None:
+            x = x + self.self_attn.forward_dense(positions, h)
+        else:
+            x = x + self.self_attn(positions, h, forward_batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekV3Model(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, forward_batch: ForwardBatch | None = None):
+        """Returns the final-normed hidden states (what the LM head and the MTP module read)."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, forward_batch)
+        return self.norm(x)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    """Main model. `forward` takes flattened tokens [T] with a ForwardBatch (runtime) or
+    [B, S] tokens with forward_batch=None (dense causal, used by training and references)."""
+
+    def __init__(self, config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DeepseekV3Model(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, positions, forward_batch: ForwardBatch | None = None):
+        """-> final-normed hidden [..., hidden]; `compute_logits` turns rows of it into logits."""
+        return self.model(input_ids, positions, forward_batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()

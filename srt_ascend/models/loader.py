@@ -1,0 +1,241 @@
+"""Load a Hugging Face-format DeepSeek-V3 directory: config.json + sharded safetensors.
+
+Checkpoint names are DeepSeek-V3's own. MTP layers sit at `model.layers.{L + i}` for
+L = num_hidden_layers; their `embed_tokens` / `shared_head.head` copies are the main model's
+and are skipped. Block-FP8 weights (`weight` float8_e4m3fn + `weight_scale_inv`) are
+dequantised on load. A missing, unexpected or mis-shaped tensor is an error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
+from srt_ascend.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_IGNORED = re.compile(
+    r"(rotary_emb\.inv_freq|\.weight_scale_inv|\.input_scale|\.activation_scale)$"
+)
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def load_config(model_path: str):
+    """config.json -> transformers' DeepseekV3Config (offline; rope keys standardised)."""
+    from transformers import DeepseekV3Config
+
+    cfg_file = os.path.join(model_path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise CheckpointError(f"no config.json in model path {model_path!r}")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    if raw.get("model_type") != "deepseek_v3":
+        raise CheckpointError(
+            f"{cfg_file}: model_type {raw.get('model_type')!r} is not supported (deepseek_v3)"
+        )
+    return DeepseekV3Config.from_pretrained(model_path, local_files_only=True)
+
+
+def shard_files(model_path: str) -> list[str]:
+    index = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        names = sorted(n for n in os.listdir(model_path) if n.endswith(".safetensors"))
+    if not names:
+        raise CheckpointError(f"no *.safetensors files in {model_path!r}")
+    return [os.path.join(model_path, n) for n in names]
+
+
+def iter_checkpoint(
+    files: list[str], block_size: tuple[int, int] = (128, 128), desc: str = "Loading shards"
+) -> Iterator:
+    """Yields (name, tensor); block-FP8 weights are dequantised with their `_scale_inv`
+    tensors, which may sit in any shard (a first pass collects those small tensors)."""
+    scales: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.endswith("_scale_inv"):
+                    scales[name] = f.get_tensor(name)
+    for path in tqdm(files, desc=desc, unit="shard", disable=len(files) < 2):
+        with safe_open(path, framework="pt") as f:
+            for name in sorted(f.keys()):
+                t = f.get_tensor(name)
+                if t.dtype == torch.float8_e4m3fn:
+                    scale = scales.get(name + "_scale_inv")
+                    if scale is None:
+                        raise CheckpointError(f"{name}: FP8 weight without {name}_scale_inv")
+                    t = dequant_block_fp8(t, scale, block_size)
+                yield name, t
+
+
+def dequant_block_fp8(
+    w: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """w [N, K] fp8, scale_inv [ceil(N/bn), ceil(K/bk)]: each bn x bk block times its scale."""
+    n, k = w.shape
+    bn, bk = block_size
+    if scale_inv.shape != (-(-n // bn), -(-k // bk)):
+        raise CheckpointError(
+            f"FP8 scale shape {tuple(scale_inv.shape)} does not tile weight {(n, k)} "
+            f"with blocks {block_size}"
+        )
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w.float() * scale
+
+
+def fp8_block_size(config) -> tuple[int, int]:
+    qc = getattr(config, "quantization_config", None) or {}
+    if not isinstance(qc, dict):
+        qc = qc.to_dict()
+    bs = qc.get("weight_block_size") or (128, 128)
+    return int(bs[0]), int(bs[1])
+
+
+@dataclass
+class _Target:
+    """Where a checkpoint tensor goes: a parameter (or buffer), optionally a slice of it."""
+
+    tensor: torch.Tensor
+    index: tuple = field(default_factory=tuple)
+    key: str = ""
+
+
+class WeightLoader:
+    """Maps checkpoint names onto a DeepseekV3ForCausalLM (+ optional DeepseekV3ModelMTP)."""
+
+    def __init__(self, model: DeepseekV3ForCausalLM, mtp: DeepseekV3ModelMTP | None) -> None:
+        self.model, self.mtp = model, mtp
+        self.num_layers = model.config.num_hidden_layers
+        self.num_mtp = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
+        self.pending: dict[str, _Target] = {}
+        self._collect("", model, skip_prefix=None)
+        if mtp is not None:
+            for i, layer in enumerate(mtp.layers):
+                self._collect(f"model.layers.{self.num_layers + i}.", layer, skip_prefix=None)
+
+    def _collect(self, prefix: str, module: nn.Module, skip_prefix: str | None) -> None:
+        tensors = dict(module.named_parameters())
+        tensors.update((n, b) for n, b in module.named_buffers() if "e_score_correction" in n)
+        for name, t in tensors.items():
+            for key, target in self._expand(prefix + re.sub(r"^block\.", "", name), t):
+                self.pending[key] = target
+
+    def _expand(self, name: str, t: torch.Tensor):
+        """Stacked expert tensors expand into the checkpoint's per-expert names."""
+        if name.endswith(".experts.w13"):
+            base, inter = name[: -len(".w13")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}.{e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
+                yield f"{base}.{e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
+        elif name.endswith(".experts.w2"):
+            for e in range(t.shape[0]):
+                yield f"{name[: -len('.w2')]}.{e}.down_proj.weight", _Target(t, (e,))
+        else:
+            yield name, _Target(t)
+
+    def _is_shared_copy(self, name: str) -> bool:
+        m = _LAYER.match(name)
+        return bool(
+            m
+            and int(m.group(1)) >= self.num_layers
+            and m.group(2) in ("embed_tokens.weight", "shared_head.head.weight")
+        )
+
+    def load(self, items) -> None:
+        for name, tensor in items:
+            if _IGNORED.search(name) or self._is_shared_copy(name):
+                continue
+            m = _LAYER.match(name)
+            if self.mtp is None and m and int(m.group(1)) >= self.num_layers:
+                continue  # MTP weights present but speculative decoding off
+            target = self.pending.pop(name, None)
+            if target is None:
+                raise CheckpointError(f"unexpected tensor in checkpoint: {name}")
+            dst = target.tensor[target.index] if target.index else target.tensor
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise CheckpointError(
+                    f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                    f"model expects {tuple(dst.shape)}"
+                )
+            with torch.no_grad():
+                dst.copy_(tensor.to(dst.dtype))
+        if self.pending:
+            missing = sorted(self.pending)
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"missing tensors in checkpoint: {', '.join(missing[:5])}{more}")
+
+
+def load_model(
+    model_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    load_mtp: bool = True,
+    config=None,
+) -> tuple[DeepseekV3ForCausalLM, DeepseekV3ModelMTP | None]:
+    """Builds the main model (and the MTP module when load_mtp) and fills them from disk.
+
+    Router biases stay float32 (as DeepSeek keeps them); everything else is cast to `dtype`.
+    """
+    config = config or load_config(model_path)
+    with torch.device("meta"):
+        model = DeepseekV3ForCausalLM(config)
+    model = model.to_empty(device="cpu")
+    if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
+        model.lm_head.weight = model.model.embed_tokens.weight
+    mtp = None
+    if load_mtp:
+        if not int(getattr(config, "num_nextn_predict_layers", 0) or 0):
+            raise CheckpointError(f"{model_path}: checkpoint has no MTP layers")
+        with torch.device("meta"):
+            mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head)
+        mtp = mtp.to_empty(device="cpu")
+        mtp._shared = (model.model.embed_tokens, model.lm_head)
+    _reset_rotary(model, mtp, config)
+    WeightLoader(model, mtp).load(iter_checkpoint(shard_files(model_path), fp8_block_size(config)))
+    for m in (model, mtp):
+        if m is not None:
+            _cast(m, dtype, device)
+    return model, mtp
+
+
+def _reset_rotary(model, mtp, config) -> None:
+    """Non-persistent rope caches were built on meta; rebuild them for real."""
+    from srt_ascend.layers.rotary import RotaryEmbedding
+    from srt_ascend.models.deepseek_v3 import rope_params_of
+
+    for m in (model, mtp):
+        if m is None:
+            continue
+        for mod in m.modules():
+            if isinstance(mod, RotaryEmbedding):
+                fresh = RotaryEmbedding(
+                    mod.dim, mod.max_position, rope_params_of(config), mod.interleave
+                )
+                mod.cos_cache, mod.sin_cache = fresh.cos_cache, fresh.sin_cache
+
+
+def _cast(module: nn.Module, dtype: torch.dtype, device) -> None:
+    module.to(device)
+    for p in module.parameters():
+        p.data = p.data.to(dtype)
+    for mod in module.modules():
+        for bname, buf in mod.named_buffers(recurse=False):
+            if bname in ("cos_cache", "sin_cache", "e_score_correction_bias"):
+                continue
+            setattr(mod, bname, buf.to(dtype))

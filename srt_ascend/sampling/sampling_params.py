@@ -1,0 +1,191 @@
+"""Per-request sampling parameters: fields and defaults follow SGLang's `SamplingParams`.
+
+Life cycle: the tokenizer manager builds one with `SamplingParams.from_dict(request_json)`,
+calls `normalize()` (canonical forms: stop as a list, greedy as top_k == 1) and then
+`verify(vocab_size)`; the scheduler only ever sees normalized, verified params.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+# A temperature below this is greedy decoding (SGLang's _SAMPLING_EPS).
+SAMPLING_EPS = 1e-6
+# top_k meaning "the whole vocabulary" after normalize() (SGLang's TOP_K_ALL).
+TOP_K_ALL = 1 << 30
+
+_INT_FIELDS = ("max_new_tokens", "min_new_tokens", "top_k", "n")
+_FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
+_BOOL_FIELDS = (
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+)
+
+
+@dataclass
+class SamplingParams:
+    """How one request's tokens are chosen and when its generation stops.
+
+    `temperature == 0` means greedy; `top_k == -1` means no top-k cut; `seed` makes the
+    request's random draws reproducible whatever batch it is scheduled in.
+    """
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from a request's JSON object.
+
+        Unknown keys raise ValueError naming them; a key whose value is None takes the default
+        (as SGLang does, so clients may send null). Values are not range-checked here: call
+        `normalize()` then `verify(vocab_size)`.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(str(k) for k in d if k not in known)
+        if unknown:
+            raise ValueError(
+                f"Unknown sampling parameter(s): {', '.join(unknown)}. "
+                f"Supported: {', '.join(sorted(known))}."
+            )
+        return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the request decodes greedily (temperature ~ 0 or top_k == 1)."""
+        return 0.0 <= self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    def normalize(self) -> SamplingParams:
+        """Rewrite fields into canonical form, in place; idempotent; returns self.
+
+        - `stop` becomes a list of strings ([] when unset); `stop_token_ids` a de-duplicated
+          list of ints ([] when unset).
+        - temperature in [0, 1e-6) becomes greedy: top_k = 1, temperature = 1.0 (SGLang's rule,
+          so the sampler never divides by zero).
+        - top_k == -1 becomes TOP_K_ALL (no cut).
+        """
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        ids = self.stop_token_ids or []
+        self.stop_token_ids = list(dict.fromkeys(ids))
+        if 0.0 <= self.temperature < SAMPLING_EPS:
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.top_k == -1:
+            self.top_k = TOP_K_ALL
+        return self
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise ValueError (message names the field and the bad value) if anything is invalid.
+
+        Accepts params before or after `normalize()`.
+        """
+        self._verify_types()
+        self._verify_sampling_ranges()
+        self._verify_lengths_and_stops(vocab_size)
+
+    def _verify_types(self) -> None:
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stops is not None and not (
+            isinstance(stops, list) and all(isinstance(s, str) for s in stops)
+        ):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        ids = self.stop_token_ids
+        if ids is not None and not (
+            isinstance(ids, list)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
+        ):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}.")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    def _verify_sampling_ranges(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(
+                f"temperature must be a non-negative finite number, got {self.temperature}."
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(
+                "repetition_penalty must be in (0, 2] (1.0 = no penalty), "
+                f"got {self.repetition_penalty}."
+            )
+        if self.n != 1:
+            raise ValueError(
+                f"n must be 1 (parallel sampling is not supported; send n requests), got {self.n}."
+            )
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
+
+    def _verify_lengths_and_stops(self, vocab_size: int) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                f"got {self.min_new_tokens}."
+            )
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty.")
+        for token_id in self.stop_token_ids or []:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"stop_token_ids must be in [0, {vocab_size - 1}], got {token_id}."
+                )

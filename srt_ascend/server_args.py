@@ -1,0 +1,206 @@
+"""ServerArgs: one frozen config, parsed from SGLang's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+
+SHIPPED_MODEL = os.path.join(os.path.dirname(__file__), "checkpoints", "deepseek-v3-tiny-mtp")
+MAX_SPEC_STEPS = 15  # FIA's 16-query-token limit per request: 1 + K <= 16
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = SHIPPED_MODEL
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "auto"
+    dtype: str = "auto"
+    context_length: int | None = None
+    random_seed: int = 0
+    log_level: str = "info"
+    # memory and scheduling
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None
+    mem_fraction_static: float = 0.1
+    chunked_prefill_size: int = 1024
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    attention_backend: str = "torch_native"
+    num_threads: int | None = None
+    stream_interval: int = 1
+    # speculative decoding
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int = 1
+    speculative_num_draft_tokens: int | None = None
+    speculative_eagle_topk: int = 1
+    speculative_verify: str = "fia"
+    # graphs
+    disable_cuda_graph: bool = False
+    cuda_graph_bs: tuple[int, ...] | None = None
+    cuda_graph_max_bs: int = 32
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    @property
+    def tokenizer(self) -> str:
+        return self.tokenizer_path or self.model_path
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    @property
+    def spec_enabled(self) -> bool:
+        return self.speculative_algorithm is not None
+
+    def check(self) -> None:
+        """Raises ValueError with a one-line message for a setting that makes no sense."""
+        if not os.path.isdir(self.model_path):
+            raise ValueError(f"--model-path {self.model_path!r} is not a directory")
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 16:
+            raise ValueError("--max-total-tokens must be >= 16")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r} (fcfs, lpm)")
+        if self.spec_enabled:
+            self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative_algorithm != "MTP":
+            raise ValueError(
+                f"unknown --speculative-algorithm {self.speculative_algorithm!r} (supported: MTP)"
+            )
+        k = self.speculative_num_steps
+        if not 1 <= k <= MAX_SPEC_STEPS:
+            raise ValueError(f"--speculative-num-steps must be in [1, {MAX_SPEC_STEPS}], got {k}")
+        n = self.speculative_num_draft_tokens
+        if n is not None and n != k + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens must be --speculative-num-steps + 1 = {k + 1} "
+                f"(chains only), got {n}"
+            )
+        if self.speculative_eagle_topk != 1:
+            raise ValueError("--speculative-eagle-topk must be 1: MTP drafts a single chain")
+        if self.speculative_verify not in ("expand", "fia"):
+            raise ValueError("--speculative-verify must be 'expand' or 'fia'")
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+        a = parser.add_argument
+        a(
+            "--model-path",
+            default=SHIPPED_MODEL,
+            help="HF-format DeepSeek-V3 directory (default: the shipped tiny checkpoint)",
+        )
+        a("--tokenizer-path", default=None, help="tokenizer directory (default: model path)")
+        a("--served-model-name", default=None, help="model name reported by the API")
+        a("--host", default=d["host"].default, help="HTTP host")
+        a("--port", type=int, default=d["port"].default, help="HTTP port")
+        a(
+            "--device",
+            default="auto",
+            choices=["auto", "cpu", "cuda", "npu"],
+            help="auto picks npu, then cuda, then cpu",
+        )
+        a(
+            "--dtype",
+            default="auto",
+            choices=["auto", "bfloat16", "float16", "float32"],
+            help="weights/activations dtype (auto: the checkpoint's, bf16 for the shipped one)",
+        )
+        a(
+            "--context-length",
+            type=int,
+            default=None,
+            help="max tokens per request (prompt + output); default: the model's",
+        )
+        a("--random-seed", type=int, default=0, help="seed for unseeded sampling")
+        a("--log-level", default="info", help="logging level")
+        a(
+            "--max-running-requests",
+            type=int,
+            default=d["max_running_requests"].default,
+            help="max requests in the running batch",
+        )
+        a(
+            "--max-total-tokens",
+            type=int,
+            default=None,
+            help="KV pool size in tokens (overrides --mem-fraction-static)",
+        )
+        a(
+            "--mem-fraction-static",
+            type=float,
+            default=d["mem_fraction_static"].default,
+            help="fraction of device (CPU: system) memory for the KV pool",
+        )
+        a(
+            "--chunked-prefill-size",
+            type=int,
+            default=d["chunked_prefill_size"].default,
+            help="max prefill tokens per forward; -1 disables chunking",
+        )
+        a("--page-size", type=int, default=1, help="KV pool page size in tokens")
+        a("--disable-radix-cache", action="store_true", help="no prefix sharing")
+        a(
+            "--schedule-policy",
+            default="fcfs",
+            choices=["fcfs", "lpm"],
+            help="waiting-queue order: first come first served, or longest prefix match",
+        )
+        a("--attention-backend", default="torch_native", help="attention backend name")
+        a("--num-threads", type=int, default=None, help="CPU: torch intra-op threads")
+        a("--stream-interval", type=int, default=1, help="stream every N tokens")
+        a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
+        a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")
+        a(
+            "--speculative-num-draft-tokens",
+            type=int,
+            default=None,
+            help="tokens verified per request per step; must be K + 1",
+        )
+        a("--speculative-eagle-topk", type=int, default=1, help="must be 1 (chains only)")
+        a(
+            "--speculative-verify",
+            default="fia",
+            choices=["expand", "fia"],
+            help="verify by batch expansion or by one multi-query FIA forward",
+        )
+        a("--disable-cuda-graph", action="store_true", help="run decode/verify eagerly")
+        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="graph batch-size buckets")
+        a("--cuda-graph-max-bs", type=int, default=32, help="largest graph bucket")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        if kwargs.get("cuda_graph_bs") is not None:
+            kwargs["cuda_graph_bs"] = tuple(kwargs["cuda_graph_bs"])
+        return cls(**kwargs)
+
+
+def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parses argv; a bad setting is one line on stderr and exit code 2."""
+    parser = argparse.ArgumentParser(prog="srt_ascend.launch_server")
+    ServerArgs.add_cli_args(parser)
+    ns = parser.parse_args(argv)
+    try:
+        return ServerArgs.from_cli_args(ns)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits

@@ -1,0 +1,164 @@
+"""One MTP speculative decode step for the scheduler's running batch.
+
+Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts d_1..d_K:
+1. allocate K+1 slots for positions L-1..L-1+K (evicting / retracting like plain decode);
+2. draft steps 2..K (MTP re-applied) write MTP KV into those slots;
+3. verify [t_{L-1}, d_1..d_K] with the target model (expand or fia strategy);
+4. accept (rejection sampling; exact greedy for temperature-0 requests), commit up to a stop;
+5. free the slots of rejected positions; run the MTP module over the committed positions
+   (its KV for them, and the next d_1); then release requests that finished.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_ascend.layers.attention.base import create_attention_backend
+from srt_ascend.layers.sampler import processed_probs
+from srt_ascend.managers.sample_step import penalised_logits
+from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.speculative.acceptance import rejection_sample
+from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker
+from srt_ascend.speculative.verify import VERIFY_STRATEGIES
+
+if TYPE_CHECKING:
+    from srt_ascend.managers.scheduler import Scheduler
+
+
+class SpecDecoder:
+    def __init__(self, sched: Scheduler) -> None:
+        import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
+
+        runner, args = sched.runner, sched.args
+        self.sched = sched
+        self.k = args.speculative_num_steps
+        self.vocab = runner.vocab_size
+        self.worker = MTPWorker(
+            DraftHandles(
+                runner.mtp,
+                runner.build_forward_batch,
+                sched.req_to_token,
+                runner.vocab_size,
+                sched.stop_checker.eos_ids,
+            ),
+            self.k,
+        )
+        backend = (
+            create_attention_backend("fia", page_size=args.page_size)
+            if args.speculative_verify == "fia"
+            else runner.attn_backend
+        )
+        self.verify = VERIFY_STRATEGIES[args.speculative_verify](
+            runner.build_forward_batch, backend
+        )
+        self.accepted_per_position = [0] * self.k
+        self.num_verify = 0  # request-steps verified
+        self.num_accepted = 0  # drafts accepted
+
+    @property
+    def avg_accept_length(self) -> float:
+        return 1.0 + self.num_accepted / self.num_verify if self.num_verify else 0.0
+
+    def after_extend(self, reqs, starts, lens, hidden, done) -> None:
+        """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
+        that are still running get their first draft."""
+        next_tokens = []
+        for r, s, n in zip(reqs, starts, lens):
+            ids = r.all_ids
+            nxt = ids[s + 1 : s + n + 1]
+            next_tokens.append(nxt + [0] * (n - len(nxt)))  # no next token: KV never keyed
+        draft = [d and not r.finished for r, d in zip(reqs, done)]
+        self.worker.draft_extend(reqs, starts, lens, hidden, next_tokens, draft)
+
+    @torch.inference_mode()
+    def step(self) -> list:
+        s = self.sched
+        loc = s.alloc_running(self.k + 1)
+        reqs = s.running
+        if not reqs:
+            return []
+        loc = loc.view(len(reqs), self.k + 1)
+        if self.k > 1:
+            self.worker.draft_chain(reqs, loc)
+        fb = self.verify.build(reqs, loc)
+        hidden = s.runner.forward(fb).view(len(reqs), self.k + 1, -1)
+        logits = s.runner.compute_logits(hidden.view(-1, hidden.shape[-1]))[:, : self.vocab]
+        logits = logits.view(len(reqs), self.k + 1, -1)
+        accept_len, emitted = self._accept(reqs, logits)
+        outs, starts, lens = [], [], []
+        for i, r in enumerate(reqs):
+            n, start = int(accept_len[i]), r.kv_len
+            tokens = emitted[i, : n + 1].tolist()
+            lps, tops = self._logprobs(r, logits[i], tokens)
+            r.spec_verify_ct += 1
+            r.spec_accepted_tokens += n
+            self.num_verify += 1
+            self.num_accepted += n
+            for j in range(n):
+                self.accepted_per_position[j] += 1
+            outs.append(s.commit_tokens(r, tokens, lps, tops, release=False))
+            committed = r.seq_len - 1 - start  # positions start .. start+c-1 now have KV
+            r.kv_len = start + committed
+            s.free_positions(r, r.kv_len, start + self.k + 1)
+            starts.append(start)
+            lens.append(committed)
+        rows = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
+        self.worker.draft_extend(
+            reqs,
+            starts,
+            lens,
+            rows,
+            [r.all_ids[st + 1 : st + 1 + n] for r, st, n in zip(reqs, starts, lens)],
+            [not r.finished for r in reqs],
+        )
+        for r in reqs:
+            if r.finished:
+                s.release(r)
+        s.running = [r for r in reqs if not r.finished]
+        return outs
+
+    def _accept(self, reqs: list[Req], logits: torch.Tensor):
+        """Target distributions per position (penalties see the drafts before it), then the
+        lossless acceptance rule; greedy requests get one-hot distributions = exact greedy."""
+        b, k1, _ = logits.shape
+        info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs],
+            self.vocab,
+            logits.device,
+            seed_offsets=[len(r.output_ids) for r in reqs],
+        )
+        target = torch.stack(
+            [
+                processed_probs(
+                    penalised_logits(
+                        logits[:, j],
+                        reqs,
+                        info,
+                        self.sched.stop_checker.eos_ids,
+                        [r.draft_tokens[:j] for r in reqs],
+                    ),
+                    info,
+                )
+                for j in range(k1)
+            ],
+            dim=1,
+        )  # [B, K+1, V]
+        drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64)
+        draft_probs = torch.stack([torch.stack(r.draft_probs) for r in reqs])  # [B, K, V]
+        res = rejection_sample(drafts, draft_probs, target, generators=list(info.generators))
+        return res.accept_len.tolist(), res.emitted
+
+    @staticmethod
+    def _logprobs(req: Req, logits: torch.Tensor, tokens: list[int]):
+        if not req.return_logprob:
+            return None, None
+        lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+        chosen = lp.gather(-1, torch.tensor(tokens).view(-1, 1)).squeeze(-1).tolist()
+        tops = None
+        if req.top_logprobs_num:
+            v, ids = lp.topk(req.top_logprobs_num, dim=-1)
+            tops = [list(zip(a, c)) for a, c in zip(v.tolist(), ids.tolist())]
+        return chosen, tops

@@ -1,0 +1,69 @@
+"""ReqToTokenPool and MLATokenToKVPool."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool
+
+
+def test_req_to_token_pool_alloc_free_clear():
+    pool = ReqToTokenPool(size=3, max_context_len=16)
+    assert pool.req_to_token.shape == (3, 16) and pool.req_to_token.dtype == torch.int64
+    rows = pool.alloc(2)
+    assert len(rows) == 2 and len(set(rows)) == 2 and pool.available_size() == 1
+    assert pool.alloc(2) is None and pool.available_size() == 1
+    last = pool.alloc()
+    assert set(rows + last) == {0, 1, 2}
+    pool.free(rows[0])
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(rows[0])
+    pool.free([rows[1]] + last)
+    assert pool.available_size() == 3
+    pool.alloc(3)
+    pool.clear()
+    assert pool.available_size() == 3
+
+
+def _pool(dtype: torch.dtype = torch.float32) -> MLATokenToKVPool:
+    # 2 main layers + 1 MTP layer share the pool.
+    return MLATokenToKVPool(
+        size=8, page_size=4, dtype=dtype, kv_lora_rank=6, qk_rope_head_dim=2, layer_num=3
+    )
+
+
+def test_mla_pool_shapes_and_mem_usage():
+    pool = _pool(torch.bfloat16)
+    for layer in range(3):
+        assert pool.get_key_buffer(layer).shape == (12, 1, 8)
+        assert pool.get_c_kv(layer).shape == (12, 1, 6)
+        assert pool.get_k_pe(layer).shape == (12, 1, 2)
+    assert pool.mem_usage_bytes() == 3 * 12 * 8 * 2
+    with pytest.raises(IndexError):
+        pool.get_key_buffer(3)
+
+
+def test_mla_pool_write_casts_and_views_alias():
+    pool = _pool(torch.bfloat16)
+    loc = torch.tensor([4, 9])
+    c_kv = torch.arange(12, dtype=torch.float32).reshape(2, 6)
+    k_pe = -torch.arange(1, 5, dtype=torch.float32).reshape(2, 2)
+    pool.set_mla_kv_buffer(2, loc, c_kv, k_pe)  # the MTP layer
+    buf = pool.get_key_buffer(2)
+    assert buf.dtype == torch.bfloat16
+    assert torch.equal(buf[loc, 0, :6].float(), c_kv)
+    assert torch.equal(pool.get_k_pe(2)[loc, 0].float(), k_pe)
+    assert torch.equal(pool.get_c_kv(2)[loc, 0].float(), c_kv)
+    assert pool.get_key_buffer(0).abs().sum() == 0  # other layers untouched
+    others = [i for i in range(12) if i not in (4, 9)]
+    assert buf[others].abs().sum() == 0
+    pool.get_c_kv(2)[4] = 7.0  # views alias the buffer
+    assert bool((buf[4, 0, :6] == 7).all())
+
+
+def test_mla_pool_padding_slot_accepts_duplicate_writes():
+    pool = _pool()
+    loc = torch.tensor([0, 0, 5])  # padded batch: two rows write the padding slot
+    pool.set_mla_kv_buffer(0, loc, torch.ones(3, 1, 6), torch.ones(3, 1, 2))
+    assert bool((pool.get_key_buffer(0)[5] == 1).all())

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from srt_ascend.layers.sampler import (
+    Sampler,
+    compute_logprobs,
+    draw_uniforms,
+    inverse_cdf_sample,
+    processed_probs,
+    sample_from_probs,
+    top_k_logprobs,
+)
+from srt_ascend.sampling import SamplingBatchInfo, SamplingParams, mix_seed
+
+V = 64
+
+
+def _reference_keep(logits: torch.Tensor, p: SamplingParams) -> list[bool]:
+    """Per-row reference of the top-k / top-p / min-p rule in float64 Python."""
+    if p.is_greedy:
+        best = max(range(len(logits)), key=lambda v: (logits[v].item(), -v))
+        return [v == best for v in range(len(logits))]
+    probs = torch.softmax(logits.double() / p.temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda v: (-probs[v], v))
+    top_k = len(probs) if p.top_k == -1 else p.top_k
+    keep = [False] * len(probs)
+    mass_above = 0.0
+    for rank, v in enumerate(order):
+        in_top_p = p.top_p >= 1.0 or mass_above < p.top_p
+        keep[v] = rank < top_k and in_top_p and probs[v] >= p.min_p * probs[order[0]]
+        mass_above += probs[v]
+    return keep
+
+
+def _mixed_params() -> list[SamplingParams]:
+    return [
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.4),
+        SamplingParams(min_p=0.2),
+        SamplingParams(temperature=0.5, top_k=10, top_p=0.8, min_p=0.05),
+        SamplingParams(top_k=1),
+        SamplingParams(top_k=V + 10, top_p=0.95),
+        SamplingParams(temperature=2.0, top_p=0.123),
+        SamplingParams(top_k=3, seed=11),
+    ]
+
+
+def test_processed_probs_masks_match_per_row_reference() -> None:
+    torch.manual_seed(0)
+    params = _mixed_params()
+    logits = torch.randn(len(params), V) * 3
+    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    probs = processed_probs(logits, info)
+    assert torch.allclose(probs.sum(-1), torch.ones(len(params)))
+    for row, p in enumerate(params):
+        keep = torch.tensor(_reference_keep(logits[row], p))
+        assert torch.equal(probs[row] > 0, keep), f"row {row}: {p}"
+        base = torch.softmax(logits[row].double() / (1.0 if p.is_greedy else p.temperature), -1)
+        expected = torch.where(keep, base, 0.0)
+        torch.testing.assert_close(
+            probs[row].double(), expected / expected.sum(), atol=1e-6, rtol=0
+        )
+
+
+def test_processed_probs_ties_and_unnormalized_params() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    normalized = SamplingBatchInfo.from_params([SamplingParams(top_k=2).normalize()], 5, "cpu")
+    raw = SamplingBatchInfo.from_params([SamplingParams(top_k=2)], 5, "cpu")
+    probs = processed_probs(logits, normalized)
+    assert torch.equal(probs, processed_probs(logits, raw))
+    torch.testing.assert_close(probs, torch.tensor([[0.0, 0.5, 0.5, 0.0, 0.0]]))
+    greedy = SamplingBatchInfo.from_params([SamplingParams(temperature=0)], 5, "cpu")
+    assert torch.equal(processed_probs(logits, greedy), torch.tensor([[0.0, 1, 0, 0, 0]]))
+
+
+def test_greedy_rows_agree_between_all_greedy_and_mixed_batches() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, V)
+    greedy = SamplingParams(temperature=0.0)
+    all_greedy = SamplingBatchInfo.from_params([greedy] * 4, V, "cpu")
+    mixed = SamplingBatchInfo.from_params([greedy, SamplingParams(), greedy, greedy], V, "cpu")
+    assert all_greedy.is_all_greedy and not mixed.is_all_greedy
+    a = processed_probs(logits, all_greedy)
+    b = processed_probs(logits, mixed)
+    assert torch.equal(a[[0, 2, 3]], b[[0, 2, 3]])
+    out = Sampler()(logits, mixed)
+    assert torch.equal(out.next_token_ids[[0, 2, 3]], logits.argmax(-1)[[0, 2, 3]])
+
+
+def test_batch_info_fields_flags_and_row_selection() -> None:
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.5, top_p=0.9, seed=3)]
+    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    assert info.temperatures.shape == (2, 1)
+    assert info.top_ks.tolist() == [1, V] and info.temperatures.view(-1).tolist() == [1.0, 0.5]
+    assert info.need_top_p_top_k and not info.need_min_p and not info.need_penalties
+    assert info.generators[0] is None and info.generators[1] is not None
+    plain = SamplingBatchInfo.from_params([SamplingParams()], V, "cpu")
+    assert not (plain.is_all_greedy or plain.need_top_p_top_k or plain.need_min_p)
+
+    expanded = info.repeat_interleave(3)
+    assert expanded.batch_size == 6 and expanded.top_ks.tolist() == [1, 1, 1, V, V, V]
+    assert expanded.generators[3] is info.generators[1] and expanded.generators[0] is None
+    ragged = info.repeat_interleave([1, 2])
+    assert ragged.top_ps.tolist() == pytest.approx([1.0, 0.9, 0.9])
+    picked = expanded.index(torch.tensor([5, 0]))
+    assert picked.top_ks.tolist() == [V, 1] and picked.generators[0] is info.generators[1]
+    assert picked.temperatures.shape == (2, 1)
+
+
+def test_seeded_sampling_is_independent_of_batch_composition() -> None:
+    torch.manual_seed(2)
+    target_logits = torch.randn(V)
+    seeded = SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+
+    def tokens_in_batch(neighbours: int, where: int, offset: int) -> int:
+        params = [SamplingParams(temperature=0.9) for _ in range(neighbours)]
+        params.insert(where, seeded)
+        logits = torch.randn(len(params), V)
+        logits[where] = target_logits
+        offsets = [offset if i == where else 17 for i in range(len(params))]
+        info = SamplingBatchInfo.from_params(params, V, "cpu", seed_offsets=offsets)
+        return int(Sampler()(logits, info).next_token_ids[where])
+
+    for offset in range(5):
+        alone = tokens_in_batch(0, 0, offset)
+        assert tokens_in_batch(5, 3, offset) == alone
+        assert tokens_in_batch(9, 9, offset) == alone
+    streams = {tuple(draw_uniforms(_gens(1234, off), 4, "cpu")[0].tolist()) for off in range(6)}
+    assert len(streams) == 6
+    assert mix_seed(1234, 3) == mix_seed(1234, 3) != mix_seed(1235, 3)
+
+
+def _gens(seed: int, offset: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(mix_seed(seed, offset))]
+
+
+def test_inverse_cdf_sampling_matches_probs_and_skips_zero_mass() -> None:
+    probs = torch.tensor([0.0, 0.1, 0.0, 0.4, 0.2, 0.3, 0.0])
+    n = 20000
+    g = torch.Generator().manual_seed(0)
+    u = 1.0 - torch.rand(n, generator=g)
+    tokens = inverse_cdf_sample(probs.expand(n, -1), u)
+    counts = torch.bincount(tokens, minlength=7).double()
+    assert counts[probs == 0].sum() == 0
+    expected = probs.double() * n
+    nz = probs > 0
+    chi2 = (((counts - expected) ** 2)[nz] / expected[nz]).sum().item()
+    assert chi2 < 16.266  # chi-square 0.999 quantile, 3 dof
+    edges = inverse_cdf_sample(probs.expand(3, -1), torch.tensor([1e-12, 1.0, 0.1]))
+    assert edges.tolist() == [1, 5, 1]
+
+
+def test_sample_from_probs_greedy_and_one_hot_rows() -> None:
+    probs = torch.tensor([[0.2, 0.5, 0.3], [0.0, 0.0, 1.0]])
+    greedy = SamplingBatchInfo.from_params([SamplingParams(temperature=0)] * 2, 3, "cpu")
+    assert sample_from_probs(probs, greedy).tolist() == [1, 2]
+    mixed = SamplingBatchInfo.from_params(
+        [SamplingParams(temperature=0), SamplingParams()], 3, "cpu"
+    )
+    for _ in range(20):
+        assert sample_from_probs(probs, mixed).tolist() == [1, 2]
+
+
+def test_sampler_logprobs_are_log_softmax_of_raw_logits() -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(3, V).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.3), SamplingParams(top_k=4), SamplingParams()]
+    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    before = logits.clone()
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[2, 0, 5])
+    assert torch.equal(logits, before)
+    ref = torch.log_softmax(logits.float(), dim=-1)
+    expected = ref.gather(-1, out.next_token_ids.view(-1, 1)).squeeze(-1)
+    torch.testing.assert_close(out.next_token_logprobs, expected)
+    assert out.top_logprobs[1] is None
+    values, ids = out.top_logprobs[2]
+    assert ids.shape == (5,)
+    torch.testing.assert_close(values, ref[2].sort(descending=True).values[:5])
+    torch.testing.assert_close(out.top_logprobs[0][0], ref[0][out.top_logprobs[0][1]])
+    quiet = Sampler()(logits, info)
+    assert quiet.next_token_logprobs is None and quiet.top_logprobs is None
+
+
+def test_logprob_helpers() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(5, V)
+    ids = torch.randint(0, V, (5,))
+    ref = torch.log_softmax(logits, dim=-1)
+    torch.testing.assert_close(compute_logprobs(logits, ids), ref[torch.arange(5), ids])
+    values, top_ids = top_k_logprobs(logits, 3)
+    assert values.shape == top_ids.shape == (5, 3)
+    torch.testing.assert_close(values, ref.gather(-1, top_ids))
+    assert torch.equal(top_ids[:, 0], logits.argmax(-1))
+    assert math.isclose(float(ref[0].exp().sum()), 1.0, rel_tol=1e-5)
