@@ -95,11 +95,14 @@ class MTPWorker:
         )
         extra = [[] if first else list(r.draft_tokens) for r in reqs]
         logits = penalised_logits(logits, reqs, info, self.h.eos_ids, extra)
-        probs = processed_probs(logits, info)  # [B, V]
-        tokens = sample_from_probs(probs, info).tolist()
+        if info.is_all_greedy:  # greedy verification needs the draft tokens only
+            probs, tokens = None, logits.argmax(dim=-1).tolist()
+        else:
+            probs = processed_probs(logits, info)  # [B, V]
+            tokens = sample_from_probs(probs, info).tolist()
         for i, r in enumerate(reqs):
             if first:
                 r.draft_tokens, r.draft_probs = [], []
             r.draft_tokens.append(tokens[i])
-            r.draft_probs.append(probs[i])
+            r.draft_probs.append(None if probs is None else probs[i])
             r.mtp_hidden = out_hidden[i]

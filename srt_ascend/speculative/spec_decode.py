@@ -20,7 +20,7 @@ from srt_ascend.layers.sampler import processed_probs
 from srt_ascend.managers.sample_step import penalised_logits
 from srt_ascend.managers.schedule_batch import Req
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
-from srt_ascend.speculative.acceptance import rejection_sample
+from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
 from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 
@@ -130,26 +130,35 @@ class SpecDecoder:
             logits.device,
             seed_offsets=[len(r.output_ids) for r in reqs],
         )
-        target = torch.stack(
+        eos = self.sched.stop_checker.eos_ids
+        logits = torch.stack(
             [
-                processed_probs(
-                    penalised_logits(
-                        logits[:, j],
-                        reqs,
-                        info,
-                        self.sched.stop_checker.eos_ids,
-                        [r.draft_tokens[:j] for r in reqs],
-                    ),
-                    info,
-                )
+                penalised_logits(logits[:, j], reqs, info, eos, [r.draft_tokens[:j] for r in reqs])
                 for j in range(k1)
             ],
             dim=1,
         )  # [B, K+1, V]
         drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64)
-        draft_probs = torch.stack([torch.stack(r.draft_probs) for r in reqs])  # [B, K, V]
+        if info.is_all_greedy:  # the same rule without materialising one-hot distributions
+            res = greedy_accept(drafts, logits.argmax(dim=-1))
+            return res.accept_len.tolist(), res.emitted
+        target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
+        draft_probs = torch.stack(
+            [
+                torch.stack([self._draft_dist(r, j, logits.device) for j in range(k1 - 1)])
+                for r in reqs
+            ]
+        )  # [B, K, V]
         res = rejection_sample(drafts, draft_probs, target, generators=list(info.generators))
         return res.accept_len.tolist(), res.emitted
+
+    def _draft_dist(self, req: Req, j: int, device: torch.device) -> torch.Tensor:
+        """A greedy request's draft distribution is one-hot at its draft token."""
+        p = req.draft_probs[j]
+        if p is None:
+            p = torch.zeros(self.vocab, device=device)
+            p[req.draft_tokens[j]] = 1.0
+        return p
 
     @staticmethod
     def _logprobs(req: Req, logits: torch.Tensor, tokens: list[int]):

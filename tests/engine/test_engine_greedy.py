@@ -65,3 +65,36 @@ def test_shared_prefix_hits_cache(model_path, reference_decode):
         assert engine.get_internal_state()["cache_hit_rate"] > 0.5
     finally:
         engine.shutdown()
+
+
+def test_closing_a_stream_aborts_and_frees(model_path):
+    import asyncio
+
+    engine = _engine(model_path)
+    try:
+        tm = engine.tokenizer_manager
+
+        async def read_two_chunks():
+            req = tm.make_request(tm.tokenize(PROMPTS[0]), {"max_new_tokens": 500}, stream=True)
+            chunks = []
+            agen = tm.generate_one(req)
+            async for chunk in agen:
+                chunks.append(chunk)
+                if len(chunks) == 2:
+                    break
+            await agen.aclose()  # the client went away
+            return chunks
+
+        chunks = asyncio.run_coroutine_threadsafe(read_two_chunks(), engine.loop).result()
+        assert len(chunks[1]["output_ids"]) == 2
+        assert chunks[1]["meta_info"]["finish_reason"] is None
+        for _ in range(100):  # the abort is processed by the scheduler thread
+            state = engine.get_internal_state()
+            if state["num_running_reqs"] == 0:
+                break
+        assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0
+        assert state["available_kv_tokens"] + state["cached_tokens_in_tree"] == state[
+            "max_total_num_tokens"
+        ]
+    finally:
+        engine.shutdown()

@@ -62,7 +62,7 @@ CONFIGS = {
 def run(model_path, **kw):
     engine = Engine(model_path=model_path, dtype="float32", **kw)
     try:
-        outs = engine.generate(PROMPTS, GREEDY)
+        outs = engine.generate(PROMPTS, GREEDY, return_logprob=True)
         state = engine.get_internal_state()
         assert (
             state["available_kv_tokens"] + state["cached_tokens_in_tree"]
@@ -76,7 +76,7 @@ def run(model_path, **kw):
 @pytest.fixture(scope="module")
 def baseline(model_path):
     outs, _ = run(model_path)
-    return [o["output_ids"] for o in outs]
+    return outs
 
 
 def test_prompts_are_varied():
@@ -87,8 +87,13 @@ def test_prompts_are_varied():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_with_mtp(model_path, baseline, name):
     outs, state = run(model_path, **CONFIGS[name])
-    mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]]
+    mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
     assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
+    for o, b in zip(outs, baseline):
+        got = [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, _ in b["meta_info"]["output_token_logprobs"]]
+        assert len(got) == MAX_NEW
+        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3
     k = CONFIGS[name].get("speculative_num_steps", 1)
     # The shipped draft agrees with the target often: speculation really accepts tokens.
     assert 1.3 < state["avg_spec_accept_length"] <= k + 1
