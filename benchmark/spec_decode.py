@@ -1,0 +1,131 @@
+"""MTP speculative decoding vs none, in-process, side by side in one run (bf16 by default).
+
+    python benchmark/spec_decode.py [--dtype bfloat16] [--output-len 128] [--ks 1 2 3]
+        [--concurrency 1 4 16] [--json-out FILE] [--plot FILE.png]
+
+Workload: held-out stdlib snippets (never trained on), greedy, `output-len` tokens each
+(ignore_eos). For each concurrency c, requests run in waves of c concurrent requests; the
+time per output token (TPOT) of a wave is its wall time / output-len, and the median over
+waves is reported. Configurations: speculation off, MTP with expand verify, MTP with FIA
+verify, for each K. Also reported: mean accept length (1 + accepted drafts per verify), and
+in bf16 how many requests' outputs equal the speculation-off outputs token for token (batches
+of different shapes round differently in bf16; near-ties can flip: reported, not hidden).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from srt_ascend import Engine
+from srt_ascend.server_args import SHIPPED_MODEL
+from srt_ascend.tools.corpus import list_files, split
+
+
+def prompts(n: int) -> list[str]:
+    _, held = split(list_files())
+    out = []
+    for i, f in enumerate(held):
+        text = f.read()
+        if len(text) > 2000:
+            start = (i * 7919) % (len(text) - 1000)
+            out.append(text[start : start + 300])
+        if len(out) == n:
+            break
+    return out
+
+
+def run_config(model_path, dtype, spec: dict, conc: int, ps: list[str], out_len: int):
+    engine = Engine(model_path=model_path, dtype=dtype, **spec)
+    try:
+        params = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
+        engine.generate(ps[0], {**params, "max_new_tokens": 4})  # warm-up
+        tpots, outs = [], []
+        for i in range(0, len(ps), conc):
+            t0 = time.perf_counter()
+            wave = engine.generate(ps[i : i + conc], params)
+            tpots.append((time.perf_counter() - t0) / out_len)
+            outs += [o["output_ids"] for o in wave]
+        state = engine.get_internal_state()
+        return statistics.median(tpots), state["avg_spec_accept_length"], outs
+    finally:
+        engine.shutdown()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model-path", default=SHIPPED_MODEL)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--waves", type=int, default=3, help="waves per concurrency level")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, help="PNG of TPOT and accept length (matplotlib)")
+    a = p.parse_args()
+    configs = {"off": {}}
+    for k in a.ks:
+        for verify in ("expand", "fia"):
+            configs[f"{verify}-k{k}"] = {
+                "speculative_algorithm": "MTP", "speculative_num_steps": k,
+                "speculative_verify": verify,
+            }
+    rows = []
+    for conc in a.concurrency:
+        ps = prompts(conc * a.waves)
+        base = None
+        for name, spec in configs.items():
+            tpot, acc, outs = run_config(a.model_path, a.dtype, spec, conc, ps, a.output_len)
+            if base is None:
+                base = (tpot, outs)
+            same = sum(o == b for o, b in zip(outs, base[1]))
+            row = dict(config=name, concurrency=conc, tpot_ms=round(tpot * 1e3, 2),
+                       speedup=round(base[0] / tpot, 3), accept_length=round(acc, 3),
+                       identical_outputs=f"{same}/{len(outs)}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print_table(rows)
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(dict(dtype=a.dtype, output_len=a.output_len, rows=rows), f, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
+
+
+def print_table(rows) -> None:
+    print("\n| concurrency | config | TPOT ms | speed-up vs off | accept length | identical |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['concurrency']} | {r['config']} | {r['tpot_ms']} | {r['speedup']}x | "
+              f"{r['accept_length']} | {r['identical_outputs']} |")
+
+
+def plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for conc in sorted({r["concurrency"] for r in rows}):
+        for verify, style in (("expand", "--"), ("fia", "-")):
+            sel = [r for r in rows if r["concurrency"] == conc and r["config"].startswith(verify)]
+            ks = [int(r["config"].split("-k")[1]) for r in sel]
+            ax1.plot(ks, [r["tpot_ms"] for r in sel], style, marker="o",
+                     label=f"{verify}, c={conc}")
+            ax2.plot(ks, [r["accept_length"] for r in sel], style, marker="o",
+                     label=f"{verify}, c={conc}")
+        off = next(r for r in rows if r["concurrency"] == conc and r["config"] == "off")
+        ax1.axhline(off["tpot_ms"], color="gray", lw=0.8, ls=":")
+    ax1.set(xlabel="draft tokens K", ylabel="median TPOT (ms)", title="TPOT (dotted: MTP off)")
+    ax2.set(xlabel="draft tokens K", ylabel="mean accept length", title="accept length")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
