@@ -69,7 +69,8 @@ def main() -> None:
     for k in a.ks:
         for verify in ("expand", "fia"):
             configs[f"{verify}-k{k}"] = {
-                "speculative_algorithm": "MTP", "speculative_num_steps": k,
+                "speculative_algorithm": "MTP",
+                "speculative_num_steps": k,
                 "speculative_verify": verify,
             }
     rows = []
@@ -81,9 +82,14 @@ def main() -> None:
             if base is None:
                 base = (tpot, outs)
             same = sum(o == b for o, b in zip(outs, base[1]))
-            row = dict(config=name, concurrency=conc, tpot_ms=round(tpot * 1e3, 2),
-                       speedup=round(base[0] / tpot, 3), accept_length=round(acc, 3),
-                       identical_outputs=f"{same}/{len(outs)}")
+            row = dict(
+                config=name,
+                concurrency=conc,
+                tpot_ms=round(tpot * 1e3, 2),
+                speedup=round(base[0] / tpot, 3),
+                accept_length=round(acc, 3),
+                identical_outputs=f"{same}/{len(outs)}",
+            )
             rows.append(row)
             print(json.dumps(row), flush=True)
     print_table(rows)
@@ -98,8 +104,10 @@ def print_table(rows) -> None:
     print("\n| concurrency | config | TPOT ms | speed-up vs off | accept length | identical |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['concurrency']} | {r['config']} | {r['tpot_ms']} | {r['speedup']}x | "
-              f"{r['accept_length']} | {r['identical_outputs']} |")
+        print(
+            f"| {r['concurrency']} | {r['config']} | {r['tpot_ms']} | {r['speedup']}x | "
+            f"{r['accept_length']} | {r['identical_outputs']} |"
+        )
 
 
 def plot(rows, path: str) -> None:
@@ -113,10 +121,16 @@ def plot(rows, path: str) -> None:
         for verify, style in (("expand", "--"), ("fia", "-")):
             sel = [r for r in rows if r["concurrency"] == conc and r["config"].startswith(verify)]
             ks = [int(r["config"].split("-k")[1]) for r in sel]
-            ax1.plot(ks, [r["tpot_ms"] for r in sel], style, marker="o",
-                     label=f"{verify}, c={conc}")
-            ax2.plot(ks, [r["accept_length"] for r in sel], style, marker="o",
-                     label=f"{verify}, c={conc}")
+            ax1.plot(
+                ks, [r["tpot_ms"] for r in sel], style, marker="o", label=f"{verify}, c={conc}"
+            )
+            ax2.plot(
+                ks,
+                [r["accept_length"] for r in sel],
+                style,
+                marker="o",
+                label=f"{verify}, c={conc}",
+            )
         off = next(r for r in rows if r["concurrency"] == conc and r["config"] == "off")
         ax1.axhline(off["tpot_ms"], color="gray", lw=0.8, ls=":")
     ax1.set(xlabel="draft tokens K", ylabel="median TPOT (ms)", title="TPOT (dotted: MTP off)")

@@ -93,8 +93,9 @@ def test_closing_a_stream_aborts_and_frees(model_path):
             if state["num_running_reqs"] == 0:
                 break
         assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0
-        assert state["available_kv_tokens"] + state["cached_tokens_in_tree"] == state[
-            "max_total_num_tokens"
-        ]
+        assert (
+            state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+            == state["max_total_num_tokens"]
+        )
     finally:
         engine.shutdown()
