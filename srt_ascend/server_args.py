@@ -64,6 +64,14 @@ class ServerArgs:
         """Raises ValueError with a one-line message for a setting that makes no sense."""
         if not os.path.isdir(self.model_path):
             raise ValueError(f"--model-path {self.model_path!r} is not a directory")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [1, 65535], got {self.port}")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("--num-threads must be >= 1")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ValueError("--context-length must be >= 2")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -130,7 +138,12 @@ class ServerArgs:
             help="max tokens per request (prompt + output); default: the model's",
         )
         a("--random-seed", type=int, default=0, help="seed for unseeded sampling")
-        a("--log-level", default="info", help="logging level")
+        a(
+            "--log-level",
+            default="info",
+            choices=["debug", "info", "warning", "error", "critical"],
+            help="logging level",
+        )
         a(
             "--max-running-requests",
             type=int,
@@ -202,5 +215,5 @@ def prepare_server_args(argv: list[str] | None = None) -> ServerArgs:
     try:
         return ServerArgs.from_cli_args(ns)
     except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable: parser.error exits
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+        raise  # unreachable: parser.exit exits

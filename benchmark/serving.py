@@ -1,0 +1,183 @@
+"""`python -m sglang.bench_serving --backend sglang` against srt_ascend servers, one run.
+
+    python benchmark/serving.py [--sglang-python .venv-sglang/bin/python]
+        [--configs off mtp-k1-expand mtp-k2-fia ...] [--max-concurrency 1 4 16 | --saturate]
+        [--num-prompts 32] [--input-len 128] [--output-len 128] [--json-out FILE]
+
+Each configuration gets its own server (shipped checkpoint, default bf16) on a free port;
+bench_serving runs unmodified with the offline `random-ids` dataset and the shipped tokenizer.
+`--saturate` sends every request at once (request rate inf, no concurrency cap). Reported per
+run: request and output throughput, median TTFT and TPOT, and (MTP) the server's mean accept
+length from /server_info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+from srt_ascend.server_args import SHIPPED_MODEL
+
+CONFIGS = {
+    "off": [],
+    **{
+        f"mtp-k{k}-{v}": [
+            "--speculative-algorithm",
+            "MTP",
+            "--speculative-num-steps",
+            str(k),
+            "--speculative-verify",
+            v,
+        ]
+        for k in (1, 2, 3)
+        for v in ("expand", "fia")
+    },
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "srt_ascend.launch_server",
+            "--model-path",
+            model,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+            *extra,
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with {proc.returncode}") from None
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy")
+
+
+def bench(py: str, url: str, model: str, a, concurrency: int | None) -> dict:
+    out = tempfile.mktemp(suffix=".jsonl")
+    port = url.rsplit(":", 1)[1]
+    cmd = [
+        py,
+        "-m",
+        "sglang.bench_serving",
+        "--backend",
+        "sglang",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        port,
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "random-ids",
+        "--random-input-len",
+        str(a.input_len),
+        "--random-output-len",
+        str(a.output_len),
+        "--random-range-ratio",
+        "1.0",
+        "--num-prompts",
+        str(a.num_prompts),
+        "--request-rate",
+        "inf",
+        "--output-file",
+        out,
+        "--seed",
+        "1",
+        "--disable-tqdm",
+    ]
+    if concurrency:
+        cmd += ["--max-concurrency", str(concurrency)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    with open(out) as f:
+        res = json.loads(f.read().strip().splitlines()[-1])
+    os.unlink(out)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--sglang-python", default=os.environ.get("SRT_SGLANG_PYTHON", ".venv-sglang/bin/python")
+    )
+    p.add_argument("--model-path", default=SHIPPED_MODEL)
+    p.add_argument("--configs", nargs="+", default=["off"], choices=list(CONFIGS))
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1])
+    p.add_argument("--saturate", action="store_true", help="all requests at once")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--extra-server-args", default="", help="e.g. '--dtype float32'")
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    levels = [None] if a.saturate else a.max_concurrency
+    rows = []
+    for name in a.configs:
+        proc, url = start_server(a.model_path, CONFIGS[name] + a.extra_server_args.split())
+        try:
+            for c in levels:
+                r = bench(a.sglang_python, url, a.model_path, a, c)
+                info = json.load(urllib.request.urlopen(url + "/server_info"))
+                acc = info.get("internal_states", [{}])[0].get("avg_spec_accept_length")
+                row = dict(
+                    config=name,
+                    max_concurrency=c or "inf",
+                    completed=r["completed"],
+                    request_throughput=round(r["request_throughput"], 3),
+                    output_throughput=round(r["output_throughput"], 1),
+                    median_ttft_ms=round(r["median_ttft_ms"], 1),
+                    median_tpot_ms=round(r["median_tpot_ms"], 2),
+                    accept_length=round(acc, 3) if acc else None,
+                )
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    print(
+        "\n| config | max concurrency | completed | req/s | output tok/s | median TTFT ms | "
+        "median TPOT ms | accept length |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        print(
+            f"| {r['config']} | {r['max_concurrency']} | {r['completed']} | "
+            f"{r['request_throughput']} | {r['output_throughput']} | {r['median_ttft_ms']} | "
+            f"{r['median_tpot_ms']} | {r['accept_length'] or '-'} |"
+        )
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

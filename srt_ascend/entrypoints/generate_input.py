@@ -1,0 +1,180 @@
+"""The native `/generate` body (SGLang's GenerateReqInput), type-checked and split into items.
+
+Contract (SGLang's): exactly one of `text` / `input_ids`, each a single prompt or a batch;
+per-request fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
+`top_logprobs_num`) are one value for all or a list with one per prompt. Top-level keys this
+server does not know are ignored, as SGLang ignores them; SGLang features it does not implement
+(images, LoRA, ...) are refused when set. Unknown sampling parameters are refused (SGLang
+rejects them too). Every error is a RequestError (HTTP 400) raised before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from srt_ascend.managers.tokenizer_manager import RequestError
+
+# SGLang request fields that this server accepts only when unset (null, false, empty).
+UNSUPPORTED_FIELDS = (
+    "image_data",
+    "video_data",
+    "audio_data",
+    "lora_path",
+    "token_ids_logprob",
+    "return_hidden_states",
+    "session_params",
+    "custom_logit_processor",
+    "return_routed_experts",
+)
+# SGLang sampling parameters without an implementation here: refused when set.
+UNSUPPORTED_SAMPLING = (
+    "stop_regex",
+    "json_schema",
+    "regex",
+    "ebnf",
+    "structural_tag",
+    "custom_params",
+    "beam_width",
+    "watermark",
+    "choice",
+    "logit_bias",
+)
+IGNORED_SAMPLING = ("stream_interval",)  # a server-wide setting here
+RENAMED_SAMPLING = {"sampling_seed": "seed"}
+
+
+@dataclass
+class GenerateItem:
+    """One prompt of a /generate body, ready for TokenizerManager.make_request."""
+
+    input_ids: list[int]
+    sampling_params: dict
+    rid: str | None
+    return_logprob: bool
+    logprob_start_len: int | None
+    top_logprobs_num: int | None
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(_is_int(t) for t in x)
+
+
+def clean_sampling_params(sp: Any) -> dict:
+    """SGLang's sampling-parameter dict -> the keys SamplingParams knows; nulls dropped."""
+    if sp is None:
+        return {}
+    if not isinstance(sp, dict):
+        raise RequestError(f"sampling_params must be an object, got {type(sp).__name__}")
+    out = {}
+    for key, value in sp.items():
+        if value is None or key in IGNORED_SAMPLING:
+            continue
+        if key in UNSUPPORTED_SAMPLING:
+            if value in ({}, [], "", False):
+                continue
+            raise RequestError(f"sampling_params.{key} is not supported by this server")
+        out[RENAMED_SAMPLING.get(key, key)] = value
+    return out
+
+
+@dataclass
+class GenerateReqInput:
+    prompts: list  # str or list[int] each
+    is_single: bool
+    sampling_params: list[dict]
+    rid: list
+    return_logprob: list[bool]
+    logprob_start_len: list
+    top_logprobs_num: list
+    stream: bool
+    return_text_in_logprobs: bool
+
+    @classmethod
+    def from_json(cls, body: Any) -> GenerateReqInput:
+        if not isinstance(body, dict):
+            raise RequestError("the request body must be a JSON object")
+        for key in UNSUPPORTED_FIELDS:
+            if body.get(key) not in (None, False, [], {}, ""):
+                raise RequestError(f"{key} is not supported by this server")
+        prompts, single = _prompts(body.get("text"), body.get("input_ids"))
+        n = len(prompts)
+        stream = body.get("stream", False)
+        text_lp = body.get("return_text_in_logprobs", False)
+        for name, value in (("stream", stream), ("return_text_in_logprobs", text_lp)):
+            if not isinstance(value, bool):
+                raise RequestError(f"{name} must be a boolean, got {value!r}")
+        sp = _per_item(
+            body, "sampling_params", n, lambda v: v is None or isinstance(v, dict), "an object"
+        )
+        return cls(
+            prompts=prompts,
+            is_single=single,
+            sampling_params=[clean_sampling_params(x) for x in sp],
+            rid=_per_item(body, "rid", n, lambda v: v is None or isinstance(v, str), "a string"),
+            return_logprob=[
+                bool(x)
+                for x in _per_item(
+                    body,
+                    "return_logprob",
+                    n,
+                    lambda v: v is None or isinstance(v, bool),
+                    "a boolean",
+                )
+            ],
+            logprob_start_len=_per_item(
+                body, "logprob_start_len", n, lambda v: v is None or _is_int(v), "an integer"
+            ),
+            top_logprobs_num=_per_item(
+                body, "top_logprobs_num", n, lambda v: v is None or _is_int(v), "an integer"
+            ),
+            stream=stream,
+            return_text_in_logprobs=text_lp,
+        )
+
+    def items(self, tokenize: Callable[[str], list[int]]) -> list[GenerateItem]:
+        return [
+            GenerateItem(
+                input_ids=tokenize(p) if isinstance(p, str) else p,
+                sampling_params=self.sampling_params[i],
+                rid=self.rid[i],
+                return_logprob=self.return_logprob[i],
+                logprob_start_len=self.logprob_start_len[i],
+                top_logprobs_num=self.top_logprobs_num[i],
+            )
+            for i, p in enumerate(self.prompts)
+        ]
+
+
+def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
+    """(prompts, is_single) from `text` or `input_ids`."""
+    if (text is None) == (input_ids is None):
+        raise RequestError("exactly one of text or input_ids must be given")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], True
+        if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            return list(text), False
+        raise RequestError("text must be a string or a non-empty list of strings")
+    if _is_ids(input_ids):
+        return [input_ids], True
+    if isinstance(input_ids, list) and all(_is_ids(x) for x in input_ids):
+        return list(input_ids), False
+    raise RequestError("input_ids must be a list of integers or a list of such lists")
+
+
+def _per_item(body: dict, name: str, n: int, ok: Callable[[Any], bool], kind: str) -> list:
+    """A per-request field: one value for every prompt, or a list of n values."""
+    value = body.get(name)
+    values = value if isinstance(value, list) else [value] * n
+    if len(values) != n:
+        raise RequestError(f"{name} has {len(values)} entries for {n} prompts")
+    for v in values:
+        if not ok(v):
+            raise RequestError(f"{name} must be {kind} (or a list of them), got {v!r}")
+    return values

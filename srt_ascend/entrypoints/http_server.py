@@ -1,0 +1,231 @@
+"""The HTTP server: SGLang's native API (this module) and the OpenAI API (openai_api.py).
+
+    app = create_app(tokenizer_manager, server_args)
+    uvicorn.run(app, host=..., port=...)        # what launch_server does
+
+JSON goes through orjson. A bad request is HTTP 400 with {"error": {"message": ...}} (SGLang's
+shape) and the server keeps serving; a client that disconnects has its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from srt_ascend.entrypoints.generate_input import GenerateReqInput
+from srt_ascend.entrypoints.http_utils import (
+    SSE_DONE,
+    ORJSONResponse,
+    error_response,
+    openai_error_response,
+    read_json,
+    sse,
+)
+from srt_ascend.entrypoints.openai_api import add_openai_routes
+from srt_ascend.entrypoints.serving import Serving, until_disconnected
+from srt_ascend.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_ascend.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+VERSION = "srt_ascend-0.1.0"
+HEALTH_TIMEOUT_S = 20.0
+
+
+def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
+    """The FastAPI app serving `tokenizer_manager`. The manager's event loop is bound when the
+    app starts; the caller owns the manager and shuts it down after the server stops."""
+    serving = Serving(tokenizer_manager, server_args)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        tokenizer_manager.loop = asyncio.get_running_loop()
+        yield
+
+    app = FastAPI(title="srt_ascend", version=VERSION, lifespan=lifespan)
+    app.state.serving = serving
+
+    def bad_request(request: Request, message: str) -> ORJSONResponse:
+        serving.metrics.observe_bad_request()
+        if request.url.path.startswith("/v1/"):
+            return openai_error_response(message)
+        return error_response(message)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        return bad_request(request, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = ".".join(str(x) for x in first.get("loc", ()))
+        return bad_request(request, f"{loc}: {first.get('msg', 'invalid request')}")
+
+    app.include_router(router)
+    add_openai_routes(app, serving)
+    return app
+
+
+router = APIRouter()
+
+
+def _serving(request: Request) -> Serving:
+    return request.app.state.serving
+
+
+@router.api_route("/generate", methods=["POST", "PUT"])
+async def generate(request: Request):
+    serving = _serving(request)
+    obj = GenerateReqInput.from_json(await read_json(request))
+    reqs = [
+        serving.make_request(
+            it.input_ids,
+            it.sampling_params,
+            rid=it.rid,
+            return_logprob=it.return_logprob,
+            logprob_start_len=it.logprob_start_len,
+            top_logprobs_num=it.top_logprobs_num,
+        )
+        for it in obj.items(serving.tm.tokenize)
+    ]
+    serving.check_unique_rids(reqs)
+    if obj.stream:
+        return StreamingResponse(
+            _stream_generate(serving, obj, reqs), media_type="text/event-stream"
+        )
+    outs = await until_disconnected(request, serving.run_all(reqs))
+    outs = [_finish_output(serving, obj, o) for o in outs]
+    return ORJSONResponse(outs[0] if obj.is_single else outs)
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """200 once a one-token generation goes through the whole runtime, else 503."""
+    tm = _serving(request).tm
+    bos = tm.tokenizer.bos_token_id
+    req = tm.make_request([bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0})
+    try:
+        await asyncio.wait_for(_drain(tm.generate_one(req)), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.error("health_generate: no token within %.0f s", HEALTH_TIMEOUT_S)
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+@router.get("/model_info")
+async def model_info(request: Request):
+    serving = _serving(request)
+    cfg = serving.tm.runner.config
+    return ORJSONResponse(
+        {
+            "model_path": serving.args.model_path,
+            "tokenizer_path": serving.args.tokenizer,
+            "served_model_name": serving.args.model_name,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": "default",
+            "model_type": getattr(cfg, "model_type", None),
+            "architectures": getattr(cfg, "architectures", None),
+            "context_length": serving.tm.context_len,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+        }
+    )
+
+
+@router.get("/get_server_info")
+@router.get("/server_info")
+async def server_info(request: Request):
+    """The server args (and derived sizes) plus `internal_states[0]`, SGLang's layout."""
+    serving = _serving(request)
+    state = await serving.internal_state()
+    return ORJSONResponse({**serving.server_info(), "internal_states": [state], "version": VERSION})
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)):
+    """Empties the radix cache; refused (400) while requests run, after waiting up to
+    `timeout` seconds for them to finish."""
+    tm = _serving(request).tm
+    deadline = time.monotonic() + timeout
+    while not await tm.flush_cache():
+        if time.monotonic() >= deadline:
+            return Response("Cache not flushed: requests are running.\n", status_code=400)
+        await asyncio.sleep(0.05)
+    return Response("Cache flushed.\n", status_code=200)
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    """{"rid": ...} aborts one request, {"abort_all": true} every one; their KV is freed."""
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool):
+        raise RequestError("rid must be a string and abort_all a boolean")
+    if not rid and not abort_all:
+        raise RequestError("give the rid of the request to abort, or abort_all: true")
+    _serving(request).tm.abort("" if abort_all else rid)
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    serving = _serving(request)
+    body = serving.metrics.render(await serving.tm.internal_state())
+    return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+
+async def _drain(gen: AsyncIterator) -> None:
+    async for _ in gen:
+        pass
+
+
+def _finish_output(serving: Serving, obj: GenerateReqInput, out: dict) -> dict:
+    """SGLang's logprob entries are [logprob, token_id, text]; text is None unless
+    return_text_in_logprobs."""
+    meta = out["meta_info"]
+
+    def entries(items: list | None) -> list | None:
+        if items is None:
+            return None
+        ids = [e[1] for e in items]
+        texts = serving.token_texts(ids) if obj.return_text_in_logprobs else [None] * len(ids)
+        return [[e[0], e[1], t] for e, t in zip(items, texts)]
+
+    for key in ("input_token_logprobs", "output_token_logprobs"):
+        if key in meta:
+            meta[key] = entries(meta[key])
+    for key in ("input_top_logprobs", "output_top_logprobs"):
+        if key in meta:
+            meta[key] = [entries(x) for x in meta[key]]
+    return out
+
+
+async def _stream_generate(serving: Serving, obj: GenerateReqInput, reqs) -> AsyncIterator[bytes]:
+    """SSE: `data: {output}` per step with cumulative text (batch items carry "index"), then
+    `data: [DONE]`. Leaving early (client gone) aborts every request of the body."""
+    try:
+        async for i, out in serving.stream_all(reqs):
+            out = _finish_output(serving, obj, out)
+            if not obj.is_single:
+                out["index"] = i
+            yield sse(out)
+    except RequestError as e:
+        yield sse({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
+    yield SSE_DONE

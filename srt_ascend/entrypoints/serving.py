@@ -1,0 +1,160 @@
+"""What the native and OpenAI routes share: one way to run requests through the
+TokenizerManager with their latency metrics recorded, to run several at once (a batch, or
+OpenAI's n), and to stop them when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+
+from srt_ascend.managers.io_struct import TokenizedGenerateReq
+from srt_ascend.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_ascend.metrics import RequestStats, ServerMetrics
+from srt_ascend.server_args import ServerArgs
+
+DISCONNECT_POLL_S = 0.5
+
+
+class Serving:
+    """Holds the tokenizer manager, the server args and the metrics for the routes."""
+
+    def __init__(self, tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> None:
+        self.tm = tokenizer_manager
+        self.args = server_args
+        self.metrics = ServerMetrics(server_args.model_name, server_args.spec_enabled)
+
+    # ---- building requests --------------------------------------------------------------------
+
+    def make_request(self, input_ids: list[int], sampling_params: dict, **kw: Any):
+        """TokenizerManager.make_request, always streaming inside the server (so the first
+        token's time is seen); raises RequestError for a bad request or a rid in use."""
+        rid = kw.get("rid")
+        if rid is not None and rid in self.tm.states:
+            raise RequestError(f"duplicate request id {rid!r}")
+        return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
+
+    def check_unique_rids(self, reqs: list[TokenizedGenerateReq]) -> None:
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids):
+            raise RequestError("request ids in one batch must be distinct")
+
+    def token_texts(self, ids: list[int]) -> list[str]:
+        """Each token decoded on its own (SGLang's text in logprob entries)."""
+        return [self.tm.tokenizer.decode([i]) for i in ids]
+
+    # ---- running requests ---------------------------------------------------------------------
+
+    async def run(self, req: TokenizedGenerateReq, stream: bool = True) -> AsyncIterator[dict]:
+        """Yields the response dicts of one request: every step when `stream`, else only the
+        last. Closing the iterator early aborts the request (its KV is freed)."""
+        start = time.monotonic()
+        first: float | None = None
+        last: dict | None = None
+        gen = self.tm.generate_one(req)
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    last = out
+                    if first is None and out["output_ids"]:
+                        first = time.monotonic()
+                    if stream or out["meta_info"]["finish_reason"] is not None:
+                        yield out
+        finally:
+            self._record(req, last, start, first)
+
+    def _record(
+        self, req: TokenizedGenerateReq, last: dict | None, start: float, first: float | None
+    ) -> None:
+        meta = last["meta_info"] if last is not None else {}
+        reason = meta.get("finish_reason")
+        self.metrics.observe_request(
+            RequestStats(
+                prompt_tokens=meta.get("prompt_tokens", len(req.input_ids)),
+                completion_tokens=meta.get("completion_tokens", 0),
+                cached_tokens=meta.get("cached_tokens", 0),
+                e2e_latency=time.monotonic() - start,
+                ttft=None if first is None else first - start,
+                aborted=reason is None or reason.get("type") == "abort",
+                spec_verify_ct=meta.get("spec_verify_ct", 0),
+            )
+        )
+
+    async def run_to_end(self, req: TokenizedGenerateReq) -> dict:
+        last = None
+        async for out in self.run(req, stream=False):
+            last = out
+        assert last is not None, "generate_one ended without a final output"
+        return last
+
+    async def run_all(self, reqs: list[TokenizedGenerateReq]) -> list[dict]:
+        """Final outputs of all requests, in order; cancelling this aborts every one."""
+        tasks = [asyncio.ensure_future(self.run_to_end(r)) for r in reqs]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
+        """(index, output) for every step of every request, in arrival order."""
+        gens = [self.run(r) for r in reqs]
+        pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+        try:
+            while pending:
+                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    i = pending.pop(task)
+                    try:
+                        out = task.result()
+                    except StopAsyncIteration:
+                        continue
+                    pending[asyncio.ensure_future(gens[i].__anext__())] = i
+                    yield i, out
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+
+    # ---- server state -------------------------------------------------------------------------
+
+    async def internal_state(self) -> dict:
+        """The scheduler's state plus `avg_spec_accept_length` (None when MTP is off)."""
+        state = await self.tm.internal_state()
+        return {**state, "avg_spec_accept_length": self.metrics.avg_spec_accept_length}
+
+    def server_info(self) -> dict:
+        info = dataclasses.asdict(self.args)
+        info.update(
+            served_model_name=self.args.model_name,
+            tokenizer_path=self.args.tokenizer,
+            max_total_num_tokens=self.tm.runner.max_total_tokens,
+            max_req_input_len=self.tm.context_len - 1,
+            context_length=self.tm.context_len,
+        )
+        return info
+
+
+async def until_disconnected(request: Request, work: Awaitable):
+    """Awaits `work`; if the HTTP client disconnects first, cancels it (aborting its
+    requests) and raises asyncio.CancelledError."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)

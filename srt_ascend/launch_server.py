@@ -1,0 +1,122 @@
+"""`python -m srt_ascend.launch_server [flags]` (console script `srt-ascend`): the HTTP server.
+
+Flags use SGLang's names (see `--help`). A setting that makes no sense (unknown algorithm, a
+device that is not there, a model path that is not a checkpoint) is one line on stderr and exit
+code 2. Once the first generation has gone through, the server logs SGLang's
+"The server is fired up and ready to roll!".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+
+from srt_ascend.server_args import ServerArgs, prepare_server_args
+
+logger = logging.getLogger("srt_ascend.launch_server")
+
+READY_MESSAGE = "The server is fired up and ready to roll!"
+
+
+def fail(message: str) -> None:
+    """One line on stderr, exit code 2 (argparse's code for a bad command line)."""
+    sys.stderr.write(f"srt_ascend.launch_server: error: {message}\n")
+    sys.exit(2)
+
+
+def check_port(host: str, port: int) -> None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            fail(f"cannot listen on {host}:{port}: {e.strerror}")
+
+
+def check_device(device: str) -> None:
+    from srt_ascend.platforms import DeviceUnavailable, get_platform
+
+    try:
+        get_platform(device)
+    except DeviceUnavailable as e:
+        fail(str(e))
+
+
+def build_tokenizer_manager(server_args: ServerArgs):
+    """The TokenizerManager (model loaded, scheduler thread started), or exit 2 with one line
+    when the device is missing or the checkpoint cannot be loaded."""
+    from srt_ascend.managers.tokenizer_manager import TokenizerManager
+    from srt_ascend.platforms import DeviceUnavailable
+
+    try:
+        return TokenizerManager(server_args)
+    except DeviceUnavailable as e:
+        fail(str(e))
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        fail(f"cannot load the model from {server_args.model_path!r}: {e}")
+
+
+async def warmup(tokenizer_manager) -> None:
+    """One greedy token through the whole runtime."""
+    bos = tokenizer_manager.tokenizer.bos_token_id
+    req = tokenizer_manager.make_request(
+        [bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0}
+    )
+    async for _ in tokenizer_manager.generate_one(req):
+        pass
+
+
+async def serve(server, tokenizer_manager) -> None:
+    """Runs uvicorn; logs READY_MESSAGE after it listens and a warmup request succeeded."""
+    tokenizer_manager.loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if server.started:
+        try:
+            await warmup(tokenizer_manager)
+        except Exception:
+            logger.exception("warmup request failed; shutting down")
+            server.should_exit = True
+            await task
+            raise
+        logger.info(READY_MESSAGE)
+    await task
+
+
+def main(argv: list[str] | None = None) -> None:
+    server_args = prepare_server_args(argv)
+    try:
+        logging.basicConfig(
+            level=server_args.log_level.upper(),
+            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
+        )
+    except ValueError:
+        fail(f"unknown --log-level {server_args.log_level!r} (debug, info, warning, error)")
+    check_device(server_args.device)  # before anything is loaded or logged
+    check_port(server_args.host, server_args.port)
+    tokenizer_manager = build_tokenizer_manager(server_args)
+    import uvicorn
+
+    from srt_ascend.entrypoints.http_server import create_app
+
+    app = create_app(tokenizer_manager, server_args)
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level.lower(),
+        timeout_keep_alive=5,
+        loop="asyncio",
+    )
+    try:
+        asyncio.run(serve(uvicorn.Server(config), tokenizer_manager))
+    finally:
+        tokenizer_manager.shutdown()
+
+
+if __name__ == "__main__":
+    main()

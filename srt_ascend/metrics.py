@@ -1,0 +1,192 @@
+"""Prometheus metrics for the HTTP server, named like SGLang's (`sglang:*`), so SGLang's
+Grafana dashboards and scrapers work unchanged.
+
+One `ServerMetrics` per app owns its own `CollectorRegistry` (two apps in one process do not
+collide). Request metrics are recorded when a request finishes; the scheduler's gauges
+(running/queued requests, KV usage, cache hit rate) are read at scrape time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket edges (seconds), SGLang's defaults trimmed to the CPU-to-NPU range.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+E2E_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+)
+
+
+@dataclass
+class RequestStats:
+    """What one finished request contributes (latencies in seconds)."""
+
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    e2e_latency: float
+    ttft: float | None  # None when no token was produced
+    aborted: bool = False
+    spec_verify_ct: int = 0  # verify forwards, MTP only
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (SGLang's TPOT)."""
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e_latency - self.ttft) / (self.completion_tokens - 1)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, spec_enabled: bool = False) -> None:
+        self.registry = CollectorRegistry()
+        self.spec_enabled = spec_enabled
+        self.spec_tokens = 0  # completion tokens of requests that ran MTP verify steps
+        self.spec_verify_ct = 0
+        labels = ("model_name",)
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests = counter("sglang:num_requests", "Finished requests")
+        self.num_aborted = counter("sglang:num_aborted_requests", "Aborted requests")
+        self.num_bad = counter("sglang:num_bad_requests", "Requests rejected with HTTP 400")
+        self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens processed")
+        self.generation_tokens = counter("sglang:generation_tokens", "Tokens generated")
+        self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from cache")
+        self.ttft = histogram(
+            "sglang:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS
+        )
+        self.tpot = histogram(
+            "sglang:time_per_output_token_seconds",
+            "Mean time per output token after the first",
+            TPOT_BUCKETS,
+        )
+        self.e2e = histogram(
+            "sglang:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS
+        )
+        self.num_running = gauge("sglang:num_running_reqs", "Requests in the running batch")
+        self.num_queue = gauge("sglang:num_queue_reqs", "Requests waiting to be scheduled")
+        self.token_usage = gauge("sglang:token_usage", "Fraction of KV slots in use or cached")
+        self.cache_hit_rate = gauge(
+            "sglang:cache_hit_rate",
+            "Prompt tokens served from the radix cache / prompt tokens, since start",
+        )
+        if spec_enabled:
+            self.spec_verify = counter(
+                "sglang:spec_verify_steps", "MTP verify forwards (one per request per step)"
+            )
+            self.spec_tokens_total = counter(
+                "sglang:spec_output_tokens",
+                "Output tokens of requests decoded with MTP (accept length numerator)",
+            )
+            self.spec_accept_length = gauge(
+                "sglang:spec_accept_length", "Mean tokens committed per verify step"
+            )
+
+    def observe_request(self, s: RequestStats) -> None:
+        self.num_requests.inc()
+        if s.aborted:
+            self.num_aborted.inc()
+        self.prompt_tokens.inc(s.prompt_tokens)
+        self.generation_tokens.inc(s.completion_tokens)
+        self.cached_tokens.inc(s.cached_tokens)
+        self.e2e.observe(s.e2e_latency)
+        if s.ttft is not None:
+            self.ttft.observe(s.ttft)
+        if s.tpot is not None:
+            self.tpot.observe(s.tpot)
+        if self.spec_enabled and s.spec_verify_ct > 0:
+            self.spec_verify_ct += s.spec_verify_ct
+            self.spec_tokens += s.completion_tokens
+            self.spec_verify.inc(s.spec_verify_ct)
+            self.spec_tokens_total.inc(s.completion_tokens)
+            self.spec_accept_length.set(self.avg_spec_accept_length)
+
+    def observe_bad_request(self) -> None:
+        self.num_bad.inc()
+
+    @property
+    def avg_spec_accept_length(self) -> float | None:
+        """Tokens committed per verify step over all finished MTP requests; None when MTP is
+        off, 0.0 before the first one."""
+        if not self.spec_enabled:
+            return None
+        return self.spec_tokens / self.spec_verify_ct if self.spec_verify_ct else 0.0
+
+    def render(self, internal_state: dict) -> bytes:
+        """The Prometheus text exposition, after refreshing the scheduler gauges from
+        `internal_state` (TokenizerManager.internal_state())."""
+        st = internal_state
+        self.num_running.set(st["num_running_reqs"])
+        self.num_queue.set(st["num_queue_reqs"])
+        self.cache_hit_rate.set(st["cache_hit_rate"])
+        total = st["max_total_num_tokens"]
+        self.token_usage.set((total - st["available_kv_tokens"]) / total if total else 0.0)
+        return generate_latest(self.registry)

@@ -1,0 +1,48 @@
+"""A server with MTP speculative decoding: greedy output is exactly the plain server's
+(lossless), and the speculative fields reach meta_info, /server_info and /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "for i in range(10):\n    print("]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+def test_mtp_greedy_is_lossless_and_reports_acceptance(server, mtp_server):
+    body = {"text": PROMPTS, "sampling_params": GREEDY}
+    plain = server.post("/generate", json=body).json()
+    spec = mtp_server.post("/generate", json=body).json()
+    assert [o["output_ids"] for o in spec] == [o["output_ids"] for o in plain]
+    verify_ct = 0
+    for o in spec:
+        meta = o["meta_info"]
+        assert meta["completion_tokens"] == 16
+        # Prefill makes the first token; each verify step commits 1 to 1 + 2 more.
+        assert 15 / 3 <= meta["spec_verify_ct"] <= 15
+        assert meta["spec_accept_length"] == pytest.approx(16 / meta["spec_verify_ct"])
+        verify_ct += meta["spec_verify_ct"]
+    assert "spec_verify_ct" not in plain[0]["meta_info"]
+
+    state = mtp_server.internal_state()
+    assert state["avg_spec_accept_length"] == pytest.approx(3 * 16 / verify_ct)
+    assert mtp_server.metric("sglang:spec_verify_steps_total") == verify_ct
+    assert mtp_server.metric("sglang:spec_output_tokens_total") == 3 * 16
+    assert mtp_server.metric("sglang:spec_accept_length") == pytest.approx(3 * 16 / verify_ct)
+    info = mtp_server.get("/server_info").json()
+    assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
+
+
+def test_mtp_stream_carries_spec_fields(mtp_server):
+    import json
+
+    r = mtp_server.post(
+        "/generate",
+        json={"text": PROMPTS[0], "sampling_params": GREEDY, "stream": True},
+        stream=True,
+    )
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    # Several tokens can arrive per step, so there are fewer chunks than tokens.
+    assert len(chunks) < 16
+    assert chunks[-1]["meta_info"]["completion_tokens"] == 16
+    assert all("spec_accept_length" in c["meta_info"] for c in chunks)

@@ -1,0 +1,93 @@
+"""The launch CLI: a setting that makes no sense is a one-line error and exit code 2, not a
+traceback; --help documents the flags."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+PREFIX = "srt_ascend.launch_server: error: "
+
+
+def error_lines(proc) -> list[str]:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.stderr.strip().splitlines()
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("torch_npu") is not None, reason="an NPU stack is installed here"
+)
+def test_missing_npu_is_one_line_exit_2(launch_cli, e2e_model):
+    proc = launch_cli("--model-path", e2e_model, "--device", "npu")
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(PREFIX + "--device npu: torch_npu")
+
+
+def test_unknown_speculative_algorithm_exit_2(launch_cli):
+    proc = launch_cli("--speculative-algorithm", "FOO")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        "srt_ascend.launch_server: error: unknown --speculative-algorithm 'FOO' (supported: MTP)"
+    ]
+
+
+def test_too_many_draft_tokens_exit_2(launch_cli):
+    proc = launch_cli("--speculative-algorithm", "MTP", "--speculative-num-steps", "16")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [PREFIX + "--speculative-num-steps must be in [1, 15], got 16"]
+
+
+def test_missing_model_path_exit_2(launch_cli, tmp_path):
+    proc = launch_cli("--model-path", str(tmp_path / "nope"))
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].endswith("is not a directory")
+
+
+def test_model_path_without_checkpoint_is_one_line_exit_2(
+    launch_cli, tmp_path, e2e_model, free_port
+):
+    # The tokenizer is there, the weights are not.
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((Path(e2e_model) / name).read_bytes())
+    proc = launch_cli("--model-path", str(tmp_path), "--device", "cpu", "--port", str(free_port()))
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(PREFIX + f"cannot load the model from {str(tmp_path)!r}")
+
+
+def test_port_in_use_is_one_line_exit_2(launch_cli, server, e2e_model):
+    port = server.url.rsplit(":", 1)[1]
+    proc = launch_cli("--model-path", e2e_model, "--port", port)
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1 and lines[0].startswith(PREFIX + f"cannot listen on 127.0.0.1:{port}")
+
+
+def test_help_documents_flags(launch_cli):
+    proc = launch_cli("--help")
+    assert proc.returncode == 0
+    for flag in (
+        "--model-path",
+        "--tokenizer-path",
+        "--host",
+        "--port",
+        "--device",
+        "--dtype",
+        "--served-model-name",
+        "--context-length",
+        "--max-running-requests",
+        "--max-total-tokens",
+        "--chunked-prefill-size",
+        "--page-size",
+        "--disable-radix-cache",
+        "--schedule-policy",
+        "--log-level",
+        "--speculative-algorithm",
+    ):
+        assert flag in proc.stdout

@@ -1,0 +1,128 @@
+"""The `openai` Python client against /v1: models, completions and chat, streaming or not."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+MODEL = "tiny-mtp"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def native(server, ids_or_text, n: int) -> dict:
+    key = "text" if isinstance(ids_or_text, str) else "input_ids"
+    body = {key: ids_or_text, "sampling_params": {"max_new_tokens": n, "temperature": 0}}
+    return server.post("/generate", json=body).json()
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].max_model_len == server.get("/model_info").json()["context_length"]
+
+
+def test_completion_matches_native(client, server):
+    prompt = "def fibonacci(n):\n"
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    expected = native(server, prompt, 8)
+    choice = resp.choices[0]
+    assert choice.text == expected["text"]
+    assert choice.finish_reason in ("length", "stop")
+    assert resp.usage.prompt_tokens == expected["meta_info"]["prompt_tokens"]
+    assert resp.usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    assert resp.id.startswith("cmpl-") and resp.object == "text_completion"
+
+
+def test_completion_batch_n_logprobs_echo(client, server):
+    prompts = ["import os\n", "x = 1\n"]
+    resp = client.completions.create(
+        model=MODEL, prompt=prompts, max_tokens=4, temperature=0, n=2, logprobs=2
+    )
+    assert [c.index for c in resp.choices] == [0, 1, 2, 3]
+    for i, c in enumerate(resp.choices):
+        assert c.text == native(server, prompts[i // 2], 4)["text"]
+        lp = c.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+        assert "".join(lp.tokens) == c.text
+        assert all(len(top) <= 2 and max(top.values()) <= 0 for top in lp.top_logprobs)
+        assert lp.text_offset[0] == 0
+    echo = client.completions.create(
+        model=MODEL, prompt="x = 1\n", max_tokens=2, temperature=0, echo=True
+    )
+    assert echo.choices[0].text == "x = 1\n" + native(server, "x = 1\n", 2)["text"]
+
+
+def test_completion_stream_with_usage(client, server):
+    prompt = "class Stack:\n"
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    expected = native(server, prompt, 6)
+    assert text == expected["text"]
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage.completion_tokens == expected["meta_info"]["completion_tokens"]
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] in ("length", "stop")
+
+
+def test_chat_uses_the_chat_template(client, server, tokenizer):
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": "Write a loop."},
+    ]
+    resp = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0
+    )
+    ids = tokenizer.encode(
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    )
+    expected = native(server, ids, 8)
+    msg = resp.choices[0].message
+    assert msg.role == "assistant" and msg.content == expected["text"]
+    assert resp.usage.prompt_tokens == len(ids)
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-")
+
+
+def test_chat_stream_with_usage_and_logprobs(client):
+    messages = [{"role": "user", "content": "hello"}]
+    full = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage.total_tokens == full.usage.total_tokens
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens
+    assert "".join(t.token for t in content) == full.choices[0].message.content
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4) for t in content)
+
+
+def test_openai_errors_raise_bad_request(client, server):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
+    assert e.value.status_code == 400 and "max_new_tokens" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=MODEL, messages=[], max_tokens=2)
+    ok = client.completions.create(model=MODEL, prompt="a", max_tokens=1)
+    assert ok.usage.completion_tokens == 1
