@@ -5,7 +5,8 @@
         [--num-prompts 32] [--input-len 128] [--output-len 128] [--json-out FILE]
 
 Each configuration gets its own server (shipped checkpoint, default bf16) on a free port;
-bench_serving runs unmodified with the offline `random-ids` dataset and the shipped tokenizer.
+bench_serving runs unmodified with the offline `random-ids` dataset (or `--dataset heldout`:
+held-out stdlib snippets written as a local ShareGPT-format file) and the shipped tokenizer.
 `--saturate` sends every request at once (request rate inf, no concurrency cap). Reported per
 run: request and output throughput, median TTFT and TPOT, and (MTP) the server's mean accept
 length from /server_info.
@@ -134,11 +135,26 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1])
     p.add_argument("--saturate", action="store_true", help="all requests at once")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument(
+        "--dataset",
+        default="random-ids",
+        choices=["random-ids", "heldout"],
+        help="heldout: held-out stdlib snippets as a local ShareGPT-format file",
+    )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--extra-server-args", default="", help="e.g. '--dtype float32'")
     p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, help="PNG: TPOT and accept length vs K (matplotlib)")
+    p.add_argument("--from-json", default=None, help="only print/plot the rows of this file")
     a = p.parse_args()
+    if a.from_json:
+        with open(a.from_json) as f:
+            rows = json.load(f)
+        print_table(rows)
+        if a.plot:
+            plot(rows, a.plot)
+        return
     levels = [None] if a.saturate else a.max_concurrency
     rows = []
     for name in a.configs:
@@ -163,20 +179,58 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    print(
-        "\n| config | max concurrency | completed | req/s | output tok/s | median TTFT ms | "
-        "median TPOT ms | accept length |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(
-            f"| {r['config']} | {r['max_concurrency']} | {r['completed']} | "
-            f"{r['request_throughput']} | {r['output_throughput']} | {r['median_ttft_ms']} | "
-            f"{r['median_tpot_ms']} | {r['accept_length'] or '-'} |"
-        )
+    print_table(rows)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump(rows, f, indent=1)
+    if a.plot:
+        plot(rows, a.plot)
+
+
+def print_table(rows: list[dict]) -> None:
+    off = {r["max_concurrency"]: r["median_tpot_ms"] for r in rows if r["config"] == "off"}
+    print(
+        "\n| config | max concurrency | completed | output tok/s | median TTFT ms | "
+        "median TPOT ms | TPOT speed-up vs off | accept length |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        base = off.get(r["max_concurrency"])
+        speed = f"{base / r['median_tpot_ms']:.2f}x" if base else "-"
+        print(
+            f"| {r['config']} | {r['max_concurrency']} | {r['completed']} | "
+            f"{r['output_throughput']} | {r['median_ttft_ms']} | {r['median_tpot_ms']} | "
+            f"{speed} | {r['accept_length'] or '-'} |"
+        )
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for conc in sorted({r["max_concurrency"] for r in rows}, key=str):
+        for verify, style in (("expand", "--"), ("fia", "-")):
+            sel = [r for r in rows if r["max_concurrency"] == conc and r["config"].endswith(verify)]
+            ks = [int(r["config"].split("-k")[1].split("-")[0]) for r in sel]
+            label = f"{verify}, concurrency {conc}"
+            ax1.plot(ks, [r["median_tpot_ms"] for r in sel], style, marker="o", label=label)
+            ax2.plot(ks, [r["accept_length"] for r in sel], style, marker="o", label=label)
+        off = [r for r in rows if r["max_concurrency"] == conc and r["config"] == "off"]
+        if off:
+            ax1.axhline(off[0]["median_tpot_ms"], color="gray", lw=0.8, ls=":")
+    ax1.set(
+        xlabel="draft tokens K",
+        ylabel="median TPOT (ms)",
+        title="bench_serving TPOT (dotted: MTP off)",
+    )
+    ax2.set(xlabel="draft tokens K", ylabel="mean accept length", title="accept length")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
