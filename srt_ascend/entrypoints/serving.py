@@ -36,7 +36,7 @@ class Serving:
         """TokenizerManager.make_request, always streaming inside the server (so the first
         token's time is seen); raises RequestError for a bad request or a rid in use."""
         rid = kw.get("rid")
-        if rid is not None and rid in self.tm.states:
+        if rid is not None and self.tm.has_request(rid):
             raise RequestError(f"duplicate request id {rid!r}")
         return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
 

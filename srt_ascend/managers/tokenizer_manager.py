@@ -94,6 +94,10 @@ class TokenizerManager:
 
     # ---- requests -----------------------------------------------------------------------------
 
+    def has_request(self, rid: str) -> bool:
+        """Whether a request with this id is in flight (ids must be unique while running)."""
+        return rid in self.states
+
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
