@@ -88,7 +88,12 @@ async def serve(server, tokenizer_manager) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    server_args = prepare_server_args(argv)
+    run(prepare_server_args(argv))
+
+
+def run(server_args: ServerArgs) -> None:
+    """Runs the server for already-parsed settings until it is stopped (also used by the
+    SGLang launcher plugin, `srt_ascend.sglang_plugin`)."""
     try:
         logging.basicConfig(
             level=server_args.log_level.upper(),
