@@ -87,13 +87,7 @@ async def serve(server, tokenizer_manager) -> None:
     await task
 
 
-def main(argv: list[str] | None = None) -> None:
-    run(prepare_server_args(argv))
-
-
-def run(server_args: ServerArgs) -> None:
-    """Runs the server for already-parsed settings until it is stopped (also used by the
-    SGLang launcher plugin, `srt_ascend.sglang_plugin`)."""
+def configure_logging(server_args: ServerArgs) -> None:
     try:
         logging.basicConfig(
             level=server_args.log_level.upper(),
@@ -101,6 +95,16 @@ def run(server_args: ServerArgs) -> None:
         )
     except ValueError:
         fail(f"unknown --log-level {server_args.log_level!r} (debug, info, warning, error)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(prepare_server_args(argv))
+
+
+def run(server_args: ServerArgs) -> None:
+    """Runs the server for already-parsed settings until it is stopped (also used by the
+    SGLang launcher plugin, `srt_ascend.sglang_plugin`)."""
+    configure_logging(server_args)
     check_device(server_args.device)  # before anything is loaded or logged
     check_port(server_args.host, server_args.port)
     tokenizer_manager = build_tokenizer_manager(server_args)

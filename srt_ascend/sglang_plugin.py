@@ -101,7 +101,7 @@ def translate(argv: Sequence[str]) -> tuple[dict, list[str]]:
 def run_mtp(argv: Sequence[str]) -> None:
     """Translates SGLang's argv and runs srt_ascend's server; a bad setting is one line on
     stderr and exit code 2, as with `python -m srt_ascend.launch_server`."""
-    from srt_ascend.launch_server import check_device, fail, run
+    from srt_ascend.launch_server import check_device, configure_logging, fail, run
     from srt_ascend.server_args import ServerArgs
 
     kwargs, unsupported = translate(argv)
@@ -110,13 +110,7 @@ def run_mtp(argv: Sequence[str]) -> None:
     except ValueError as e:
         fail(str(e))
     check_device(server_args.device)  # before anything is logged
-    try:
-        logging.basicConfig(
-            level=server_args.log_level.upper(),
-            format="[%(asctime)s] %(levelname)s %(name)s: %(message)s",
-        )
-    except ValueError:
-        fail(f"unknown --log-level {server_args.log_level!r} (debug, info, warning, error)")
+    configure_logging(server_args)
     if unsupported:
         logger.warning(
             "srt_ascend does not support these SGLang flags (ignored): %s", " ".join(unsupported)

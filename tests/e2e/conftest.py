@@ -103,19 +103,13 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> None:
 
 
 @contextlib.contextmanager
-def running_server(log_dir: Path, *extra_args: str):
-    """Launches one server subprocess and yields its Server handle once /health answers."""
-    port = free_port()
-    log_path = log_dir / "server.log"
-    cmd = [sys.executable, "-m", "srt_ascend.launch_server", "--model-path", E2E_MODEL]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
-    cmd += ["--max-total-tokens", "32768", "--served-model-name", "tiny-mtp"]
-    cmd += ["--dtype", "float32", *extra_args]
+def serving_process(cmd: list[str], url: str, log_path: Path):
+    """Runs `cmd` (a server listening at `url`), yields its Server handle once /health
+    answers, and stops it afterwards."""
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO
         )
-    url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, log_path)
         yield Server(url, E2E_MODEL, proc, log_path)
@@ -126,6 +120,18 @@ def running_server(log_dir: Path, *extra_args: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@contextlib.contextmanager
+def running_server(log_dir: Path, *extra_args: str):
+    """Launches one srt_ascend server subprocess and yields its Server handle."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "srt_ascend.launch_server", "--model-path", E2E_MODEL]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
+    cmd += ["--max-total-tokens", "32768", "--served-model-name", "tiny-mtp"]
+    cmd += ["--dtype", "float32", *extra_args]
+    with serving_process(cmd, f"http://127.0.0.1:{port}", log_dir / "server.log") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from conftest import E2E_MODEL, REPO, Server, _wait_healthy, child_env, free_port
+from conftest import E2E_MODEL, REPO, child_env, free_port, serving_process
 
 
 def _launch(sglang_python: str, *args: str) -> list[str]:
@@ -21,21 +21,8 @@ def sglang_mtp_server(sglang_python, tmp_path_factory):
     cmd = _launch(sglang_python, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port))
     cmd += ["--dtype", "float32", "--num-threads", "1", "--speculative-num-steps", "2"]
     cmd += ["--tp-size", "1"]  # an SGLang flag srt_ascend does not support: reported, not fatal
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log_path)
-        yield Server(url, E2E_MODEL, proc, log_path)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with serving_process(cmd, f"http://127.0.0.1:{port}", log_path) as server:
+        yield server
 
 
 def test_sglang_launcher_serves_mtp(sglang_mtp_server):
