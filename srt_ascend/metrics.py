@@ -149,6 +149,23 @@ class ServerMetrics:
             self.spec_accept_length = gauge(
                 "sglang:spec_accept_length", "Mean tokens committed per verify step"
             )
+            # Scheduler-side counters, advanced from internal_state at each scrape.
+            self.spec_sched = {
+                key: counter(name, doc)
+                for key, name, doc in (
+                    ("spec_num_verify", "sglang:spec_num_drafts", "Draft chains verified"),
+                    ("spec_draft_tokens", "sglang:spec_draft_tokens", "Draft tokens verified"),
+                    ("spec_accepted_tokens", "sglang:spec_accepted_tokens", "Drafts accepted"),
+                )
+            }
+            self.spec_per_position = Counter(
+                "sglang:spec_accepted_per_position",
+                "Drafts accepted at each draft position",
+                ("model_name", "position"),
+                registry=r,
+            )
+            self._model_name = model_name
+            self._seen: dict[str, float] = {}
 
     def observe_request(self, s: RequestStats) -> None:
         self.num_requests.inc()
@@ -189,4 +206,17 @@ class ServerMetrics:
         self.cache_hit_rate.set(st["cache_hit_rate"])
         total = st["max_total_num_tokens"]
         self.token_usage.set((total - st["available_kv_tokens"]) / total if total else 0.0)
+        if self.spec_enabled:
+            for key, c in self.spec_sched.items():
+                self._advance(key, c, st.get(key, 0))
+            for j, n in enumerate(st.get("spec_accepted_per_position", [])):
+                c = self.spec_per_position.labels(self._model_name, str(j))
+                self._advance(f"pos{j}", c, n)
         return generate_latest(self.registry)
+
+    def _advance(self, key: str, counter, value: float) -> None:
+        """Moves a Prometheus counter up to the scheduler's running total `value`."""
+        delta = value - self._seen.get(key, 0)
+        if delta > 0:
+            counter.inc(delta)
+            self._seen[key] = value

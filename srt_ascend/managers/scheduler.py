@@ -373,6 +373,9 @@ class Scheduler(KVMemoryMixin):
             "num_retractions": self.num_retractions,
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "avg_spec_accept_length": self.spec.avg_accept_length if self.spec else 0.0,
+            "spec_num_verify": self.spec.num_verify if self.spec else 0,
+            "spec_draft_tokens": self.spec.num_verify * self.spec.k if self.spec else 0,
+            "spec_accepted_tokens": self.spec.num_accepted if self.spec else 0,
             "spec_accepted_per_position": list(self.spec.accepted_per_position)
             if self.spec
             else [],

@@ -54,8 +54,8 @@ class SpecDecoder:
         self.verify = VERIFY_STRATEGIES[args.speculative_verify](
             runner.build_forward_batch, backend
         )
-        self.accepted_per_position = [0] * self.k
-        self.num_verify = 0  # request-steps verified
+        self.accepted_per_position = [0] * self.k  # drafts accepted at draft position j
+        self.num_verify = 0  # request-steps verified (each checks K draft tokens)
         self.num_accepted = 0  # drafts accepted
 
     @property

@@ -29,6 +29,18 @@ def test_mtp_greedy_is_lossless_and_reports_acceptance(server, mtp_server):
     assert mtp_server.metric("sglang:spec_verify_steps_total") == verify_ct
     assert mtp_server.metric("sglang:spec_output_tokens_total") == 3 * 16
     assert mtp_server.metric("sglang:spec_accept_length") == pytest.approx(3 * 16 / verify_ct)
+    drafts = mtp_server.metric("sglang:spec_num_drafts_total")
+    assert drafts == state["spec_num_verify"] >= verify_ct
+    assert mtp_server.metric("sglang:spec_draft_tokens_total") == 2 * drafts
+    accepted = mtp_server.metric("sglang:spec_accepted_tokens_total")
+    assert accepted == state["spec_accepted_tokens"] == sum(state["spec_accepted_per_position"])
+    assert 0 < accepted <= 2 * drafts
+    per_position = [
+        float(line.rsplit(" ", 1)[1])
+        for line in mtp_server.get("/metrics").text.splitlines()
+        if line.startswith("sglang:spec_accepted_per_position_total{")
+    ]
+    assert per_position == [float(n) for n in state["spec_accepted_per_position"]]
     info = mtp_server.get("/server_info").json()
     assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
 
