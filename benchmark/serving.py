@@ -24,6 +24,8 @@ import tempfile
 import time
 import urllib.request
 
+from plots import plot_spec_rows
+
 from srt_ascend.server_args import SHIPPED_MODEL
 
 CONFIGS = {
@@ -153,7 +155,13 @@ def main() -> None:
             rows = json.load(f)
         print_table(rows)
         if a.plot:
-            plot(rows, a.plot)
+            plot_spec_rows(
+                rows,
+                a.plot,
+                "max_concurrency",
+                "median_tpot_ms",
+                "bench_serving TPOT (dotted: MTP off)",
+            )
         return
     levels = [None] if a.saturate else a.max_concurrency
     rows = []
@@ -184,7 +192,13 @@ def main() -> None:
         with open(a.json_out, "w") as f:
             json.dump(rows, f, indent=1)
     if a.plot:
-        plot(rows, a.plot)
+        plot_spec_rows(
+            rows,
+            a.plot,
+            "max_concurrency",
+            "median_tpot_ms",
+            "bench_serving TPOT (dotted: MTP off)",
+        )
 
 
 def print_table(rows: list[dict]) -> None:
@@ -202,35 +216,6 @@ def print_table(rows: list[dict]) -> None:
             f"{r['output_throughput']} | {r['median_ttft_ms']} | {r['median_tpot_ms']} | "
             f"{speed} | {r['accept_length'] or '-'} |"
         )
-
-
-def plot(rows: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for conc in sorted({r["max_concurrency"] for r in rows}, key=str):
-        for verify, style in (("expand", "--"), ("fia", "-")):
-            sel = [r for r in rows if r["max_concurrency"] == conc and r["config"].endswith(verify)]
-            ks = [int(r["config"].split("-k")[1].split("-")[0]) for r in sel]
-            label = f"{verify}, concurrency {conc}"
-            ax1.plot(ks, [r["median_tpot_ms"] for r in sel], style, marker="o", label=label)
-            ax2.plot(ks, [r["accept_length"] for r in sel], style, marker="o", label=label)
-        off = [r for r in rows if r["max_concurrency"] == conc and r["config"] == "off"]
-        if off:
-            ax1.axhline(off[0]["median_tpot_ms"], color="gray", lw=0.8, ls=":")
-    ax1.set(
-        xlabel="draft tokens K",
-        ylabel="median TPOT (ms)",
-        title="bench_serving TPOT (dotted: MTP off)",
-    )
-    ax2.set(xlabel="draft tokens K", ylabel="mean accept length", title="accept length")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import json
 import statistics
 import time
 
+from plots import plot_spec_rows
+
 from srt_ascend import Engine
 from srt_ascend.server_args import SHIPPED_MODEL
 from srt_ascend.tools.corpus import list_files, split
@@ -97,7 +99,7 @@ def main() -> None:
         with open(a.json_out, "w") as f:
             json.dump(dict(dtype=a.dtype, output_len=a.output_len, rows=rows), f, indent=1)
     if a.plot:
-        plot(rows, a.plot)
+        plot_spec_rows(rows, a.plot, "concurrency", "tpot_ms", "TPOT (dotted: MTP off)")
 
 
 def print_table(rows) -> None:
@@ -108,37 +110,6 @@ def print_table(rows) -> None:
             f"| {r['concurrency']} | {r['config']} | {r['tpot_ms']} | {r['speedup']}x | "
             f"{r['accept_length']} | {r['identical_outputs']} |"
         )
-
-
-def plot(rows, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for conc in sorted({r["concurrency"] for r in rows}):
-        for verify, style in (("expand", "--"), ("fia", "-")):
-            sel = [r for r in rows if r["concurrency"] == conc and r["config"].startswith(verify)]
-            ks = [int(r["config"].split("-k")[1]) for r in sel]
-            ax1.plot(
-                ks, [r["tpot_ms"] for r in sel], style, marker="o", label=f"{verify}, c={conc}"
-            )
-            ax2.plot(
-                ks,
-                [r["accept_length"] for r in sel],
-                style,
-                marker="o",
-                label=f"{verify}, c={conc}",
-            )
-        off = next(r for r in rows if r["concurrency"] == conc and r["config"] == "off")
-        ax1.axhline(off["tpot_ms"], color="gray", lw=0.8, ls=":")
-    ax1.set(xlabel="draft tokens K", ylabel="median TPOT (ms)", title="TPOT (dotted: MTP off)")
-    ax2.set(xlabel="draft tokens K", ylabel="mean accept length", title="accept length")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
