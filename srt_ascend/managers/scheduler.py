@@ -180,15 +180,11 @@ class Scheduler(KVMemoryMixin):
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
         """Matches the prefix, locks it, and asks the adder; undoes everything on refusal."""
         match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len()])
-        self.tree.inc_lock_ref(match.last_node)
-        adder.available = (
-            self.allocator.available_size()
-            + self.tree.evictable_size()
-            - sum(n + self.page_size for n in adder.plan.extend_lens)
-        )
+        # Locking makes the matched nodes unevictable: the adder's budget shrinks with them.
+        adder.available += self.tree.inc_lock_ref(match.last_node)
         can_chunk = self.chunked_req is None and not adder.plan.chunked
         if not adder.try_add(req, req.seq_len - match.prefix_len, can_chunk):
-            self.tree.dec_lock_ref(match.last_node)
+            adder.available += self.tree.dec_lock_ref(match.last_node)
             return False
         rows = self.req_to_token_pool.alloc(1)
         assert rows is not None, "request rows are sized by --max-running-requests"

@@ -23,6 +23,9 @@ from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 
+# Seeded requests draw their draft samples from a stream apart from their target samples.
+DRAFT_SEED_OFFSET = 1_000_003
+
 
 @dataclass
 class DraftHandles:
@@ -91,7 +94,7 @@ class MTPWorker:
             [r.sampling_params for r in reqs],
             self.h.vocab_size,
             logits.device,
-            seed_offsets=[1_000_003 + len(r.output_ids) for r in reqs],
+            seed_offsets=[DRAFT_SEED_OFFSET + len(r.output_ids) for r in reqs],
         )
         extra = [[] if first else list(r.draft_tokens) for r in reqs]
         logits = penalised_logits(logits, reqs, info, self.h.eos_ids, extra)
