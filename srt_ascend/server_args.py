@@ -42,6 +42,7 @@ class ServerArgs:
     speculative_verify: str = "fia"
     # graphs
     disable_cuda_graph: bool = False
+    enable_cpu_graph: bool = False
     cuda_graph_bs: tuple[int, ...] | None = None
     cuda_graph_max_bs: int = 32
 
@@ -59,6 +60,13 @@ class ServerArgs:
     @property
     def spec_enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    def graphs_enabled(self, platform) -> bool:
+        """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
+        only with --enable-cpu-graph; never with --disable-cuda-graph."""
+        if self.disable_cuda_graph:
+            return False
+        return platform.graphs_by_default or self.enable_cpu_graph
 
     def check(self) -> None:
         """Raises ValueError with a one-line message for a setting that makes no sense."""
@@ -84,6 +92,12 @@ class ServerArgs:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r} (fcfs, lpm)")
+        if self.cuda_graph_max_bs < 1:
+            raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.cuda_graph_bs is not None and (
+            not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
+        ):
+            raise ValueError("--cuda-graph-bs sizes must be >= 1")
         if self.spec_enabled:
             self._check_speculative()
 
@@ -194,9 +208,34 @@ class ServerArgs:
             choices=["expand", "fia"],
             help="verify by batch expansion or by one multi-query FIA forward",
         )
-        a("--disable-cuda-graph", action="store_true", help="run decode/verify eagerly")
-        a("--cuda-graph-bs", type=int, nargs="+", default=None, help="graph batch-size buckets")
-        a("--cuda-graph-max-bs", type=int, default=32, help="largest graph bucket")
+        a(
+            "--disable-cuda-graph",
+            action="store_true",
+            help="run decode, verify and MTP draft forwards eagerly (graphs are on by default "
+            "on CUDA and NPU)",
+        )
+        a(
+            "--enable-cpu-graph",
+            action="store_true",
+            help="on CPU, run those forwards through the graph runner's eager replay over "
+            "static buffers (exercises capture/pad/replay; no speed-up on CPU)",
+        )
+        a(
+            "--cuda-graph-bs",
+            "--graph-batch-sizes",
+            dest="cuda_graph_bs",
+            type=int,
+            nargs="+",
+            default=None,
+            help="batch-size buckets to capture (default 1 2 4 8 12 16 24 32, then multiples "
+            "of 16, up to --cuda-graph-max-bs)",
+        )
+        a(
+            "--cuda-graph-max-bs",
+            type=int,
+            default=32,
+            help="largest captured batch size; bigger batches run eagerly",
+        )
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> ServerArgs:

@@ -101,6 +101,18 @@ class RoutedExperts(nn.Module):
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
         return unsorted.view(t, k, -1).sum(1).to(x.dtype)
 
+    def forward_static(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The same sum with shapes that never depend on the routing (graph capture): every
+        expert runs over every token and the routing weights, zero for unchosen experts,
+        combine them. E/k times the expert FLOPs, paid only by captured small batches."""
+        dense = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=torch.float32)
+        dense.scatter_(1, topk_ids, topk_weights.float())  # [T, E]
+        gate, up = torch.einsum("th,eih->eti", x, self.w13).chunk(2, dim=-1)
+        ys = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)  # [E, T, H]
+        return torch.einsum("te,eth->th", dense.to(ys.dtype), ys).to(x.dtype)
+
 
 class DeepseekMoE(nn.Module):
     def __init__(self, config) -> None:
@@ -123,11 +135,14 @@ class DeepseekMoE(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        out = self.experts(flat, weights, ids)
+        if static_shapes:
+            out = self.experts.forward_static(flat, weights, ids)
+        else:
+            out = self.experts(flat, weights, ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)

@@ -360,6 +360,7 @@ class Scheduler(KVMemoryMixin):
         return True
 
     def internal_state(self) -> dict:
+        graphs = self.runner.graph_runner
         return {
             "max_total_num_tokens": self.runner.max_total_tokens,
             "available_kv_tokens": self.allocator.available_size(),
@@ -375,6 +376,8 @@ class Scheduler(KVMemoryMixin):
             "spec_accepted_per_position": list(self.spec.accepted_per_position)
             if self.spec
             else [],
+            "graph_batch_sizes": list(graphs.buckets) if graphs else [],
+            "graph_replays": dict(graphs.replays) if graphs else {},
         }
 
     # ---- outputs ----------------------------------------------------------------------------

@@ -49,6 +49,14 @@ class ForwardBatch:
     token_to_kv_pool: MLATokenToKVPool
     attn_backend: AttentionBackend
     attn_metadata: Any = field(default=None, repr=False)  # the backend's per-batch cache
+    # Set by the graph runner: every row has the same query length (FIA rows excepted), KV is
+    # read through a fixed window of this many positions, and nothing may depend on host
+    # values of the device tensors (no data-dependent shapes), so the forward can be captured.
+    static_kv_len: int | None = None
+
+    @property
+    def static_shapes(self) -> bool:
+        return self.static_kv_len is not None
 
     @property
     def batch_size(self) -> int:
@@ -79,8 +87,10 @@ class ForwardBatch:
         token_to_kv_pool: MLATokenToKVPool,
         attn_backend: AttentionBackend,
         device: torch.device | str = "cpu",
+        init_metadata: bool = True,
     ) -> ForwardBatch:
-        """Builds positions from the lengths and lets the backend precompute its metadata."""
+        """Builds positions from the lengths and (unless the caller defers it, as the model
+        runner does for batches a graph may replay) lets the backend precompute its metadata."""
         positions = (
             torch.cat(
                 [
@@ -105,5 +115,6 @@ class ForwardBatch:
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
         )
-        attn_backend.init_forward_metadata(fb)
+        if init_metadata:
+            attn_backend.init_forward_metadata(fb)
         return fb

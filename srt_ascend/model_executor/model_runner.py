@@ -9,6 +9,7 @@ import torch
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch
+from srt_ascend.model_executor.graph_runner import GraphRunner, graph_buckets
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
@@ -62,6 +63,22 @@ class ModelRunner:
         )
         self._init_pools()
         self.attn_backend = create_attention_backend(server_args.attention_backend)
+        self.verify_backend = self.attn_backend  # TARGET_VERIFY rows (expand: the same)
+        if server_args.spec_enabled and server_args.speculative_verify == "fia":
+            import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
+
+            self.verify_backend = create_attention_backend("fia", page_size=server_args.page_size)
+        self.graph_runner: GraphRunner | None = None
+        if server_args.graphs_enabled(platform):
+            self.graph_runner = GraphRunner(
+                self,
+                graph_buckets(
+                    server_args.cuda_graph_bs,
+                    min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
+                ),
+                server_args.speculative_num_steps if server_args.spec_enabled else None,
+            )
+            self.graph_runner.capture()
 
     def _kv_bytes_per_token(self) -> int:
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
@@ -102,6 +119,7 @@ class ModelRunner:
     def build_forward_batch(
         self, mode, input_ids, req_pool_indices, seq_lens, extend_lens, loc, attn_backend=None
     ) -> ForwardBatch:
+        """The batch's attention metadata is built by `forward` when it runs eagerly."""
         return ForwardBatch.build(
             mode,
             input_ids,
@@ -113,12 +131,31 @@ class ModelRunner:
             self.kv_pool,
             attn_backend or self.attn_backend,
             self.device,
+            init_metadata=False,
         )
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Main model forward. Returns final-normed hidden states [T, hidden]."""
-        return self.model(forward_batch.input_ids, forward_batch.positions, forward_batch)
+        """Main model forward: a graph replay when one was captured for this batch, else
+        eager. Returns final-normed hidden states [T, hidden]."""
+        fb = forward_batch
+        if self.graph_runner is not None and self.graph_runner.can_run(fb):
+            return self.graph_runner.replay(fb)
+        if fb.attn_metadata is None:
+            fb.attn_backend.init_forward_metadata(fb)
+        return self.model(fb.input_ids, fb.positions, fb)
+
+    @torch.inference_mode()
+    def forward_mtp(self, forward_batch: ForwardBatch, hidden: torch.Tensor, step: int):
+        """MTP draft forward for draft step `step` (input ids = token t+1, `hidden` = h_t);
+        replayed from a graph when one fits. Returns the normed hidden the LM head reads."""
+        fb = forward_batch
+        layer = self.mtp.layer_for_step(step)
+        if self.graph_runner is not None and self.graph_runner.can_run(fb, layer):
+            return self.graph_runner.replay(fb, layer, hidden)
+        if fb.attn_metadata is None:
+            fb.attn_backend.init_forward_metadata(fb)
+        return self.mtp(fb.input_ids, hidden, fb.positions, fb, step=step)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

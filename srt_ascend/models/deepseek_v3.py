@@ -128,7 +128,8 @@ class DecoderLayer(nn.Module):
     def __init__(self, config, layer_id: int) -> None:
         super().__init__()
         self.self_attn = MLAAttention(config, layer_id)
-        if layer_id >= config.first_k_dense_replace and config.n_routed_experts:
+        self.is_moe = bool(layer_id >= config.first_k_dense_replace and config.n_routed_experts)
+        if self.is_moe:
             self.mlp: nn.Module = DeepseekMoE(config)
         else:
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
@@ -141,7 +142,10 @@ class DecoderLayer(nn.Module):
             x = x + self.self_attn.forward_dense(positions, h)
         else:
             x = x + self.self_attn(positions, h, forward_batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        if self.is_moe and forward_batch is not None and forward_batch.static_shapes:
+            return x + self.mlp(h, static_shapes=True)  # graph capture: no routing-sized shapes
+        return x + self.mlp(h)
 
 
 class DeepseekV3Model(nn.Module):

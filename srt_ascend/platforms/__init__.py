@@ -1,90 +1,31 @@
-"""Device layer: one small interface, one implementation per device, chosen by --device."""
+"""Device layer: one small interface (`Platform`), one implementation per device, chosen by
+--device (`auto` picks npu, then cuda, then cpu)."""
 
 from __future__ import annotations
 
-import importlib.util
-from abc import ABC, abstractmethod
+from srt_ascend.platforms import cpu, cuda, npu  # noqa: F401  (register the platforms)
+from srt_ascend.platforms.base import (
+    PLATFORMS,
+    DeviceGraph,
+    DeviceUnavailable,
+    EagerReplayGraph,
+    Platform,
+)
 
-import torch
+__all__ = [
+    "PLATFORMS",
+    "DeviceGraph",
+    "DeviceUnavailable",
+    "EagerReplayGraph",
+    "Platform",
+    "get_platform",
+]
 
-PLATFORMS: dict[str, type[Platform]] = {}
-
-
-class DeviceUnavailable(RuntimeError):
-    pass
-
-
-def register_platform(name: str):
-    def wrap(cls):
-        PLATFORMS[name] = cls
-        return cls
-
-    return wrap
-
-
-class Platform(ABC):
-    name: str
-
-    @staticmethod
-    @abstractmethod
-    def is_available() -> bool: ...
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device(self.name)
-
-    def synchronize(self) -> None:  # noqa: B027 - CPU work is synchronous
-        pass
-
-    def total_memory_bytes(self) -> int:
-        import os
-
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
-@register_platform("cpu")
-class CpuPlatform(Platform):
-    name = "cpu"
-
-    @staticmethod
-    def is_available() -> bool:
-        return True
-
-
-@register_platform("cuda")
-class CudaPlatform(Platform):
-    name = "cuda"
-
-    @staticmethod
-    def is_available() -> bool:
-        return torch.cuda.is_available()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def total_memory_bytes(self) -> int:
-        return torch.cuda.get_device_properties(0).total_memory
-
-
-@register_platform("npu")
-class NpuPlatform(Platform):
-    name = "npu"
-
-    @staticmethod
-    def is_available() -> bool:
-        if importlib.util.find_spec("torch_npu") is None:
-            return False
-        try:
-            import torch_npu  # noqa: F401  (registers torch.npu)
-        except Exception:  # CANN missing or broken: torch_npu raises various errors at import
-            return False
-        return torch.npu.is_available()
-
-    def synchronize(self) -> None:
-        torch.npu.synchronize()
-
-    def total_memory_bytes(self) -> int:
-        return torch.npu.get_device_properties(0).total_memory
+_HINTS = {
+    "npu": "torch_npu with CANN is not installed or no Ascend NPU is visible "
+    '(pip install "srt-ascend[npu]" on an Ascend machine)',
+    "cuda": "no CUDA device is visible to torch",
+}
 
 
 def get_platform(name: str = "auto") -> Platform:
@@ -98,10 +39,5 @@ def get_platform(name: str = "auto") -> Platform:
         raise DeviceUnavailable(f"unknown device {name!r} (auto, cpu, cuda, npu)")
     cls = PLATFORMS[name]
     if not cls.is_available():
-        hint = {
-            "npu": "torch_npu with CANN is not installed or no Ascend NPU is visible "
-            '(pip install "srt-ascend[npu]" on an Ascend machine)',
-            "cuda": "no CUDA device is visible to torch",
-        }.get(name, "not available")
-        raise DeviceUnavailable(f"--device {name}: {hint}")
+        raise DeviceUnavailable(f"--device {name}: {_HINTS.get(name, 'not available')}")
     return cls()

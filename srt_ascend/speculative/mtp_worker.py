@@ -1,8 +1,8 @@
 """MTP draft worker: drafts K tokens per request with the DeepSeek-V3 MTP module.
 
-The worker holds narrow handles only: the MTP module, a ForwardBatch builder over the shared
-paged pool (the MTP layers are extra layers of it), the request-to-token table, and the
-sampling-probability function. The scheduler owns allocation and commits.
+The worker holds narrow handles only: the MTP forward (eager or a graph replay) and its LM head,
+a ForwardBatch builder over the shared paged pool (the MTP layers are extra layers of it) and
+the request-to-token table. The scheduler owns allocation and commits.
 
 Per request it keeps (on the Req): `draft_tokens` d_1..d_K, `draft_probs` [K, V] (the
 processed draft distribution each was sampled from), and `mtp_hidden` (the module's last output
@@ -20,7 +20,6 @@ from srt_ascend.layers.sampler import processed_probs, sample_from_probs
 from srt_ascend.managers.sample_step import penalised_logits
 from srt_ascend.managers.schedule_batch import Req
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 
 # Seeded requests draw their draft samples from a stream apart from their target samples.
@@ -29,7 +28,8 @@ DRAFT_SEED_OFFSET = 1_000_003
 
 @dataclass
 class DraftHandles:
-    mtp: DeepseekV3ModelMTP
+    forward: Callable[[ForwardBatch, torch.Tensor, int], torch.Tensor]  # (fb, h_t, step) -> h
+    compute_logits: Callable[[torch.Tensor], torch.Tensor]
     build_forward_batch: Callable[..., ForwardBatch]  # (mode, ids, rows, seq, ext, loc)
     req_to_token: torch.Tensor  # [rows, max_context] slot table
     vocab_size: int
@@ -60,13 +60,41 @@ class MTPWorker:
             [self.h.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, lens)]
         )
         fb = self.h.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc)
-        out = self.h.mtp(fb.input_ids, hidden, fb.positions, fb, step=0)
-        last = fb.last_token_index
+        out = self.h.forward(fb, hidden, 0)
+        self._draft_first(reqs, out, fb.last_token_index, draft_rows)
+
+    @torch.inference_mode()
+    def draft_after_verify(
+        self,
+        reqs: list[Req],
+        starts: list[int],  # position of each request's verify input token
+        loc: torch.Tensor,  # [B, K+1] slots of positions start .. start+K
+        hidden: torch.Tensor,  # [B*(K+1), D] the verify forward's target hidden states
+        next_tokens: list[list[int]],  # [B][K+1]: token at p+1 where committed, else padding
+        accepted: list[int],  # committed positions per request (>= 1)
+        draft_rows: list[bool],
+    ) -> None:
+        """DRAFT_EXTEND after a verify, always over all 1+K positions per request (a fixed
+        shape a graph can replay): rows past a request's committed positions see only their
+        own prefix causally and write MTP KV into rejected slots, which are freed afterwards.
+        The output at each request's last committed position drafts its next d_1."""
+        k1 = loc.shape[1]
+        fb = self.h.build_forward_batch(
+            ForwardMode.DRAFT_EXTEND,
+            [t for toks in next_tokens for t in toks],
+            [r.req_pool_idx for r in reqs],
+            [s + k1 for s in starts],
+            [k1] * len(reqs),
+            loc.reshape(-1),
+        )
+        out = self.h.forward(fb, hidden, 0)
+        picks = torch.tensor([i * k1 + n - 1 for i, n in enumerate(accepted)])
+        self._draft_first(reqs, out, picks, draft_rows)
+
+    def _draft_first(self, reqs, out, rows_index: torch.Tensor, draft_rows: list[bool]) -> None:
         chosen = [i for i, d in enumerate(draft_rows) if d]
-        if not chosen:
-            return
-        sel = last[chosen]
-        self._draft_step([reqs[i] for i in chosen], out[sel], first=True)
+        if chosen:
+            self._draft_step([reqs[i] for i in chosen], out[rows_index[chosen]], first=True)
 
     @torch.inference_mode()
     def draft_chain(self, reqs: list[Req], loc: torch.Tensor) -> None:
@@ -85,11 +113,11 @@ class MTPWorker:
                 loc[:, j - 1],
             )
             hidden = torch.stack([r.mtp_hidden for r in reqs])
-            out = self.h.mtp(fb.input_ids, hidden, fb.positions, fb, step=j)
+            out = self.h.forward(fb, hidden, j)
             self._draft_step(reqs, out, first=False)
 
     def _draft_step(self, reqs: list[Req], out_hidden: torch.Tensor, first: bool) -> None:
-        logits = self.h.mtp.compute_logits(out_hidden)[:, : self.h.vocab_size]
+        logits = self.h.compute_logits(out_hidden)[:, : self.h.vocab_size]
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.h.vocab_size,

@@ -5,8 +5,9 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 2. draft steps 2..K (MTP re-applied) write MTP KV into those slots;
 3. verify [t_{L-1}, d_1..d_K] with the target model (expand or fia strategy);
 4. accept (rejection sampling; exact greedy for temperature-0 requests), commit up to a stop;
-5. free the slots of rejected positions; run the MTP module over the committed positions
-   (its KV for them, and the next d_1); then release requests that finished.
+5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
+   from the last committed one); free the slots of rejected positions; release requests that
+   finished.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.sampler import processed_probs
 from srt_ascend.managers.sample_step import penalised_logits
 from srt_ascend.managers.schedule_batch import Req
@@ -30,15 +30,14 @@ if TYPE_CHECKING:
 
 class SpecDecoder:
     def __init__(self, sched: Scheduler) -> None:
-        import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
-
         runner, args = sched.runner, sched.args
         self.sched = sched
         self.k = args.speculative_num_steps
         self.vocab = runner.vocab_size
         self.worker = MTPWorker(
             DraftHandles(
-                runner.mtp,
+                runner.forward_mtp,
+                runner.mtp.compute_logits,
                 runner.build_forward_batch,
                 sched.req_to_token,
                 runner.vocab_size,
@@ -46,13 +45,8 @@ class SpecDecoder:
             ),
             self.k,
         )
-        backend = (
-            create_attention_backend("fia", page_size=args.page_size)
-            if args.speculative_verify == "fia"
-            else runner.attn_backend
-        )
         self.verify = VERIFY_STRATEGIES[args.speculative_verify](
-            runner.build_forward_batch, backend
+            runner.build_forward_batch, runner.verify_backend
         )
         self.accepted_per_position = [0] * self.k  # drafts accepted at draft position j
         self.num_verify = 0  # request-steps verified (each checks K draft tokens)
@@ -88,7 +82,7 @@ class SpecDecoder:
         logits = s.runner.compute_logits(hidden.view(-1, hidden.shape[-1]))[:, : self.vocab]
         logits = logits.view(len(reqs), self.k + 1, -1)
         accept_len, emitted = self._accept(reqs, logits)
-        outs, starts, lens = [], [], []
+        outs, starts, committed = [], [], []
         for i, r in enumerate(reqs):
             n, start = int(accept_len[i]), r.kv_len
             tokens = emitted[i, : n + 1].tolist()
@@ -100,21 +94,21 @@ class SpecDecoder:
             for j in range(n):
                 self.accepted_per_position[j] += 1
             outs.append(s.commit_tokens(r, tokens, lps, tops, release=False))
-            committed = r.seq_len - 1 - start  # positions start .. start+c-1 now have KV
-            r.kv_len = start + committed
-            s.free_positions(r, r.kv_len, start + self.k + 1)
             starts.append(start)
-            lens.append(committed)
-        rows = torch.cat([hidden[i, :n] for i, n in enumerate(lens)])
-        self.worker.draft_extend(
+            committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
+        k1 = self.k + 1
+        self.worker.draft_after_verify(
             reqs,
             starts,
-            lens,
-            rows,
-            [r.all_ids[st + 1 : st + 1 + n] for r, st, n in zip(reqs, starts, lens)],
+            loc,
+            hidden.view(-1, hidden.shape[-1]),
+            [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
+            committed,
             [not r.finished for r in reqs],
         )
-        for r in reqs:
+        for r, start, c in zip(reqs, starts, committed):
+            r.kv_len = start + c
+            s.free_positions(r, r.kv_len, start + k1)
             if r.finished:
                 s.release(r)
         s.running = [r for r in reqs if not r.finished]

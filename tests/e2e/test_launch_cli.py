@@ -41,6 +41,12 @@ def test_too_many_draft_tokens_exit_2(launch_cli):
     assert error_lines(proc) == [PREFIX + "--speculative-num-steps must be in [1, 15], got 16"]
 
 
+def test_bad_graph_sizes_exit_2(launch_cli):
+    proc = launch_cli("--graph-batch-sizes", "0", "4")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [PREFIX + "--cuda-graph-bs sizes must be >= 1"]
+
+
 def test_missing_model_path_exit_2(launch_cli, tmp_path):
     proc = launch_cli("--model-path", str(tmp_path / "nope"))
     assert proc.returncode == 2
@@ -89,5 +95,10 @@ def test_help_documents_flags(launch_cli):
         "--schedule-policy",
         "--log-level",
         "--speculative-algorithm",
+        "--disable-cuda-graph",
+        "--enable-cpu-graph",
+        "--cuda-graph-bs",
+        "--graph-batch-sizes",
+        "--cuda-graph-max-bs",
     ):
         assert flag in proc.stdout

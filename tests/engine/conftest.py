@@ -49,3 +49,12 @@ def reference_decode(model_path):
         return cache[key]
 
     return decode
+
+
+@pytest.fixture(scope="session")
+def baseline(model_path):
+    """Greedy float32 outputs of the 50 lossless prompts: eager, no speculation."""
+    from lossless import run
+
+    outs, _ = run(model_path)
+    return outs

@@ -5,34 +5,9 @@ off, chunked prefill on or off, and concurrent batches of mixed lengths."""
 from __future__ import annotations
 
 import pytest
+from lossless import PROMPTS, assert_same_greedy, run
 
 from srt_ascend import Engine
-from srt_ascend.tools.corpus import list_files, split
-
-MAX_NEW = 16
-GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
-
-
-def varied_prompts(n: int = 50) -> list[str]:
-    """Held-out stdlib snippets of varied lengths; every fifth shares a long prefix with the
-    one before it, so the radix cache is hit."""
-    _, held = split(list_files())
-    out: list[str] = []
-    for i, f in enumerate(held):
-        text = f.read()
-        if len(text) < 400:
-            continue
-        start = (i * 997) % max(1, len(text) - 400)
-        snippet = text[start : start + 40 + (i * 37) % 300]
-        out.append(snippet)
-        if len(out) % 5 == 4:
-            out.append(snippet + "\n    # variant\n")
-        if len(out) >= n:
-            break
-    return out[:n]
-
-
-PROMPTS = varied_prompts()
 
 SPEC = {"speculative_algorithm": "MTP"}
 CONFIGS = {
@@ -59,26 +34,6 @@ CONFIGS = {
 }
 
 
-def run(model_path, **kw):
-    engine = Engine(model_path=model_path, dtype="float32", **kw)
-    try:
-        outs = engine.generate(PROMPTS, GREEDY, return_logprob=True)
-        state = engine.get_internal_state()
-        assert (
-            state["available_kv_tokens"] + state["cached_tokens_in_tree"]
-            == state["max_total_num_tokens"]
-        ), "KV slots leaked"
-        return outs, state
-    finally:
-        engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def baseline(model_path):
-    outs, _ = run(model_path)
-    return outs
-
-
 def test_prompts_are_varied():
     assert len(PROMPTS) == 50
     assert len({len(p) for p in PROMPTS}) > 20
@@ -87,13 +42,7 @@ def test_prompts_are_varied():
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_with_mtp(model_path, baseline, name):
     outs, state = run(model_path, **CONFIGS[name])
-    mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
-    assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
-    for o, b in zip(outs, baseline):
-        got = [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
-        want = [lp for lp, _ in b["meta_info"]["output_token_logprobs"]]
-        assert len(got) == MAX_NEW
-        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3
+    assert_same_greedy(name, outs, baseline)
     k = CONFIGS[name].get("speculative_num_steps", 1)
     # The shipped draft agrees with the target often: speculation really accepts tokens.
     assert 1.3 < state["avg_spec_accept_length"] <= k + 1

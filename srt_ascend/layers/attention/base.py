@@ -37,6 +37,12 @@ class AttentionBackend(ABC):
     row (batch-expanded verify) read what the shorter rows wrote in the same pass.
     """
 
+    # Whether the backend handles ForwardBatch.static_shapes (fixed KV window, nothing read back
+    # to the host), which graph capture needs.
+    supports_static_shapes: bool = False
+    # Whether it hands host-side lists to its op (refreshed at each graph replay).
+    uses_host_lengths: bool = False
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-batch index tensors once, before the layers run (optional)."""
 

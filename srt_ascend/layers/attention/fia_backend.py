@@ -28,8 +28,12 @@ class FiaMetadata:
 
 
 def build_block_table(fb: ForwardBatch, page_size: int) -> torch.Tensor:
-    """Page id of every page of each row: the slot of the page's first position // page size."""
-    max_blocks = max(-(-s // page_size) for s in fb.seq_lens_cpu) if fb.seq_lens_cpu else 0
+    """Page id of every page of each row: the slot of the page's first position // page size.
+    Under static shapes the table covers the whole KV window (unused pages point at page 0)."""
+    if fb.static_shapes:
+        max_blocks = -(-fb.static_kv_len // page_size)
+    else:
+        max_blocks = max((-(-s // page_size) for s in fb.seq_lens_cpu), default=0)
     cols = torch.arange(max_blocks, device=fb.seq_lens.device) * page_size
     firsts = fb.req_to_token_pool.req_to_token[fb.req_pool_indices][:, cols]  # [B, max_blocks]
     return (firsts // page_size).to(torch.int32)
@@ -37,6 +41,9 @@ def build_block_table(fb: ForwardBatch, page_size: int) -> torch.Tensor:
 
 @register_attention_backend("fia")
 class FiaMLABackend(AttentionBackend):
+    supports_static_shapes = True
+    uses_host_lengths = True  # actual_seq_lengths(_kv) are host lists: refreshed per replay
+
     def __init__(self, page_size: int = 1, **_: object) -> None:
         self.page_size = page_size
         self._mask: torch.Tensor | None = None

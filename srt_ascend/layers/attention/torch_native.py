@@ -24,16 +24,26 @@ class PaddedRows:
 
     kv_slots: torch.Tensor  # [B, Lmax] slot of key j of row b (0 = padding slot)
     mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where query i of row b may attend key j
-    token_row: torch.Tensor  # [T] row of each packed query token
-    token_col: torch.Tensor  # [T] index of the token inside its row
+    token_row: torch.Tensor | None  # [T] row of each packed query token (None: uniform rows)
+    token_col: torch.Tensor | None  # [T] index of the token inside its row
     max_q: int
 
 
 def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
+    """Rows padded to the longest query and KV length. Under static shapes (graph capture)
+    the KV window is `fb.static_kv_len` and every row has the same query length, so nothing
+    here reads a device value on the host."""
     seq_lens, q_lens = fb.seq_lens, fb.extend_seq_lens
     b = fb.batch_size
-    max_kv = max(fb.seq_lens_cpu, default=0)
-    max_q = max(fb.extend_seq_lens_cpu, default=0)
+    uniform_q = len(set(fb.extend_seq_lens_cpu)) <= 1
+    max_q = fb.extend_seq_lens_cpu[0] if fb.extend_seq_lens_cpu else 0
+    if fb.static_shapes:
+        if not uniform_q:
+            raise ValueError("static-shape torch_native attention needs one query length per row")
+        max_kv = fb.static_kv_len
+    else:
+        max_kv = max(fb.seq_lens_cpu, default=0)
+        max_q = max(fb.extend_seq_lens_cpu, default=0)
     device = seq_lens.device
     cols = torch.arange(max_kv, device=device)
     rows = fb.req_to_token_pool.req_to_token[fb.req_pool_indices, :max_kv]  # [B, Lmax]
@@ -42,6 +52,8 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
     # Query i of row b sits at position seq_len - q_len + i and sees keys j <= that position.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
     mask = (cols[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    if uniform_q:  # packed tokens are already [B, q] row-major: a reshape, no scatter
+        return PaddedRows(kv_slots, mask.unsqueeze(1), None, None, max_q)
     token_row = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
     starts = torch.cumsum(q_lens, 0) - q_lens
     token_col = torch.arange(fb.num_tokens, device=device) - starts[token_row]
@@ -50,6 +62,8 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
 
 @register_attention_backend("torch_native")
 class TorchNativeMLABackend(AttentionBackend):
+    supports_static_shapes = True
+
     def __init__(self, **_: object) -> None:
         pass
 
@@ -64,14 +78,20 @@ class TorchNativeMLABackend(AttentionBackend):
         kv = pool.get_key_buffer(layer_id)[meta.kv_slots].squeeze(2).to(q_latent.dtype)
         keys_c, keys_pe = kv[..., :rank], kv[..., rank:]  # [B, Lmax, R], [B, Lmax, P]
         b, h = forward_batch.batch_size, q_latent.shape[1]
-        q_c = q_latent.new_zeros(b, meta.max_q, h, rank)
-        q_r = q_pe.new_zeros(b, meta.max_q, h, q_pe.shape[-1])
-        q_c[meta.token_row, meta.token_col] = q_latent
-        q_r[meta.token_row, meta.token_col] = q_pe
+        if meta.token_row is None:
+            q_c = q_latent.view(b, meta.max_q, h, rank)
+            q_r = q_pe.view(b, meta.max_q, h, q_pe.shape[-1])
+        else:
+            q_c = q_latent.new_zeros(b, meta.max_q, h, rank)
+            q_r = q_pe.new_zeros(b, meta.max_q, h, q_pe.shape[-1])
+            q_c[meta.token_row, meta.token_col] = q_latent
+            q_r[meta.token_row, meta.token_col] = q_pe
         scores = torch.einsum("bqhr,blr->bhql", q_c, keys_c)
         scores = scores + torch.einsum("bqhp,blp->bhql", q_r, keys_pe)
         scores = scores.float() * scale
         scores = scores.masked_fill(~meta.mask, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q_latent.dtype)
         out = torch.einsum("bhql,blr->bqhr", probs, keys_c)
-        return out[meta.token_row, meta.token_col]  # [T, H, R]
+        if meta.token_row is None:
+            return out.reshape(-1, h, rank)  # [T, H, R]
+        return out[meta.token_row, meta.token_col]

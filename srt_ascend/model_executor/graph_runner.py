@@ -1,0 +1,297 @@
+"""Graph capture/replay of the decode, target-verify and MTP draft forwards (DESIGN section 8).
+
+Each forward *kind* is captured once per batch-size bucket over static buffers sized for the
+largest bucket; buckets are captured largest first and share one memory pool. A replay copies
+the batch into the buffers, pads it to the bucket (padding rows: KV length 0, padding slot 0),
+replays, and slices the real rows back out. Prefill stays eager.
+
+Kinds (B = requests in the bucket, K = draft tokens per step):
+- decode:         main model, B rows of 1 token;
+- verify_expand:  main model, B(1+K) single-token rows (batch expansion);
+- verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
+- draft_extend:   MTP layer 0 over B rows of 1+K tokens (the pass after verify);
+- draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K).
+
+The graph class comes from the platform: CUDA graphs, aclgraphs, or on CPU an eager replay over
+the same buffers, so the capture/pad/replay logic runs in every test.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
+from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.model_runner import ModelRunner
+    from srt_ascend.platforms import DeviceGraph
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+
+
+def graph_buckets(requested: Sequence[int] | None, max_bs: int) -> list[int]:
+    """Sorted bucket sizes: the requested ones up to `max_bs`, or by default 1, 2, 4, 8, 12,
+    16, 24, 32, then every multiple of 16, up to and including `max_bs`."""
+    if requested:
+        return sorted({b for b in requested if b <= max_bs} or {max_bs})
+    sizes = {b for b in DEFAULT_BUCKETS if b <= max_bs} | set(range(48, max_bs + 1, 16))
+    return sorted(sizes | {max_bs})
+
+
+def fia_spare_slots(bucket: int, k: int) -> int:
+    """Extra request slots a verify graph keeps so that a bucket full of 1-token requests (just
+    arrived from a prefill node, no draft yet) can still hand its unused tokens to padding
+    requests of at most 16 tokens each."""
+    return -(-bucket * k // MAX_QUERY_TOKENS_PER_REQ)
+
+
+def fia_padded_query_lens(q_lens: Sequence[int], num_slots: int, total_tokens: int, per_req: int):
+    """Per-slot query lengths of a captured FIA verify batch (DESIGN section 8).
+
+    Real requests keep their lengths (1 or 1+K); each padding slot up to the bucket takes
+    `per_req` = 1+K tokens, so a full-length batch pads as [1+K, 2(1+K), ..., bucket(1+K)];
+    tokens real 1-token requests left unused go to the spare slots, at most 16 each, and the
+    remaining slots get 0. The cumulative lengths then end exactly at `total_tokens`."""
+    if any(not 1 <= q <= MAX_QUERY_TOKENS_PER_REQ for q in q_lens):
+        raise ValueError(f"query lengths must be in [1, {MAX_QUERY_TOKENS_PER_REQ}]: {q_lens}")
+    lens = list(q_lens)
+    left = total_tokens - sum(lens)
+    if left < 0 or len(lens) > num_slots:
+        raise ValueError(f"{len(lens)} requests / {sum(lens)} tokens exceed the graph's size")
+    bucket_slots = total_tokens // per_req
+    for _ in range(len(lens), num_slots):
+        cap = per_req if len(lens) < bucket_slots else MAX_QUERY_TOKENS_PER_REQ
+        take = min(cap, left)
+        lens.append(take)
+        left -= take
+    if left:
+        raise ValueError(f"{left} tokens do not fit the graph's {num_slots} slots")
+    return lens
+
+
+@dataclass(frozen=True)
+class GraphKind:
+    name: str
+    mode: ForwardMode
+    tokens_per_req: int  # query tokens each request contributes
+    rows_per_req: int  # ForwardBatch rows per request
+    mtp_layer: int | None  # None: the main model; else this MTP layer
+    fia: bool = False  # rows through the FIA backend (host lengths, spare slots)
+
+    @property
+    def q_per_row(self) -> int:
+        return self.tokens_per_req // self.rows_per_req
+
+
+class _Buffers:
+    """Static inputs shared by every graph (sized for the largest bucket of any kind)."""
+
+    def __init__(self, max_tokens: int, max_rows: int, hidden: int, dtype, device) -> None:
+        z = lambda n: torch.zeros(n, dtype=torch.int64, device=device)  # noqa: E731
+        self.input_ids, self.positions, self.out_cache_loc = (
+            z(max_tokens),
+            z(max_tokens),
+            z(max_tokens),
+        )
+        self.req_pool_indices, self.seq_lens = z(max_rows), z(max_rows)
+        self.hidden = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
+
+
+@dataclass
+class _Captured:
+    graph: DeviceGraph
+    fb: ForwardBatch  # over the static buffers; its host lists are refreshed at each replay
+    out: torch.Tensor  # the graph's output hidden states [tokens, D]
+    num_tokens: int
+    num_rows: int
+
+
+class GraphRunner:
+    def __init__(self, runner: ModelRunner, buckets: Sequence[int], spec_k: int | None) -> None:
+        self.runner = runner
+        self.platform = runner.platform
+        self.buckets = sorted(buckets)
+        self.kinds = self._kinds(spec_k)
+        self.static_kv_len = runner.req_to_token_pool.req_to_token.shape[1]
+        max_bs = self.buckets[-1]
+        max_tokens = max(k.tokens_per_req for k in self.kinds.values()) * max_bs
+        max_rows = max(
+            k.rows_per_req * max_bs + (fia_spare_slots(max_bs, spec_k or 0) if k.fia else 0)
+            for k in self.kinds.values()
+        )
+        self.buf = _Buffers(
+            max_tokens, max_rows, runner.config.hidden_size, runner.dtype, runner.device
+        )
+        self.graphs: dict[tuple[str, int], _Captured] = {}
+        self.replays: Counter[str] = Counter()  # per kind, reported in the internal state
+        self.pool = self.platform.graph_pool_handle()
+        self.stream = self.platform.new_stream()
+
+    def _kinds(self, k: int | None) -> dict[str, GraphKind]:
+        kinds = [GraphKind("decode", ForwardMode.DECODE, 1, 1, None)]
+        r = self.runner
+        if k is not None:
+            fia = r.verify_backend is not r.attn_backend
+            if not fia:
+                kinds.append(
+                    GraphKind("verify_expand", ForwardMode.TARGET_VERIFY, k + 1, k + 1, None)
+                )
+            elif self.platform.new_graph().supports_host_params:
+                kinds.append(
+                    GraphKind("verify_fia", ForwardMode.TARGET_VERIFY, k + 1, 1, None, True)
+                )
+            else:
+                logger.info(
+                    "FIA verify runs eagerly: this device's graphs cannot refresh its "
+                    "host-side lengths"
+                )
+            kinds.append(GraphKind("draft_extend", ForwardMode.DRAFT_EXTEND, k + 1, 1, 0))
+            for layer in sorted({r.mtp.layer_for_step(j) for j in range(1, k)}):
+                kinds.append(GraphKind(f"draft_step{layer}", ForwardMode.DECODE, 1, 1, layer))
+        backends_ok = (
+            r.attn_backend.supports_static_shapes and r.verify_backend.supports_static_shapes
+        )
+        if not backends_ok:
+            raise ValueError(
+                "graphs need attention backends that support static shapes "
+                "(torch_native, fia); pass --disable-cuda-graph"
+            )
+        return {kind.name: kind for kind in kinds}
+
+    # capture ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> None:
+        for bs in reversed(self.buckets):  # largest first: later graphs fit in its pool
+            for kind in self.kinds.values():
+                self.graphs[kind.name, bs] = self._capture_one(kind, bs)
+        self.platform.synchronize()
+        logger.info(
+            "captured %d graphs (%s) for batch sizes %s",
+            len(self.graphs),
+            ", ".join(self.kinds),
+            self.buckets,
+        )
+
+    def _static_batch(self, kind: GraphKind, bs: int) -> ForwardBatch:
+        b, r = self.buf, self.runner
+        n_tok = bs * kind.tokens_per_req
+        n_rows = bs * kind.rows_per_req + (
+            fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.fia else 0
+        )
+        q_lens = (
+            fia_padded_query_lens([], n_rows, n_tok, kind.tokens_per_req)
+            if kind.fia
+            else [kind.q_per_row] * n_rows
+        )
+        return ForwardBatch(
+            forward_mode=kind.mode,
+            input_ids=b.input_ids[:n_tok],
+            positions=b.positions[:n_tok],
+            req_pool_indices=b.req_pool_indices[:n_rows],
+            seq_lens=b.seq_lens[:n_rows],
+            extend_seq_lens=torch.tensor(q_lens, dtype=torch.int64, device=r.device),
+            out_cache_loc=b.out_cache_loc[:n_tok],
+            seq_lens_cpu=[0] * n_rows,
+            extend_seq_lens_cpu=q_lens,
+            req_to_token_pool=r.req_to_token_pool,
+            token_to_kv_pool=r.kv_pool,
+            attn_backend=r.verify_backend
+            if kind.mode == ForwardMode.TARGET_VERIFY
+            else r.attn_backend,
+            static_kv_len=self.static_kv_len,
+        )
+
+    def _capture_one(self, kind: GraphKind, bs: int) -> _Captured:
+        fb = self._static_batch(kind, bs)
+        hidden = self.buf.hidden[: fb.num_tokens]
+        r = self.runner
+
+        def body() -> torch.Tensor:
+            fb.attn_backend.init_forward_metadata(fb)
+            if kind.mtp_layer is None:
+                return r.model(fb.input_ids, fb.positions, fb)
+            return r.mtp(fb.input_ids, hidden, fb.positions, fb, step=kind.mtp_layer)
+
+        graph = self.platform.new_graph()
+        with self.platform.stream(self.stream):
+            for _ in range(graph.warmup_runs):
+                body()
+        out = graph.capture(body, self.pool, self.stream)
+        return _Captured(graph, fb, out, fb.num_tokens, fb.batch_size)
+
+    # replay ----------------------------------------------------------------------------
+    def kind_of(self, fb: ForwardBatch, mtp_layer: int | None) -> GraphKind | None:
+        if mtp_layer is None:
+            if fb.forward_mode == ForwardMode.DECODE:
+                name = "decode"
+            elif fb.forward_mode == ForwardMode.TARGET_VERIFY:
+                name = "verify_fia" if fb.attn_backend.uses_host_lengths else "verify_expand"
+            else:
+                return None
+        elif fb.forward_mode == ForwardMode.DRAFT_EXTEND and mtp_layer == 0:
+            name = "draft_extend"
+        elif fb.forward_mode == ForwardMode.DECODE:
+            name = f"draft_step{mtp_layer}"
+        else:
+            return None
+        return self.kinds.get(name)
+
+    def _bucket(self, kind: GraphKind, fb: ForwardBatch) -> int | None:
+        if kind.fia:
+            reqs = fb.batch_size
+            ok = all(1 <= q <= kind.tokens_per_req for q in fb.extend_seq_lens_cpu)
+        else:
+            reqs, rem = divmod(fb.batch_size, kind.rows_per_req)
+            ok = rem == 0 and all(q == kind.q_per_row for q in fb.extend_seq_lens_cpu)
+        if not ok or reqs == 0 or reqs > self.buckets[-1]:
+            return None
+        return next(b for b in self.buckets if b >= reqs)
+
+    def can_run(self, fb: ForwardBatch, mtp_layer: int | None = None) -> bool:
+        kind = self.kind_of(fb, mtp_layer)
+        return kind is not None and self._bucket(kind, fb) is not None
+
+    @torch.inference_mode()
+    def replay(
+        self, fb: ForwardBatch, mtp_layer: int | None = None, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Runs `fb` (eager-built, real rows only) through its captured graph; returns the
+        real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output is reused)."""
+        kind = self.kind_of(fb, mtp_layer)
+        g = self.graphs[kind.name, self._bucket(kind, fb)]
+        n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
+        for dst, src, n, total in (
+            (b.input_ids, fb.input_ids, n_tok, g.num_tokens),
+            (b.positions, fb.positions, n_tok, g.num_tokens),
+            (b.out_cache_loc, fb.out_cache_loc, n_tok, g.num_tokens),  # padding: slot 0
+            (b.req_pool_indices, fb.req_pool_indices, n_rows, g.num_rows),
+            (b.seq_lens, fb.seq_lens, n_rows, g.num_rows),  # padding rows: KV length 0
+        ):
+            dst[:n].copy_(src)
+            dst[n:total].zero_()
+        if hidden is not None:
+            b.hidden[:n_tok].copy_(hidden)
+            b.hidden[n_tok : g.num_tokens].zero_()
+        host = None
+        g.fb.seq_lens_cpu[:] = list(fb.seq_lens_cpu) + [0] * (g.num_rows - n_rows)
+        if kind.fia:
+            g.fb.extend_seq_lens_cpu[:] = fia_padded_query_lens(
+                fb.extend_seq_lens_cpu, g.num_rows, g.num_tokens, kind.tokens_per_req
+            )
+            g.fb.extend_seq_lens.copy_(torch.tensor(g.fb.extend_seq_lens_cpu))
+            host = {
+                "actual_seq_lengths": to_cumulative(g.fb.extend_seq_lens_cpu),
+                "actual_seq_lengths_kv": list(g.fb.seq_lens_cpu),
+            }
+        g.graph.replay(host)
+        self.replays[kind.name] += 1
+        return g.out[:n_tok].clone()

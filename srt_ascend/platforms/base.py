@@ -1,0 +1,107 @@
+"""The device interface: one small class per device, plus the graph interface it hands out.
+
+A Platform answers everything device-specific the runtime needs: the torch device,
+synchronisation, streams, memory queries, and the graph class with its memory pool. Nothing
+outside `srt_ascend.platforms` branches on the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+
+import torch
+
+PLATFORMS: dict[str, type[Platform]] = {}
+
+
+class DeviceUnavailable(RuntimeError):
+    """The requested device cannot be used here; the message is one line for the CLI."""
+
+
+def register_platform(name: str):
+    def wrap(cls):
+        PLATFORMS[name] = cls
+        return cls
+
+    return wrap
+
+
+class DeviceGraph(ABC):
+    """One captured forward. `capture` runs `fn` once under capture and returns its output
+    tensor; `replay` re-runs the captured work, which writes that same tensor again.
+
+    Host-side parameters (Python lists handed to an op, such as FIA's sequence lengths) are
+    baked into a device graph at capture. A graph class that can refresh them says so with
+    `supports_host_params`; `replay(host_params)` then passes the new values."""
+
+    supports_host_params: bool = False
+    warmup_runs: int = 2  # eager runs before capture (lazy kernels, workspaces)
+
+    @abstractmethod
+    def capture(self, fn: Callable[[], torch.Tensor], pool, stream) -> torch.Tensor: ...
+
+    @abstractmethod
+    def replay(self, host_params: dict[str, list[int]] | None = None) -> None: ...
+
+
+class EagerReplayGraph(DeviceGraph):
+    """CPU stand-in: "replay" runs the captured function again over the same static buffers
+    and copies the result into the captured output, so capture/pad/replay logic is shared
+    with the device graphs. Host parameters are read afresh on every run."""
+
+    supports_host_params = True
+    warmup_runs = 0
+
+    def capture(self, fn, pool, stream):
+        self._fn = fn
+        self._out = fn()
+        return self._out
+
+    def replay(self, host_params=None):
+        self._out.copy_(self._fn())
+
+
+class Platform(ABC):
+    name: str
+    graphs_by_default = True  # capture decode/verify/draft forwards unless disabled
+
+    @staticmethod
+    @abstractmethod
+    def is_available() -> bool: ...
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.name)
+
+    def synchronize(self) -> None:  # noqa: B027 - CPU work is synchronous
+        pass
+
+    # streams ---------------------------------------------------------------------------
+    def new_stream(self):
+        return None
+
+    def stream(self, stream) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    # memory ----------------------------------------------------------------------------
+    def mem_get_info(self) -> tuple[int, int]:
+        """(free, total) bytes of the memory the KV pool is carved from."""
+        page = os.sysconf("SC_PAGE_SIZE")
+        return page * os.sysconf("SC_AVPHYS_PAGES"), page * os.sysconf("SC_PHYS_PAGES")
+
+    def total_memory_bytes(self) -> int:
+        return self.mem_get_info()[1]
+
+    def empty_cache(self) -> None:  # noqa: B027 - nothing cached on CPU
+        pass
+
+    # graphs ----------------------------------------------------------------------------
+    def new_graph(self) -> DeviceGraph:
+        return EagerReplayGraph()
+
+    def graph_pool_handle(self):
+        """One memory pool shared by every graph captured in this process."""
+        return None

@@ -1,0 +1,70 @@
+"""Ascend NPU through torch_npu, imported only when this platform is chosen.
+
+Graphs are aclgraphs (`torch.npu.NPUGraph`). They are captured with torch_npu's
+`auto_dispatch_capture`, which records `npu_fused_infer_attention_score` as an updatable task;
+`NPUGraph.update` then refreshes its host-side `actual_seq_lengths` / `actual_seq_lengths_kv`
+before each replay (torch_npu >= 2.13, torch_npu/npu/_npugraph_handlers/ifa_handler.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from srt_ascend.platforms.base import DeviceGraph, Platform, register_platform
+
+
+def _import_torch_npu() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    try:
+        import torch_npu  # noqa: F401  (registers torch.npu)
+    except Exception:  # CANN missing or broken: torch_npu raises various errors at import
+        return False
+    return True
+
+
+class AclGraph(DeviceGraph):
+    supports_host_params = True
+
+    def capture(self, fn, pool, stream):
+        self._graph = torch.npu.NPUGraph()
+        with torch.npu.graph(self._graph, pool=pool, stream=stream, auto_dispatch_capture=True):
+            out = fn()
+        return out
+
+    def replay(self, host_params=None):
+        if host_params:
+            self._graph.update(cpu_update_input=[host_params])
+        self._graph.replay()
+
+
+@register_platform("npu")
+class NpuPlatform(Platform):
+    name = "npu"
+
+    @staticmethod
+    def is_available() -> bool:
+        return _import_torch_npu() and torch.npu.is_available()
+
+    def synchronize(self) -> None:
+        torch.npu.synchronize()
+
+    def new_stream(self):
+        return torch.npu.Stream()
+
+    def stream(self, stream):
+        return torch.npu.stream(stream)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return torch.npu.mem_get_info()
+
+    def empty_cache(self) -> None:
+        torch.npu.empty_cache()
+
+    def new_graph(self) -> DeviceGraph:
+        return AclGraph()
+
+    def graph_pool_handle(self):
+        return torch.npu.graph_pool_handle()
