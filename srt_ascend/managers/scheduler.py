@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -407,7 +409,25 @@ class Scheduler(KVMemoryMixin):
             self.emit(outputs)
 
 
-def run_scheduler_thread(scheduler: Scheduler) -> threading.Thread:
-    t = threading.Thread(target=scheduler.run_forever, name="srt-scheduler", daemon=True)
+def start_scheduler_thread(build: Callable[[], Scheduler]) -> tuple[Scheduler, threading.Thread]:
+    """Builds the scheduler (model load, pools, graphs) inside its own thread and runs it there;
+    returns it once built, or raises what building raised.
+
+    All tensor work then happens in one thread. On CPU this matters: a second thread with its
+    own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
+    its spin-waits once more threads than cores exist, and every small op then pays a worker
+    wake-up; decode steps measured twice as slow that way."""
+    built: Future[Scheduler] = Future()
+
+    def main() -> None:
+        try:
+            scheduler = build()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises
+            built.set_exception(e)
+            return
+        built.set_result(scheduler)
+        scheduler.run_forever()
+
+    t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()
-    return t
+    return built.result(), t

@@ -22,7 +22,7 @@ from srt_ascend.managers.io_struct import (
     ReqOutput,
     TokenizedGenerateReq,
 )
-from srt_ascend.managers.scheduler import Scheduler, run_scheduler_thread
+from srt_ascend.managers.scheduler import Scheduler, start_scheduler_thread
 from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms import get_platform
@@ -59,26 +59,29 @@ def load_tokenizer(path: str):
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs) -> None:
-        import torch
-
         self.args = server_args
-        if server_args.num_threads:
-            torch.set_num_threads(server_args.num_threads)
-        torch.manual_seed(server_args.random_seed)
         self.platform = get_platform(server_args.device)
         self.tokenizer = load_tokenizer(server_args.tokenizer)
-        self.runner = ModelRunner(server_args, self.platform)
+        self.states: dict[str, ReqState] = {}
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler)
+        self.runner = self.scheduler.runner
         self.context_len = self.runner.context_len
-        eos = self.runner.config.eos_token_id
+
+    def _build_scheduler(self) -> Scheduler:
+        """Runs in the scheduler thread: model load, KV pools, graph capture."""
+        import torch
+
+        args = self.args
+        if args.num_threads:
+            torch.set_num_threads(args.num_threads)
+        torch.manual_seed(args.random_seed)
+        runner = ModelRunner(args, self.platform)
+        eos = runner.config.eos_token_id
         eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
         if self.tokenizer.eos_token_id is not None:
             eos_ids.append(self.tokenizer.eos_token_id)
-        self.scheduler = Scheduler(
-            server_args, self.runner, StopChecker(self.tokenizer, eos_ids), self._on_outputs
-        )
-        self.states: dict[str, ReqState] = {}
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.thread = run_scheduler_thread(self.scheduler)
+        return Scheduler(args, runner, StopChecker(self.tokenizer, eos_ids), self._on_outputs)
 
     # ---- scheduler -> asyncio -----------------------------------------------------------------
 

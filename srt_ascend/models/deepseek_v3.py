@@ -86,25 +86,35 @@ class MLAAttention(nn.Module):
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         return q_nope, q_pe, c_kv, k_pe
 
-    def _w_uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv_b_proj split per head: W_UK [H, nope, R], W_UV [H, v, R]."""
-        w = self.kv_b_proj.weight.view(
-            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
-        )
-        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+    def _w_kc_vc(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj split per head into contiguous batched-matmul operands (SGLang's w_kc /
+        w_vc): W_UK [H, nope, R] and W_UV^T [H, R, v]. Cached, and rebuilt whenever
+        kv_b_proj's weight is replaced or modified in place."""
+        w = self.kv_b_proj.weight
+        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        if getattr(self, "_absorbed_key", None) != key:
+            # Plain tensors even when first built under inference_mode.
+            with torch.inference_mode(False), torch.no_grad():
+                heads = w.view(
+                    self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+                )
+                self._w_kc = heads[:, : self.qk_nope_head_dim].contiguous()
+                self._w_vc = heads[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
+            self._absorbed_key = key
+        return self._w_kc, self._w_vc
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
     ) -> torch.Tensor:
         """Absorbed MLA over the paged latent cache. x [T, hidden] -> [T, hidden]."""
         q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
-        w_uk, w_uv = self._w_uk_uv()
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_uk)  # [T, H, R]
+        w_kc, w_vc = self._w_kc_vc()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, R]
         o_latent = forward_batch.attn_backend.forward(
             q_latent, q_pe, c_kv, k_pe, self.layer_id, self.scale, forward_batch
         )
-        out = torch.einsum("thr,hvr->thv", o_latent.to(x.dtype), w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(x.shape[0], -1))
+        out = torch.bmm(o_latent.to(x.dtype).transpose(0, 1), w_vc)  # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
     def forward_dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Expanded MLA, causal over each row. positions [S]; x [B, S, hidden]."""

@@ -23,7 +23,7 @@ class PaddedRows:
     """Per-batch gather plan shared by all layers."""
 
     kv_slots: torch.Tensor  # [B, Lmax] slot of key j of row b (0 = padding slot)
-    mask: torch.Tensor  # [B, 1, Qmax, Lmax] True where query i of row b may attend key j
+    mask: torch.Tensor  # [B, Qmax, 1, Lmax] True where query i of row b may attend key j
     token_row: torch.Tensor | None  # [T] row of each packed query token (None: uniform rows)
     token_col: torch.Tensor | None  # [T] index of the token inside its row
     max_q: int
@@ -53,11 +53,11 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
     mask = (cols[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
     if uniform_q:  # packed tokens are already [B, q] row-major: a reshape, no scatter
-        return PaddedRows(kv_slots, mask.unsqueeze(1), None, None, max_q)
+        return PaddedRows(kv_slots, mask.unsqueeze(2), None, None, max_q)
     token_row = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
     starts = torch.cumsum(q_lens, 0) - q_lens
     token_col = torch.arange(fb.num_tokens, device=device) - starts[token_row]
-    return PaddedRows(kv_slots, mask.unsqueeze(1), token_row, token_col, max_q)
+    return PaddedRows(kv_slots, mask.unsqueeze(2), token_row, token_col, max_q)
 
 
 @register_attention_backend("torch_native")
@@ -71,27 +71,26 @@ class TorchNativeMLABackend(AttentionBackend):
         forward_batch.attn_metadata = build_padded_rows(forward_batch)
 
     def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
+        """Scores, softmax and the weighted sum run in float32 whatever the model dtype (as
+        fused attention kernels accumulate): exact for float32 models, more precise for
+        bf16 ones, and on CPU free of oneDNN's per-shape bf16 kernel set-up (KV lengths
+        change every step)."""
         pool = forward_batch.token_to_kv_pool
         pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
         meta: PaddedRows = forward_batch.attn_metadata
-        rank = q_latent.shape[-1]
-        kv = pool.get_key_buffer(layer_id)[meta.kv_slots].squeeze(2).to(q_latent.dtype)
-        keys_c, keys_pe = kv[..., :rank], kv[..., rank:]  # [B, Lmax, R], [B, Lmax, P]
-        b, h = forward_batch.batch_size, q_latent.shape[1]
+        b, h, rank = forward_batch.batch_size, q_latent.shape[1], q_latent.shape[-1]
+        kv = pool.get_key_buffer(layer_id)[meta.kv_slots].squeeze(2).float()  # [B, L, R+P]
+        q = torch.cat([q_latent, q_pe], dim=-1).float()  # [T, H, R+P]: one score matmul
+        if meta.token_row is not None:
+            padded = q.new_zeros(b, meta.max_q, h, q.shape[-1])
+            padded[meta.token_row, meta.token_col] = q
+            q = padded
+        q = q.view(b, meta.max_q * h, -1)
+        scores = torch.bmm(q, kv.transpose(1, 2)).view(b, meta.max_q, h, -1) * scale
+        scores = scores.masked_fill_(~meta.mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no key: zeros
+        out = torch.bmm(probs.view(b, meta.max_q * h, -1), kv[..., :rank])
+        out = out.view(b, meta.max_q, h, rank).to(q_latent.dtype)
         if meta.token_row is None:
-            q_c = q_latent.view(b, meta.max_q, h, rank)
-            q_r = q_pe.view(b, meta.max_q, h, q_pe.shape[-1])
-        else:
-            q_c = q_latent.new_zeros(b, meta.max_q, h, rank)
-            q_r = q_pe.new_zeros(b, meta.max_q, h, q_pe.shape[-1])
-            q_c[meta.token_row, meta.token_col] = q_latent
-            q_r[meta.token_row, meta.token_col] = q_pe
-        scores = torch.einsum("bqhr,blr->bhql", q_c, keys_c)
-        scores = scores + torch.einsum("bqhp,blp->bhql", q_r, keys_pe)
-        scores = scores.float() * scale
-        scores = scores.masked_fill(~meta.mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0).to(q_latent.dtype)
-        out = torch.einsum("bhql,blr->bqhr", probs, keys_c)
-        if meta.token_row is None:
-            return out.reshape(-1, h, rank)  # [T, H, R]
+            return out.view(-1, h, rank)  # [T, H, R]
         return out[meta.token_row, meta.token_col]
