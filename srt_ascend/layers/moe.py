@@ -79,13 +79,27 @@ class RoutedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
 
     def forward(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        static_shapes: bool = False,
     ) -> torch.Tensor:
         """x [T, H]; each token goes through its k experts, outputs summed with their weights.
 
-        Token copies are sorted by expert, each expert runs once over its contiguous slice, and
-        the results are put back in (token, k) order and summed: no scatter-add.
-        """
+        Small batches whose T*k assignments number between E/2 and 4E (most experts are hit
+        anyway, so dense work reads little extra weight) and graph capture (shapes must not
+        depend on the routing) take the dense path; the rest the sparse one."""
+        assignments = topk_ids.numel()
+        if static_shapes or self.n_experts <= 2 * assignments <= 8 * self.n_experts:
+            return self.forward_dense(x, topk_weights, topk_ids)
+        return self.forward_sparse(x, topk_weights, topk_ids)
+
+    def forward_sparse(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Token copies are sorted by expert, each expert runs once over its contiguous slice,
+        and the results are put back in (token, k) order and summed: no scatter-add."""
         t, k = topk_ids.shape
         flat_ids = topk_ids.flatten()  # [T*k]
         order = flat_ids.argsort(stable=True)
@@ -101,17 +115,16 @@ class RoutedExperts(nn.Module):
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
         return unsorted.view(t, k, -1).sum(1).to(x.dtype)
 
-    def forward_static(
+    def forward_dense(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """The same sum with shapes that never depend on the routing (graph capture): every
-        expert runs over every token and the routing weights, zero for unchosen experts,
-        combine them. E/k times the expert FLOPs, paid only by captured small batches."""
-        dense = torch.zeros(x.shape[0], self.n_experts, device=x.device, dtype=torch.float32)
-        dense.scatter_(1, topk_ids, topk_weights.float())  # [T, E]
-        gate, up = torch.einsum("th,eih->eti", x, self.w13).chunk(2, dim=-1)
-        ys = torch.einsum("eti,ehi->eth", F.silu(gate) * up, self.w2)  # [E, T, H]
-        return torch.einsum("te,eth->th", dense.to(ys.dtype), ys).to(x.dtype)
+        """Every expert over every token, two batched matmuls, combined with the routing
+        weights (zero for unchosen experts): no routing-dependent shapes or host syncs."""
+        weights = torch.zeros(x.shape[0], self.n_experts, device=x.device)
+        weights.scatter_(1, topk_ids, topk_weights.float())  # [T, E] float32, as sparse
+        gate, up = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I]
+        ys = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, T, H]
+        return (ys.float() * weights.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
 
 class DeepseekMoE(nn.Module):
@@ -139,10 +152,7 @@ class DeepseekMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        if static_shapes:
-            out = self.experts.forward_static(flat, weights, ids)
-        else:
-            out = self.experts(flat, weights, ids)
+        out = self.experts(flat, weights, ids, static_shapes)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)

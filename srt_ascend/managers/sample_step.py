@@ -51,12 +51,27 @@ def penalised_logits(
     return logits
 
 
+def all_plain_greedy(reqs: list[Req]) -> bool:
+    """Every request decodes by argmax with nothing to apply to its logits: no penalties, and
+    min_new_tokens already reached (so no stop mask, now or for later draft positions). Such
+    batches skip the sampling-settings tensors (argmax of the raw logits is the same rule)."""
+    for r in reqs:
+        p = r.sampling_params
+        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens:
+            return False
+        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
+            return False
+    return True
+
+
 def sample_rows(
     logits: torch.Tensor,  # [B, V] float32, one row per request
     reqs: list[Req],
     vocab_size: int,
     eos_ids: list[int],
 ) -> SampledRows:
+    if all_plain_greedy(reqs) and not any(r.return_logprob for r in reqs):
+        return SampledRows(logits[:, :vocab_size].argmax(dim=-1).tolist(), None, None)
     params = [r.sampling_params for r in reqs]
     info = SamplingBatchInfo.from_params(
         params, vocab_size, logits.device, seed_offsets=[len(r.output_ids) for r in reqs]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from srt_ascend.layers.sampler import processed_probs, sample_from_probs
-from srt_ascend.managers.sample_step import penalised_logits
+from srt_ascend.managers.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.managers.schedule_batch import Req
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
@@ -118,6 +118,9 @@ class MTPWorker:
 
     def _draft_step(self, reqs: list[Req], out_hidden: torch.Tensor, first: bool) -> None:
         logits = self.h.compute_logits(out_hidden)[:, : self.h.vocab_size]
+        if all_plain_greedy(reqs):
+            self._record(reqs, out_hidden, logits.argmax(dim=-1).tolist(), None, first)
+            return
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.h.vocab_size,
@@ -131,6 +134,10 @@ class MTPWorker:
         else:
             probs = processed_probs(logits, info)  # [B, V]
             tokens = sample_from_probs(probs, info).tolist()
+        self._record(reqs, out_hidden, tokens, probs, first)
+
+    @staticmethod
+    def _record(reqs, out_hidden, tokens: list[int], probs, first: bool) -> None:
         for i, r in enumerate(reqs):
             if first:
                 r.draft_tokens, r.draft_probs = [], []

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt_ascend.layers.sampler import processed_probs
-from srt_ascend.managers.sample_step import penalised_logits
+from srt_ascend.managers.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.managers.schedule_batch import Req
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
@@ -118,6 +118,10 @@ class SpecDecoder:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy."""
         b, k1, _ = logits.shape
+        drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64)
+        if all_plain_greedy(reqs):  # nothing modifies the logits: argmax of the raw ones
+            res = greedy_accept(drafts, logits.argmax(dim=-1))
+            return res.accept_len.tolist(), res.emitted
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.vocab,
@@ -132,7 +136,6 @@ class SpecDecoder:
             ],
             dim=1,
         )  # [B, K+1, V]
-        drafts = torch.tensor([r.draft_tokens for r in reqs], dtype=torch.int64)
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
             res = greedy_accept(drafts, logits.argmax(dim=-1))
             return res.accept_len.tolist(), res.emitted
