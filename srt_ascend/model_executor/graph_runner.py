@@ -170,6 +170,7 @@ class GraphRunner:
     # capture ---------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
+        self.platform.synchronize()  # static buffers were zeroed on the default stream
         for bs in reversed(self.buckets):  # largest first: later graphs fit in its pool
             for kind in self.kinds.values():
                 self.graphs[kind.name, bs] = self._capture_one(kind, bs)

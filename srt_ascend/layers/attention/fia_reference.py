@@ -174,13 +174,27 @@ def npu_fused_infer_attention_score(
     num_tokens, dev = query.shape[0], query.device
     causal = sparse_mode == SPARSE_RIGHT_DOWN_CAUSAL
     plans = _plans(batch, block_table, caches[0], num_heads, causal)
+    dv = caches[1].shape[-1]
+    value_cols = None
+    joint = _adjacent(caches[0], caches[2]) if query_rope is not None else None
+    if joint is not None and _same_view(caches[0], caches[1]):
+        # The MLA latent cache with its rope key right after it (how the FIA backend passes
+        # them): one gather and one score matmul over [latent | rope]; values = the latent.
+        query, query_rope, caches, value_cols = (
+            torch.cat([query, query_rope], -1),
+            None,
+            [joint],
+            dv,
+        )
     if len(plans) == 1 and plans[0].t1 - plans[0].t0 == num_tokens and not softmax_lse_flag:
-        out = _attend_chunk(query, query_rope, caches, plans[0], scale, False)[0]
+        out = _attend_chunk(query, query_rope, caches, plans[0], scale, False, value_cols)[0]
     else:
-        out = torch.zeros(num_tokens, num_heads, caches[1].shape[-1], device=dev)
+        out = torch.zeros(num_tokens, num_heads, dv, device=dev)
         lse = torch.full((num_tokens, num_heads), float("-inf"), device=dev)
         for plan in plans:
-            ctx, chunk_lse = _attend_chunk(query, query_rope, caches, plan, scale, softmax_lse_flag)
+            ctx, chunk_lse = _attend_chunk(
+                query, query_rope, caches, plan, scale, softmax_lse_flag, value_cols
+            )
             out[plan.t0 : plan.t1] = ctx
             if softmax_lse_flag:
                 lse[plan.t0 : plan.t1] = chunk_lse
@@ -228,7 +242,7 @@ def _as_host_ints(name: str, values: Sequence[int] | None) -> list[int]:
         raise ValueError(f"{name} is required with input_layout TND")
     if isinstance(values, torch.Tensor) or not isinstance(values, (list, tuple)):
         raise TypeError(f"{name} must be a host list of ints, got {type(values).__name__}")
-    if not all(isinstance(v, numbers.Integral) for v in values):
+    if not all(type(v) is int or isinstance(v, numbers.Integral) for v in values):
         raise TypeError(f"{name} must contain ints, got {values!r}")
     return [int(v) for v in values]
 
@@ -505,6 +519,23 @@ def _gather_kv(caches: list[torch.Tensor], plan: _ChunkPlan) -> list[torch.Tenso
     return out
 
 
+def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a and b as one view [..., Da + Db] when b's columns follow a's in one buffer (same
+    rows, strides and dtype), else None."""
+    def strides(t: torch.Tensor) -> list[int]:  # size-1 dims' strides are arbitrary
+        return [st for n, st in zip(t.shape, t.stride()) if n != 1]
+
+    if (
+        a.shape[:-1] != b.shape[:-1]
+        or strides(a)[:-1] != strides(b)[:-1]
+        or a.dtype != b.dtype
+        or a.stride(-1) != 1
+        or b.data_ptr() != a.data_ptr() + a.shape[-1] * a.element_size()
+    ):
+        return None
+    return a.as_strided((*a.shape[:-1], a.shape[-1] + b.shape[-1]), a.stride(), a.storage_offset())
+
+
 def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.data_ptr() == b.data_ptr()
@@ -521,10 +552,12 @@ def _attend_chunk(
     plan: _ChunkPlan,
     scale: float,
     want_lse: bool,
+    value_cols: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention for one planned run of requests with at least one query token: pad them to
     [b, max_q] queries x [b, max_kv] keys; return float32 (out [t, N, Dv], lse [t, N] or None
-    unless `want_lse`) for their t tokens in TND order."""
+    unless `want_lse`) for their t tokens in TND order. With `value_cols`, caches is [key] and
+    the values are the key's first value_cols columns."""
     t0, t1, max_q, max_kv = plan.t0, plan.t1, plan.max_q, plan.max_kv
     b = plan.ids.shape[0]
     kv = _gather_kv(caches, plan)
@@ -550,9 +583,10 @@ def _attend_chunk(
     scores = scores.view(b, kv_heads, max_q, group, max_kv) * scale  # [b, h, q, g, k]
     allowed = plan.allowed[:, None, :, None, :]
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).masked_fill(~allowed, 0.0)  # all-masked rows -> 0
-    dv = kv[1].shape[-1]
-    values = kv[1].permute(0, 2, 1, 3).reshape(b * kv_heads, max_kv, dv)
+    probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked rows -> 0
+    vals = kv[0][..., :value_cols] if value_cols else kv[1]
+    dv = vals.shape[-1]
+    values = vals.permute(0, 2, 1, 3).reshape(b * kv_heads, max_kv, dv)
     ctx = torch.bmm(probs.view(b * kv_heads, max_q * group, max_kv), values)
     ctx = ctx.view(b, kv_heads, max_q, group, dv).permute(0, 2, 1, 3, 4)  # [b, q, h, g, dv]
     n = kv_heads * group
