@@ -2,12 +2,14 @@
 
     python benchmark/serving.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k1-expand mtp-k2-fia ...] [--max-concurrency 1 4 16 | --saturate]
-        [--num-prompts 32] [--input-len 128] [--output-len 128] [--json-out FILE]
+        [--num-prompts 32] [--repeats 1] [--input-len 128] [--output-len 128] [--json-out FILE]
 
 Each configuration gets its own server (shipped checkpoint, default bf16) on a free port;
 bench_serving runs unmodified with the offline `random-ids` dataset (or `--dataset heldout`:
 held-out stdlib snippets written as a local ShareGPT-format file) and the shipped tokenizer.
-`--saturate` sends every request at once (request rate inf, no concurrency cap). Reported per
+`--saturate` sends every request at once (request rate inf, no concurrency cap).
+`--repeats N` runs every configuration N times round-robin and reports medians (this VM's
+speed drifts by 20-40% over minutes: interleaving keeps the ratios fair). Reported per
 run: request and output throughput, median TTFT and TPOT, and (MTP) the server's mean accept
 length from /server_info.
 """
@@ -18,6 +20,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -25,6 +28,7 @@ import time
 import urllib.request
 
 from plots import plot_spec_rows
+from spec_decode import prompts as heldout_prompts
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -99,14 +103,7 @@ def bench(py: str, url: str, model: str, a, concurrency: int | None) -> dict:
         model,
         "--tokenizer",
         model,
-        "--dataset-name",
-        "random-ids",
-        "--random-input-len",
-        str(a.input_len),
-        "--random-output-len",
-        str(a.output_len),
-        "--random-range-ratio",
-        "1.0",
+        *dataset_args(a),
         "--num-prompts",
         str(a.num_prompts),
         "--request-rate",
@@ -127,6 +124,38 @@ def bench(py: str, url: str, model: str, a, concurrency: int | None) -> dict:
     return res
 
 
+def dataset_args(a) -> list[str]:
+    """bench_serving's dataset flags: random token ids, or held-out text as a local
+    ShareGPT-format file (prompt = snippet, fixed output length)."""
+    if a.dataset == "random-ids":
+        return [
+            "--dataset-name",
+            "random-ids",
+            "--random-input-len",
+            str(a.input_len),
+            "--random-output-len",
+            str(a.output_len),
+            "--random-range-ratio",
+            "1.0",
+        ]
+    if not getattr(a, "_heldout_file", None):
+        rows = [
+            {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "-"}]}
+            for text in heldout_prompts(a.num_prompts)
+        ]
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(rows, f)
+        a._heldout_file = f.name
+    return [
+        "--dataset-name",
+        "sharegpt",
+        "--dataset-path",
+        a._heldout_file,
+        "--sharegpt-output-len",
+        str(a.output_len),
+    ]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
@@ -137,6 +166,12 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1])
     p.add_argument("--saturate", action="store_true", help="all requests at once")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run all configs this many times round-robin; report medians over the repeats",
+    )
     p.add_argument(
         "--dataset",
         default="random-ids",
@@ -164,29 +199,34 @@ def main() -> None:
             )
         return
     levels = [None] if a.saturate else a.max_concurrency
-    rows = []
-    for name in a.configs:
-        proc, url = start_server(a.model_path, CONFIGS[name] + a.extra_server_args.split())
-        try:
-            for c in levels:
-                r = bench(a.sglang_python, url, a.model_path, a, c)
-                info = json.load(urllib.request.urlopen(url + "/server_info"))
-                acc = info.get("internal_states", [{}])[0].get("avg_spec_accept_length")
-                row = dict(
-                    config=name,
-                    max_concurrency=c or "inf",
-                    completed=r["completed"],
-                    request_throughput=round(r["request_throughput"], 3),
-                    output_throughput=round(r["output_throughput"], 1),
-                    median_ttft_ms=round(r["median_ttft_ms"], 1),
-                    median_tpot_ms=round(r["median_tpot_ms"], 2),
-                    accept_length=round(acc, 3) if acc else None,
-                )
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
+    runs = []
+    for rep in range(a.repeats):  # round-robin: slow phases of this VM hit every config alike
+        for name in a.configs:
+            proc, url = start_server(a.model_path, CONFIGS[name] + a.extra_server_args.split())
+            try:
+                for c in levels:
+                    r = bench(a.sglang_python, url, a.model_path, a, c)
+                    info = json.load(urllib.request.urlopen(url + "/server_info"))
+                    acc = info.get("internal_states", [{}])[0].get("avg_spec_accept_length")
+                    row = dict(
+                        config=name,
+                        max_concurrency=c or "inf",
+                        repeat=rep,
+                        completed=r["completed"],
+                        request_throughput=round(r["request_throughput"], 3),
+                        output_throughput=round(r["output_throughput"], 1),
+                        median_ttft_ms=round(r["median_ttft_ms"], 1),
+                        median_tpot_ms=round(r["median_tpot_ms"], 2),
+                        accept_length=round(acc, 3) if acc else None,
+                    )
+                    runs.append(row)
+                    print(json.dumps(row), flush=True)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=30)
+    rows = aggregate(runs)
+    if getattr(a, "_heldout_file", None):
+        os.unlink(a._heldout_file)
     print_table(rows)
     if a.json_out:
         with open(a.json_out, "w") as f:
@@ -199,6 +239,37 @@ def main() -> None:
             "median_tpot_ms",
             "bench_serving TPOT (dotted: MTP off)",
         )
+
+
+def _median(group: list[dict], field: str) -> float:
+    return statistics.median(r[field] for r in group)
+
+
+def aggregate(runs: list[dict]) -> list[dict]:
+    """One row per (config, concurrency): medians over the repeats (TPOT of each repeat kept in
+    `tpot_runs`); a single repeat passes through unchanged."""
+    keys = list(dict.fromkeys((r["config"], r["max_concurrency"]) for r in runs))
+    rows = []
+    for key in keys:
+        group = [r for r in runs if (r["config"], r["max_concurrency"]) == key]
+        if len(group) == 1:
+            rows.append({k: v for k, v in group[0].items() if k != "repeat"})
+            continue
+
+        rows.append(
+            dict(
+                config=key[0],
+                max_concurrency=key[1],
+                completed=sum(r["completed"] for r in group),
+                request_throughput=round(_median(group, "request_throughput"), 3),
+                output_throughput=round(_median(group, "output_throughput"), 1),
+                median_ttft_ms=round(_median(group, "median_ttft_ms"), 1),
+                median_tpot_ms=round(_median(group, "median_tpot_ms"), 2),
+                accept_length=group[-1]["accept_length"],
+                tpot_runs=[r["median_tpot_ms"] for r in group],
+            )
+        )
+    return rows
 
 
 def print_table(rows: list[dict]) -> None:

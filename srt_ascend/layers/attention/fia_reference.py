@@ -522,6 +522,7 @@ def _gather_kv(caches: list[torch.Tensor], plan: _ChunkPlan) -> list[torch.Tenso
 def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """a and b as one view [..., Da + Db] when b's columns follow a's in one buffer (same
     rows, strides and dtype), else None."""
+
     def strides(t: torch.Tensor) -> list[int]:  # size-1 dims' strides are arbitrary
         return [st for n, st in zip(t.shape, t.stride()) if n != 1]
 
