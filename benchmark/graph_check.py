@@ -78,12 +78,7 @@ class Batch:
             return r.build_forward_batch(
                 ForwardMode.TARGET_VERIFY, ids, rows, seqs, [1] * len(rows), loc, r.verify_backend
             )
-        mode = {
-            "decode": ForwardMode.DECODE,
-            "draft_step": ForwardMode.DECODE,
-            "verify_fia": ForwardMode.TARGET_VERIFY,
-            "draft_extend": ForwardMode.DRAFT_EXTEND,
-        }[kind]
+        mode = next(k.mode for n, k in r.graph_runner.kinds.items() if n.startswith(kind))
         backend = r.verify_backend if mode == ForwardMode.TARGET_VERIFY else r.attn_backend
         return r.build_forward_batch(mode, ids, self.rows, seq, [q] * len(seq), loc, backend)
 
@@ -91,13 +86,6 @@ class Batch:
         for s in self.slots:
             self.runner.allocator.free(s)
         self.runner.req_to_token_pool.free(self.rows)
-
-
-def eager(runner, fb, layer, hidden):
-    fb.attn_backend.init_forward_metadata(fb)
-    if layer is None:
-        return runner.model(fb.input_ids, fb.positions, fb)
-    return runner.mtp(fb.input_ids, hidden, fb.positions, fb, step=layer)
 
 
 def check(runner: ModelRunner, platform, fb, layer: int | None, iters: int) -> dict:
@@ -108,10 +96,10 @@ def check(runner: ModelRunner, platform, fb, layer: int | None, iters: int) -> d
         hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, device=runner.device)
         hidden = hidden.to(runner.dtype)
     assert gr.can_run(fb, layer)
-    ref = eager(runner, fb, layer, hidden).float()
+    ref = runner.forward_eager(fb, layer, hidden).float()
     diff = (gr.replay(fb, layer, hidden).float() - ref).abs().max().item()
     scale = 1e-3 if runner.dtype == torch.float32 else 0.1 * max(1.0, ref.abs().max().item())
-    t_eager = timed(platform, lambda: eager(runner, fb, layer, hidden), iters)
+    t_eager = timed(platform, lambda: runner.forward_eager(fb, layer, hidden), iters)
     t_replay = timed(platform, lambda: gr.replay(fb, layer, hidden), iters)
     return {
         "eager_ms": t_eager,

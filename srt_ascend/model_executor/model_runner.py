@@ -141,9 +141,7 @@ class ModelRunner:
         fb = forward_batch
         if self.graph_runner is not None and self.graph_runner.can_run(fb):
             return self.graph_runner.replay(fb)
-        if fb.attn_metadata is None:
-            fb.attn_backend.init_forward_metadata(fb)
-        return self.model(fb.input_ids, fb.positions, fb)
+        return self.forward_eager(fb)
 
     @torch.inference_mode()
     def forward_mtp(self, forward_batch: ForwardBatch, hidden: torch.Tensor, step: int):
@@ -153,9 +151,19 @@ class ModelRunner:
         layer = self.mtp.layer_for_step(step)
         if self.graph_runner is not None and self.graph_runner.can_run(fb, layer):
             return self.graph_runner.replay(fb, layer, hidden)
+        return self.forward_eager(fb, step, hidden)
+
+    @torch.inference_mode()
+    def forward_eager(
+        self, fb: ForwardBatch, mtp_step: int | None = None, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The main model (mtp_step None) or the MTP module at that draft step, never from a
+        graph: what every replay must reproduce."""
         if fb.attn_metadata is None:
             fb.attn_backend.init_forward_metadata(fb)
-        return self.mtp(fb.input_ids, hidden, fb.positions, fb, step=step)
+        if mtp_step is None:
+            return self.model(fb.input_ids, fb.positions, fb)
+        return self.mtp(fb.input_ids, hidden, fb.positions, fb, step=mtp_step)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

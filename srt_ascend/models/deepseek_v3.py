@@ -91,7 +91,8 @@ class MLAAttention(nn.Module):
         w_vc): W_UK [H, nope, R] and W_UV^T [H, R, v]. Cached, and rebuilt whenever
         kv_b_proj's weight is replaced or modified in place."""
         w = self.kv_b_proj.weight
-        key = (w.data_ptr(), w._version, w.dtype, w.device)
+        version = -1 if w.is_inference() else w._version  # inference tensors have none
+        key = (w.data_ptr(), version, w.dtype, w.device)
         if getattr(self, "_absorbed_key", None) != key:
             # Plain tensors even when first built under inference_mode.
             with torch.inference_mode(False), torch.no_grad():

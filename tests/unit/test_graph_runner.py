@@ -135,21 +135,9 @@ class Requests:
                 ForwardMode.TARGET_VERIFY, ids, rows, seqs, [1] * len(rows), loc,
                 r.verify_backend,
             )  # fmt: skip
-        mode = {
-            "decode": ForwardMode.DECODE,
-            "draft_step": ForwardMode.DECODE,
-            "verify_fia": ForwardMode.TARGET_VERIFY,
-            "draft_extend": ForwardMode.DRAFT_EXTEND,
-        }[kind]
+        mode = next(k.mode for n, k in r.graph_runner.kinds.items() if n.startswith(kind))
         backend = r.verify_backend if mode == ForwardMode.TARGET_VERIFY else r.attn_backend
         return r.build_forward_batch(mode, ids, self.rows, seq, q_lens, loc, backend)
-
-
-def run_eager(runner, fb, layer, hidden):
-    fb.attn_backend.init_forward_metadata(fb)
-    if layer is None:
-        return runner.model(fb.input_ids, fb.positions, fb)
-    return runner.mtp(fb.input_ids, hidden, fb.positions, fb, step=layer)
 
 
 CASES = [  # (verify path, kind, MTP layer or None, query lengths)
@@ -188,7 +176,7 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
         before = gr.replays[name]
         replayed = gr.replay(fb, layer, hidden if layer is not None else None)
         assert gr.replays[name] == before + 1
-        eager = run_eager(runner, fb, layer, hidden)
+        eager = runner.forward_eager(fb, layer, hidden)
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
 
         # Same replay with garbage in every padding row (ids, positions, hidden, KV lengths,
@@ -245,4 +233,15 @@ def test_paged_fia_replay_matches_eager(tiny_mtp_factory):
     reqs = Requests(runner, lens=(3, 9))
     fb = reqs.batch("verify_fia")
     replayed = runner.graph_runner.replay(fb)
-    torch.testing.assert_close(replayed, run_eager(runner, fb, None, None), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(replayed, runner.forward_eager(fb, None, None), rtol=1e-4, atol=1e-5)
+
+
+def test_runner_built_under_inference_mode(tiny_mtp_factory):
+    """Weights created under inference_mode are inference tensors (no version counter): the
+    cached absorbed MLA weights must still work, eager and replayed."""
+    with torch.inference_mode():
+        runner = make_runner(tiny_mtp_factory(num_mtp=2).path, "expand")
+        reqs = Requests(runner, lens=(4, 6))
+        fb = reqs.batch("decode")
+        replayed = runner.graph_runner.replay(fb)
+        torch.testing.assert_close(replayed, runner.forward_eager(fb), rtol=1e-4, atol=1e-5)
