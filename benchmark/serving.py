@@ -190,13 +190,7 @@ def main() -> None:
             rows = json.load(f)
         print_table(rows)
         if a.plot:
-            plot_spec_rows(
-                rows,
-                a.plot,
-                "max_concurrency",
-                "median_tpot_ms",
-                "bench_serving TPOT (dotted: MTP off)",
-            )
+            plot(rows, a.plot)
         return
     levels = [None] if a.saturate else a.max_concurrency
     runs = []
@@ -232,13 +226,13 @@ def main() -> None:
         with open(a.json_out, "w") as f:
             json.dump(rows, f, indent=1)
     if a.plot:
-        plot_spec_rows(
-            rows,
-            a.plot,
-            "max_concurrency",
-            "median_tpot_ms",
-            "bench_serving TPOT (dotted: MTP off)",
-        )
+        plot(rows, a.plot)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    plot_spec_rows(
+        rows, path, "max_concurrency", "median_tpot_ms", "bench_serving TPOT (dotted: MTP off)"
+    )
 
 
 def _median(group: list[dict], field: str) -> float:
