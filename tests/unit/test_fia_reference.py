@@ -316,3 +316,30 @@ def test_real_op_matches_reference_on_npu():
     on_npu["atten_mask"] = on_npu["atten_mask"].to(torch.int8)
     out, _ = npu_ops.fused_infer_attention_score(**on_npu)
     torch.testing.assert_close(out.cpu(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_latent_and_rope_in_one_buffer_match_dense(block_size):
+    """How the FIA backend passes the cache: key = value = buf[..., :D] and key_rope =
+    buf[..., D:] of one [slots, 1, D + Dr] buffer (the reference then gathers it once)."""
+    kwargs, dense = make_case(RAGGED_Q, RAGGED_KV, block_size, seed=11)
+    key, rope = kwargs["key"], kwargs["key_rope"]  # (NB, bs, D), (NB, bs, Dr)
+    buf = torch.cat([key, rope], dim=-1).view(-1, 1, key.shape[-1] + rope.shape[-1])
+    paged = buf.view(key.shape[0], block_size, -1)
+    d = key.shape[-1]
+    joint = {**kwargs, "key": paged[..., :d], "value": paged[..., :d], "key_rope": paged[..., d:]}
+    out, _ = npu_fused_infer_attention_score(**joint)
+    torch.testing.assert_close(out.double(), dense_attention(kwargs, dense), atol=1e-5, rtol=1e-5)
+
+
+def test_block_table_changed_in_place_between_calls():
+    """Index plans are reused across calls only for an equal block table: the same table
+    object rewritten in place (same lengths, so the same cache key) must be re-planned."""
+    kwargs, _ = make_case([2, 2], [4, 4], 1, seed=3)
+    first, _ = npu_fused_infer_attention_score(**kwargs)
+    table = kwargs["block_table"]
+    table[[0, 1]] = table[[1, 0]].clone()  # the two requests now read each other's KV
+    in_place, _ = npu_fused_infer_attention_score(**kwargs)
+    fresh, _ = npu_fused_infer_attention_score(**{**kwargs, "block_table": table.clone()})
+    assert not torch.allclose(in_place, first)
+    torch.testing.assert_close(in_place, fresh)

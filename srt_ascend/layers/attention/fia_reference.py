@@ -51,6 +51,7 @@ instead used block ids are range-checked, and the mask pattern is spot-checked.
 from __future__ import annotations
 
 import numbers
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -433,16 +434,18 @@ class _ChunkPlan:
     allowed: torch.Tensor  # [b, max_q, max_kv] keys each (padded) query row may attend
 
 
-class _LastCall:
-    """What the previous call derived, reused while an equal block table, the same lengths and
-    cache geometry come back (the FIA backend calls once per layer with the same metadata), and
-    the mask already spot-checked (same object and, outside inference mode, version)."""
+class _LastCall(threading.local):
+    """What the previous call in this thread derived, reused while an equal block table, the
+    same lengths and cache geometry come back (the FIA backend calls once per layer with the
+    same metadata), and the mask already spot-checked (same object and, outside inference
+    mode, version). Per thread: two engines in one process never see each other's plans."""
 
-    table: torch.Tensor | None = None  # a copy of the table the plans were built from
-    key: tuple | None = None
-    plans: list[_ChunkPlan] = []
-    mask: torch.Tensor | None = None
-    mask_version: int = -1
+    def __init__(self) -> None:
+        self.table: torch.Tensor | None = None  # a copy of the table the plans were built from
+        self.key: tuple | None = None
+        self.plans: list[_ChunkPlan] = []
+        self.mask: torch.Tensor | None = None
+        self.mask_version = -1
 
 
 _CACHE = _LastCall()
