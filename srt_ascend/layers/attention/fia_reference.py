@@ -578,15 +578,15 @@ def _attend_chunk(
     def heads_first(x: torch.Tensor) -> torch.Tensor:  # [b, q, h, g, d] -> [b*h, q*g, d]
         return x.permute(0, 2, 1, 3, 4).reshape(b * kv_heads, max_q * group, x.shape[-1])
 
-    def keys_t(x: torch.Tensor) -> torch.Tensor:  # [b, k, h, d] -> [b*h, d, k]
-        return x.permute(0, 2, 3, 1).reshape(b * kv_heads, x.shape[-1], max_kv)
+    def keys_t(x: torch.Tensor) -> torch.Tensor:  # [b, k, h, d] -> [b*h, d, k] (a view for h=1)
+        return x.permute(0, 2, 1, 3).reshape(b * kv_heads, max_kv, x.shape[-1]).transpose(1, 2)
 
     scores = torch.bmm(heads_first(padded(query)), keys_t(kv[0]))
     if query_rope is not None:
         scores += torch.bmm(heads_first(padded(query_rope)), keys_t(kv[2]))
-    scores = scores.view(b, kv_heads, max_q, group, max_kv) * scale  # [b, h, q, g, k]
+    scores = scores.view(b, kv_heads, max_q, group, max_kv).mul_(scale)  # [b, h, q, g, k]
     allowed = plan.allowed[:, None, :, None, :]
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # all-masked rows -> 0
     vals = kv[0][..., :value_cols] if value_cols else kv[1]
     dv = vals.shape[-1]
