@@ -124,10 +124,7 @@ class GraphRunner:
         self.static_kv_len = runner.req_to_token_pool.req_to_token.shape[1]
         max_bs = self.buckets[-1]
         max_tokens = max(k.tokens_per_req for k in self.kinds.values()) * max_bs
-        max_rows = max(
-            k.rows_per_req * max_bs + (fia_spare_slots(max_bs, spec_k or 0) if k.fia else 0)
-            for k in self.kinds.values()
-        )
+        max_rows = max(self._num_rows(k, max_bs) for k in self.kinds.values())
         self.buf = _Buffers(
             max_tokens, max_rows, runner.config.hidden_size, runner.dtype, runner.device
         )
@@ -167,6 +164,12 @@ class GraphRunner:
             )
         return {kind.name: kind for kind in kinds}
 
+    @staticmethod
+    def _num_rows(kind: GraphKind, bs: int) -> int:
+        """ForwardBatch rows of a captured batch: the requests' rows, plus FIA's spare slots."""
+        spare = fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.fia else 0
+        return bs * kind.rows_per_req + spare
+
     # capture ---------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
@@ -185,9 +188,7 @@ class GraphRunner:
     def _static_batch(self, kind: GraphKind, bs: int) -> ForwardBatch:
         b, r = self.buf, self.runner
         n_tok = bs * kind.tokens_per_req
-        n_rows = bs * kind.rows_per_req + (
-            fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.fia else 0
-        )
+        n_rows = self._num_rows(kind, bs)
         q_lens = (
             fia_padded_query_lens([], n_rows, n_tok, kind.tokens_per_req)
             if kind.fia
@@ -257,18 +258,34 @@ class GraphRunner:
             return None
         return next(b for b in self.buckets if b >= reqs)
 
-    def can_run(self, fb: ForwardBatch, mtp_layer: int | None = None) -> bool:
+    def _find(self, fb: ForwardBatch, mtp_layer: int | None) -> tuple[GraphKind, int] | None:
         kind = self.kind_of(fb, mtp_layer)
-        return kind is not None and self._bucket(kind, fb) is not None
+        bucket = None if kind is None else self._bucket(kind, fb)
+        return None if bucket is None else (kind, bucket)
 
-    @torch.inference_mode()
+    def can_run(self, fb: ForwardBatch, mtp_layer: int | None = None) -> bool:
+        return self._find(fb, mtp_layer) is not None
+
     def replay(
         self, fb: ForwardBatch, mtp_layer: int | None = None, hidden: torch.Tensor | None = None
     ) -> torch.Tensor:
+        out = self.try_replay(fb, mtp_layer, hidden)
+        if out is None:
+            raise ValueError(f"no captured graph holds this {fb.forward_mode.name} batch")
+        return out
+
+    @torch.inference_mode()
+    def try_replay(
+        self, fb: ForwardBatch, mtp_layer: int | None = None, hidden: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """Runs `fb` (eager-built, real rows only) through its captured graph; returns the
-        real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output is reused)."""
-        kind = self.kind_of(fb, mtp_layer)
-        g = self.graphs[kind.name, self._bucket(kind, fb)]
+        real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output is reused),
+        or None when no captured graph holds the batch."""
+        found = self._find(fb, mtp_layer)
+        if found is None:
+            return None
+        kind, bucket = found
+        g = self.graphs[kind.name, bucket]
         n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
         for dst, src, n, total in (
             (b.input_ids, fb.input_ids, n_tok, g.num_tokens),

@@ -139,19 +139,18 @@ class ModelRunner:
         """Main model forward: a graph replay when one was captured for this batch, else
         eager. Returns final-normed hidden states [T, hidden]."""
         fb = forward_batch
-        if self.graph_runner is not None and self.graph_runner.can_run(fb):
-            return self.graph_runner.replay(fb)
-        return self.forward_eager(fb)
+        out = self.graph_runner.try_replay(fb) if self.graph_runner is not None else None
+        return self.forward_eager(fb) if out is None else out
 
     @torch.inference_mode()
     def forward_mtp(self, forward_batch: ForwardBatch, hidden: torch.Tensor, step: int):
         """MTP draft forward for draft step `step` (input ids = token t+1, `hidden` = h_t);
         replayed from a graph when one fits. Returns the normed hidden the LM head reads."""
         fb = forward_batch
-        layer = self.mtp.layer_for_step(step)
-        if self.graph_runner is not None and self.graph_runner.can_run(fb, layer):
-            return self.graph_runner.replay(fb, layer, hidden)
-        return self.forward_eager(fb, step, hidden)
+        out = None
+        if self.graph_runner is not None:
+            out = self.graph_runner.try_replay(fb, self.mtp.layer_for_step(step), hidden)
+        return self.forward_eager(fb, step, hidden) if out is None else out
 
     @torch.inference_mode()
     def forward_eager(
