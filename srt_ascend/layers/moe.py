@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.layers.weight_stack import WeightStack
+
 
 class DenseMLP(nn.Module):
     """SwiGLU feed-forward (`gate_proj`, `up_proj`, `down_proj`), as in the checkpoint."""
@@ -15,8 +17,15 @@ class DenseMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up: WeightStack | None = None  # run time: [gate; up] read by one linear
+
+    def fuse_weights(self) -> None:
+        self.gate_up = WeightStack.concat([self.gate_proj.weight, self.up_proj.weight])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is not None and self.gate_up.intact():
+            gate, up = F.linear(x, self.gate_up.tensor).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -70,6 +79,8 @@ class RoutedExperts(nn.Module):
     """Experts stored stacked: w13 [E, 2I, H] (gate; up) and w2 [E, H, I].
 
     The loader maps checkpoint names `experts.{e}.gate_proj/up_proj/down_proj` into these rows.
+    Every path also takes the stacks explicitly (`stacks`): DeepseekMoE passes stacks with the
+    shared expert appended as an extra row once it is fused (`fuse_shared_experts`).
     """
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -84,46 +95,62 @@ class RoutedExperts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         static_shapes: bool = False,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x [T, H]; each token goes through its k experts, outputs summed with their weights.
+        """x [T, H]; each token goes through its k experts (rows of `stacks`, default this
+        module's own), outputs summed with their weights.
 
         Small batches whose T*k assignments number between E/2 and 4E (most experts are hit
         anyway, so dense work reads little extra weight) and graph capture (shapes must not
         depend on the routing) take the dense path; the rest the sparse one."""
-        assignments = topk_ids.numel()
-        if static_shapes or self.n_experts <= 2 * assignments <= 8 * self.n_experts:
-            return self.forward_dense(x, topk_weights, topk_ids)
-        return self.forward_sparse(x, topk_weights, topk_ids)
+        stacks = stacks or (self.w13, self.w2)
+        assignments, rows = topk_ids.numel(), stacks[0].shape[0]
+        if static_shapes or rows <= 2 * assignments <= 8 * rows:
+            return self.forward_dense(x, topk_weights, topk_ids, stacks)
+        return self.forward_sparse(x, topk_weights, topk_ids, stacks)
 
     def forward_sparse(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Token copies are sorted by expert, each expert runs once over its contiguous slice,
         and the results are put back in (token, k) order and summed: no scatter-add."""
+        w13, w2 = stacks or (self.w13, self.w2)
         t, k = topk_ids.shape
         flat_ids = topk_ids.flatten()  # [T*k]
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = F.linear(xs[start : start + n], self.w13[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, self.w2[e]))
+                gate, up = F.linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
+                outs.append(F.linear(F.silu(gate) * up, w2[e]))
                 start += n
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
         return unsorted.view(t, k, -1).sum(1).to(x.dtype)
 
     def forward_dense(
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Every expert over every token, two batched matmuls, combined with the routing
-        weights (zero for unchosen experts): no routing-dependent shapes or host syncs."""
-        weights = torch.zeros(x.shape[0], self.n_experts, device=x.device)
+        """Every expert over every token (one linear over the stacked gate/up rows, one
+        batched matmul for the down projections), combined with the routing weights (zero for
+        unchosen experts): no routing-dependent shapes or host syncs."""
+        w13, w2 = stacks or (self.w13, self.w2)
+        n, t, inter = w13.shape[0], x.shape[0], self.intermediate_size
+        weights = torch.zeros(t, n, device=x.device)
         weights.scatter_(1, topk_ids, topk_weights.float())  # [T, E] float32, as sparse
-        gate, up = torch.matmul(x, self.w13.transpose(1, 2)).chunk(2, dim=-1)  # [E, T, I]
-        ys = torch.bmm(F.silu(gate) * up, self.w2.transpose(1, 2))  # [E, T, H]
+        gate_up = F.linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
+        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
+        ys = torch.bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         return (ys.float() * weights.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
 
@@ -147,11 +174,46 @@ class DeepseekMoE(nn.Module):
             if config.n_shared_experts
             else None
         )
+        # Run time: the shared expert as row E of stacked expert weights (w13, w2).
+        self.stacks: tuple[WeightStack, WeightStack] | None = None
+
+    def fuse_weights(self) -> None:
+        """A shared expert as wide as a routed one (DeepSeek-V3: one shared expert) becomes an
+        always-chosen extra expert with routing weight 1, so either expert path runs it with
+        the routed ones (no separate gate / up / down matmuls). Otherwise the shared MLP only
+        stacks its gate and up projections."""
+        shared, experts = self.shared_experts, self.experts
+        if shared is None:
+            return
+        inter = experts.intermediate_size
+        if shared.gate_proj.weight.shape[0] != inter:
+            shared.fuse_weights()
+            return
+        w13, w2 = experts.w13, experts.w2
+        with torch.inference_mode(False):
+            t13 = w13.data.new_empty(w13.shape[0] + 1, *w13.shape[1:])
+            t2 = w2.data.new_empty(w2.shape[0] + 1, *w2.shape[1:])
+        self.stacks = (
+            WeightStack(
+                t13,
+                [
+                    (w13, t13[:-1]),
+                    (shared.gate_proj.weight, t13[-1, :inter]),
+                    (shared.up_proj.weight, t13[-1, inter:]),
+                ],
+            ),
+            WeightStack(t2, [(w2, t2[:-1]), (shared.down_proj.weight, t2[-1])]),
+        )
 
     def forward(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
+        if self.stacks is not None and all(s.intact() for s in self.stacks):
+            ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row
+            weights = F.pad(weights, (0, 1), value=1.0)
+            stacks = (self.stacks[0].tensor, self.stacks[1].tensor)
+            return self.experts(flat, weights, ids, static_shapes, stacks).view(shape)
         out = self.experts(flat, weights, ids, static_shapes)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

@@ -18,6 +18,7 @@ from torch import nn
 from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
+from srt_ascend.layers.weight_stack import WeightStack
 
 if TYPE_CHECKING:
     from srt_ascend.model_executor.forward_batch import ForwardBatch
@@ -70,18 +71,33 @@ class MLAAttention(nn.Module):
             interleave=bool(getattr(config, "rope_interleave", True)),
         )
         self.scale = softmax_scale(self.qk_head_dim, rope)
+        self.qkv_a: WeightStack | None = None  # run time: [q_a_proj; kv_a_proj_with_mqa]
+
+    def fuse_weights(self) -> None:
+        """q_a_proj and kv_a_proj_with_mqa read the same input: one stacked linear (SGLang's
+        fused_qkv_a_proj_with_mqa). Not with biases (DeepSeek-V3 has none)."""
+        if self.q_lora_rank is not None and self.q_a_proj.bias is None:
+            if self.kv_a_proj_with_mqa.bias is None:
+                self.qkv_a = WeightStack.concat(
+                    [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]
+                )
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
-        if self.q_lora_rank is None:
-            q = self.q_proj(x)
+        if self.qkv_a is not None and self.qkv_a.intact():
+            q_a, kv_a = F.linear(x, self.qkv_a.tensor).split(
+                [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
+            )
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            kv_a = self.kv_a_proj_with_mqa(x)
+            if self.q_lora_rank is None:
+                q = self.q_proj(x)
+            else:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
         q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
-        )
+        c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         c_kv = self.kv_a_layernorm(c_kv)
         q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
         return q_nope, q_pe, c_kv, k_pe
@@ -146,6 +162,11 @@ class DecoderLayer(nn.Module):
             self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def fuse_weights(self) -> None:
+        """Run-time weight stacks (serving only; training keeps the plain parameters)."""
+        self.self_attn.fuse_weights()
+        self.mlp.fuse_weights()
 
     def forward(self, positions, x, forward_batch: ForwardBatch | None):
         h = self.input_layernorm(x)

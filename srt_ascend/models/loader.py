@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
-from srt_ascend.models.deepseek_v3 import DeepseekV3ForCausalLM
+from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -211,7 +211,16 @@ def load_model(
     for m in (model, mtp):
         if m is not None:
             _cast(m, dtype, device)
+            fuse_weights(m)
     return model, mtp
+
+
+def fuse_weights(module: nn.Module) -> None:
+    """Serving layout: each decoder layer stacks the weights that one matmul can read
+    (`DecoderLayer.fuse_weights`). Parameters stay as loaded (views of the stacks)."""
+    for m in module.modules():
+        if isinstance(m, DecoderLayer):
+            m.fuse_weights()
 
 
 def _reset_rotary(model, mtp, config) -> None:

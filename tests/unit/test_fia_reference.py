@@ -343,3 +343,26 @@ def test_block_table_changed_in_place_between_calls():
     fresh, _ = npu_fused_infer_attention_score(**{**kwargs, "block_table": table.clone()})
     assert not torch.allclose(in_place, first)
     torch.testing.assert_close(in_place, fresh)
+
+
+def test_repeated_calls_are_checked_again_when_anything_checked_changes():
+    """Identical calls (each layer of a forward) skip the argument checks after the first;
+    any change to what the checks read, in place included, is checked again."""
+    kwargs, _ = make_case([2, 3], [5, 8], 4)
+    npu_fused_infer_attention_score(**kwargs)
+    npu_fused_infer_attention_score(**kwargs)
+    with pytest.raises(ValueError, match="sparse_mode=3 requires atten_mask"):
+        npu_fused_infer_attention_score(**{**kwargs, "atten_mask": None})
+    kwargs["actual_seq_lengths_kv"][0] = 1  # the same list object, now invalid
+    with pytest.raises(ValueError, match="only 1 KV tokens"):
+        npu_fused_infer_attention_score(**kwargs)
+    kwargs["actual_seq_lengths_kv"][0] = 5
+    npu_fused_infer_attention_score(**kwargs)
+    kwargs["actual_seq_lengths_kv"][0] = 5.0  # equal as a number, but not an int
+    with pytest.raises(TypeError, match="must contain ints"):
+        npu_fused_infer_attention_score(**kwargs)
+    kwargs["actual_seq_lengths_kv"][0] = 5
+    npu_fused_infer_attention_score(**kwargs)
+    kwargs["atten_mask"].logical_not_()  # the same mask object, inverted in place
+    with pytest.raises(ValueError, match="must be upper-triangular"):
+        npu_fused_infer_attention_score(**kwargs)

@@ -23,7 +23,7 @@ class PaddedRows:
     """Per-batch gather plan shared by all layers."""
 
     kv_slots: torch.Tensor  # [B, Lmax] slot of key j of row b (0 = padding slot)
-    mask: torch.Tensor  # [B, Qmax, 1, Lmax] True where query i of row b may attend key j
+    blocked: torch.Tensor  # [B, Qmax, 1, Lmax] True where query i of row b may not see key j
     token_row: torch.Tensor | None  # [T] row of each packed query token (None: uniform rows)
     token_col: torch.Tensor | None  # [T] index of the token inside its row
     max_q: int
@@ -51,13 +51,13 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
     kv_slots = torch.where(kv_valid, rows, torch.zeros_like(rows))
     # Query i of row b sits at position seq_len - q_len + i and sees keys j <= that position.
     q_pos = (seq_lens - q_lens)[:, None] + torch.arange(max_q, device=device)[None, :]
-    mask = (cols[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    blocked = (cols[None, None, :] > q_pos[:, :, None]) | ~kv_valid[:, None, :]
     if uniform_q:  # packed tokens are already [B, q] row-major: a reshape, no scatter
-        return PaddedRows(kv_slots, mask.unsqueeze(2), None, None, max_q)
+        return PaddedRows(kv_slots, blocked.unsqueeze(2), None, None, max_q)
     token_row = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
     starts = torch.cumsum(q_lens, 0) - q_lens
     token_col = torch.arange(fb.num_tokens, device=device) - starts[token_row]
-    return PaddedRows(kv_slots, mask.unsqueeze(2), token_row, token_col, max_q)
+    return PaddedRows(kv_slots, blocked.unsqueeze(2), token_row, token_col, max_q)
 
 
 @register_attention_backend("torch_native")
@@ -87,7 +87,7 @@ class TorchNativeMLABackend(AttentionBackend):
             q = padded
         q = q.view(b, meta.max_q * h, -1)
         scores = torch.bmm(q, kv.transpose(1, 2)).view(b, meta.max_q, h, -1) * scale
-        scores = scores.masked_fill_(~meta.mask, float("-inf"))
+        scores = scores.masked_fill_(meta.blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no key: zeros
         out = torch.bmm(probs.view(b, meta.max_q * h, -1), kv[..., :rank])
         out = out.view(b, meta.max_q, h, rank).to(q_latent.dtype)

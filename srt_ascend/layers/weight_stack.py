@@ -1,0 +1,40 @@
+"""Run-time weight stacks: several parameters re-pointed at views of one tensor, so that one
+matmul reads what several modules own (SGLang's `fused_qkv_a_proj_with_mqa` and
+`gate_up_proj`, built after loading instead of by the loader).
+
+The parameters keep their names, shapes and values: `state_dict`, checkpoint loading and
+in-place updates (`copy_`) all still work, and write through to the stack. Anything that gives
+a parameter new storage (a dtype or device move, `p.data = ...`) breaks the link; `intact()`
+then reports False and the owning module goes back to its unstacked path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class WeightStack:
+    def __init__(self, tensor: torch.Tensor, views: list[tuple[nn.Parameter, torch.Tensor]]):
+        with torch.inference_mode(False), torch.no_grad():
+            for param, view in views:
+                if param.shape != view.shape:
+                    raise ValueError(f"stack view {tuple(view.shape)} for {tuple(param.shape)}")
+                view.copy_(param.data)
+                param.data = view
+        self.tensor = tensor
+        self._params = [p for p, _ in views]
+        self._ptrs = [v.data_ptr() for _, v in views]
+
+    @classmethod
+    def concat(cls, params: list[nn.Parameter], dim: int = 0) -> WeightStack:
+        """Parameters concatenated along `dim` (each one a slice of the result)."""
+        sizes = [p.shape[dim] for p in params]
+        shape = list(params[0].shape)
+        shape[dim] = sum(sizes)
+        with torch.inference_mode(False):
+            tensor = params[0].data.new_empty(shape)
+        return cls(tensor, list(zip(params, tensor.split(sizes, dim=dim))))
+
+    def intact(self) -> bool:
+        return all(p.data_ptr() == ptr for p, ptr in zip(self._params, self._ptrs))
