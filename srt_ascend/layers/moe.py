@@ -104,10 +104,14 @@ class RoutedExperts(nn.Module):
         anyway, so dense work reads little extra weight) and graph capture (shapes must not
         depend on the routing) take the dense path; the rest the sparse one."""
         stacks = stacks or (self.w13, self.w2)
-        assignments, rows = topk_ids.numel(), stacks[0].shape[0]
-        if static_shapes or rows <= 2 * assignments <= 8 * rows:
+        if self.use_dense(topk_ids.numel(), stacks[0].shape[0], static_shapes):
             return self.forward_dense(x, topk_weights, topk_ids, stacks)
         return self.forward_sparse(x, topk_weights, topk_ids, stacks)
+
+    @staticmethod
+    def use_dense(assignments: int, rows: int, static_shapes: bool) -> bool:
+        """The dispatch rule of `forward` for this many (token, expert) pairs over `rows`."""
+        return static_shapes or rows <= 2 * assignments <= 8 * rows
 
     def forward_sparse(
         self,
@@ -178,9 +182,10 @@ class DeepseekMoE(nn.Module):
         self.stacks: tuple[WeightStack, WeightStack] | None = None
 
     def fuse_weights(self) -> None:
-        """A shared expert as wide as a routed one (DeepSeek-V3: one shared expert) becomes an
-        always-chosen extra expert with routing weight 1, so either expert path runs it with
-        the routed ones (no separate gate / up / down matmuls). Otherwise the shared MLP only
+        """A shared expert as wide as a routed one (DeepSeek-V3: one shared expert) becomes
+        row E of the stacked expert weights: the dense path runs it as an always-chosen
+        expert with routing weight 1 (no separate gate / up / down matmuls), the sparse path
+        as one gate+up and one down linear over all tokens. Otherwise the shared MLP only
         stacks its gate and up projections."""
         shared, experts = self.shared_experts, self.experts
         if shared is None:
@@ -210,10 +215,16 @@ class DeepseekMoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
         if self.stacks is not None and all(s.intact() for s in self.stacks):
-            ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row
-            weights = F.pad(weights, (0, 1), value=1.0)
-            stacks = (self.stacks[0].tensor, self.stacks[1].tensor)
-            return self.experts(flat, weights, ids, static_shapes, stacks).view(shape)
+            w13, w2 = self.stacks[0].tensor, self.stacks[1].tensor
+            if self.experts.use_dense(ids.numel() + ids.shape[0], w13.shape[0], static_shapes):
+                ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row
+                weights = F.pad(weights, (0, 1), value=1.0)
+                return self.experts.forward_dense(flat, weights, ids, (w13, w2)).view(shape)
+            # Sparse: every token uses the shared row, so it runs on x directly (one gate/up
+            # linear, one down) rather than through the sort and gather.
+            out = self.experts.forward_sparse(flat, weights, ids)
+            gate, up = F.linear(flat, w13[-1]).chunk(2, dim=-1)
+            return (out + F.linear(F.silu(gate) * up, w2[-1])).view(shape)
         out = self.experts(flat, weights, ids, static_shapes)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

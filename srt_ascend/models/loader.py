@@ -188,7 +188,8 @@ def load_model(
     load_mtp: bool = True,
     config=None,
 ) -> tuple[DeepseekV3ForCausalLM, DeepseekV3ModelMTP | None]:
-    """Builds the main model (and the MTP module when load_mtp) and fills them from disk.
+    """Builds the main model (and the MTP module when load_mtp), fills them from disk and
+    stacks the weights one matmul can read together (`fuse_weights`: serving layout).
 
     Router biases stay float32 (as DeepSeek keeps them); everything else is cast to `dtype`.
     """
