@@ -33,6 +33,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     attention_backend: str = "torch_native"
     num_threads: int | None = None
+    cpu_small_gemm: str = "auto"
     stream_interval: int = 1
     # speculative decoding
     speculative_algorithm: str | None = None
@@ -90,6 +91,10 @@ class ServerArgs:
             raise ValueError("--max-total-tokens must be >= 16")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.cpu_small_gemm not in ("auto", "on", "off"):
+            raise ValueError(
+                f"--cpu-small-gemm must be auto, on or off, got {self.cpu_small_gemm!r}"
+            )
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r} (fcfs, lpm)")
         if self.cuda_graph_max_bs < 1:
@@ -192,6 +197,13 @@ class ServerArgs:
         )
         a("--attention-backend", default="torch_native", help="attention backend name")
         a("--num-threads", type=int, default=None, help="CPU: torch intra-op threads")
+        a(
+            "--cpu-small-gemm",
+            default="auto",
+            choices=["auto", "on", "off"],
+            help="CPU: run bf16/fp16 matmuls of at most 2^18 multiply-adds through MKL instead "
+            "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
+        )
         a("--stream-interval", type=int, default=1, help="stream every N tokens")
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.layers.gemm import Linear, bmm, linear
 from srt_ascend.layers.weight_stack import WeightStack
 
 
@@ -14,9 +15,9 @@ class DenseMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up: WeightStack | None = None  # run time: [gate; up] read by one linear
 
     def fuse_weights(self) -> None:
@@ -24,7 +25,7 @@ class DenseMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.intact():
-            gate, up = F.linear(x, self.gate_up.tensor).chunk(2, dim=-1)
+            gate, up = linear(x, self.gate_up.tensor).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -131,8 +132,8 @@ class RoutedExperts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = F.linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
-                outs.append(F.linear(F.silu(gate) * up, w2[e]))
+                gate, up = linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
+                outs.append(linear(F.silu(gate) * up, w2[e]))
                 start += n
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
@@ -152,9 +153,9 @@ class RoutedExperts(nn.Module):
         n, t, inter = w13.shape[0], x.shape[0], self.intermediate_size
         weights = torch.zeros(t, n, device=x.device)
         weights.scatter_(1, topk_ids, topk_weights.float())  # [T, E] float32, as sparse
-        gate_up = F.linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
+        gate_up = linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
-        ys = torch.bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
+        ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         return (ys.float() * weights.t().unsqueeze(-1)).sum(0).to(x.dtype)
 
 
@@ -223,8 +224,8 @@ class DeepseekMoE(nn.Module):
             # Sparse: every token uses the shared row, so it runs on x directly (one gate/up
             # linear, one down) rather than through the sort and gather.
             out = self.experts.forward_sparse(flat, weights, ids)
-            gate, up = F.linear(flat, w13[-1]).chunk(2, dim=-1)
-            return (out + F.linear(F.silu(gate) * up, w2[-1])).view(shape)
+            gate, up = linear(flat, w13[-1]).chunk(2, dim=-1)
+            return (out + linear(F.silu(gate) * up, w2[-1])).view(shape)
         out = self.experts(flat, weights, ids, static_shapes)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)

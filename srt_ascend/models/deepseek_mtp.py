@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from srt_ascend.layers.gemm import Linear
 from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.models.deepseek_v3 import DecoderLayer
 
@@ -33,7 +34,7 @@ class MTPLayer(nn.Module):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
-        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.eh_proj = Linear(2 * d, d, bias=False)
         self.block = DecoderLayer(config, layer_id)
         self.shared_head = SharedHead(d, eps)
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.layers.gemm import Linear, bmm, linear
 from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
@@ -50,19 +51,19 @@ class MLAAttention(nn.Module):
         hidden, h = config.hidden_size, self.num_heads
         bias = bool(getattr(config, "attention_bias", False))
         if self.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, h * self.qk_head_dim, bias=False)
+            self.q_proj = Linear(hidden, h * self.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank)
-            self.q_b_proj = nn.Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(
+            self.q_b_proj = Linear(self.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=bias
         )
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank)
-        self.kv_b_proj = nn.Linear(
+        self.kv_b_proj = Linear(
             self.kv_lora_rank, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(h * self.v_head_dim, hidden, bias=bias)
+        self.o_proj = Linear(h * self.v_head_dim, hidden, bias=bias)
         rope = rope_params_of(config)
         self.rotary_emb = RotaryEmbedding(
             self.qk_rope_head_dim,
@@ -85,7 +86,7 @@ class MLAAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
         if self.qkv_a is not None and self.qkv_a.intact():
-            q_a, kv_a = F.linear(x, self.qkv_a.tensor).split(
+            q_a, kv_a = linear(x, self.qkv_a.tensor).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
             q = self.q_b_proj(self.q_a_layernorm(q_a))
@@ -126,11 +127,11 @@ class MLAAttention(nn.Module):
         """Absorbed MLA over the paged latent cache. x [T, hidden] -> [T, hidden]."""
         q_nope, q_pe, c_kv, k_pe = self._project(x, positions)
         w_kc, w_vc = self._w_kc_vc()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, R]
+        q_latent = bmm(q_nope.transpose(0, 1), w_kc).transpose(0, 1)  # [T, H, R]
         o_latent = forward_batch.attn_backend.forward(
             q_latent, q_pe, c_kv, k_pe, self.layer_id, self.scale, forward_batch
         )
-        out = torch.bmm(o_latent.to(x.dtype).transpose(0, 1), w_vc)  # [H, T, v]
+        out = bmm(o_latent.to(x.dtype).transpose(0, 1), w_vc)  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
     def forward_dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +206,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DeepseekV3Model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

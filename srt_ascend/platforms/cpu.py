@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import torch
+
 from srt_ascend.platforms.base import Platform, register_platform
+
+# Matmuls up to 2^18 multiply-adds (this model's projections at 1-4 rows, the absorbed-MLA
+# batched matmuls at one row) are 1.3-4x faster through MKL than through oneDNN on the CI
+# machine; larger ones are slower (benchmark/cpu_gemm.py).
+SMALL_GEMM_MACS = 1 << 18
 
 
 @register_platform("cpu")
@@ -14,3 +21,7 @@ class CpuPlatform(Platform):
     @staticmethod
     def is_available() -> bool:
         return True
+
+    def small_gemm_macs(self, setting: str) -> int | None:
+        on = setting == "on" or (setting == "auto" and torch.backends.mkl.is_available())
+        return SMALL_GEMM_MACS if on else None
