@@ -1,5 +1,6 @@
-"""CPU bf16 GEMMs: oneDNN (PyTorch's default for bf16) vs MKL, side by side. A measurement, not
-a runtime option: the runtime always uses PyTorch's default.
+"""CPU bf16 GEMMs: oneDNN (PyTorch's default for bf16) vs MKL, side by side, process-wide (the
+engines run with `--cpu-small-gemm off`, so the global switch alone decides; the runtime's
+own per-matmul choice is `--cpu-small-gemm`, layers/gemm.py).
 
     python benchmark/cpu_gemm.py [--rows 1 2 4 8] [--rounds 4] [--output-len 128]
         [--json-out FILE]
@@ -118,7 +119,7 @@ def main() -> None:
     try:
         for _ in range(a.rounds):  # one engine at a time (one OpenMP team), both backends each
             for name, kw in configs.items():
-                engine = Engine(model_path=a.model_path, **kw)
+                engine = Engine(model_path=a.model_path, cpu_small_gemm="off", **kw)
                 try:
                     engine.generate(prompts[0], {**params, "max_new_tokens": 4})
                     for onednn in (True, False):
