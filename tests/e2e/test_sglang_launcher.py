@@ -21,6 +21,7 @@ def sglang_mtp_server(sglang_python, tmp_path_factory):
     cmd = _launch(sglang_python, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port))
     cmd += ["--dtype", "float32", "--num-threads", "1", "--speculative-num-steps", "2"]
     cmd += ["--tp-size", "1"]  # an SGLang flag srt_ascend does not support: reported, not fatal
+    cmd += ["--cpu-small-gemm", "off"]  # srt_ascend-only: taken out before SGLang parses
     with serving_process(cmd, f"http://127.0.0.1:{port}", log_path) as server:
         yield server
 
@@ -39,6 +40,7 @@ def test_sglang_launcher_serves_mtp(sglang_mtp_server):
     log = sglang_mtp_server.log()
     lines = [line for line in log.splitlines() if "does not support these SGLang flags" in line]
     assert len(lines) == 1 and "--tp-size" in lines[0], log
+    assert sglang_mtp_server.get("/server_info").json()["cpu_small_gemm"] == "off"
 
 
 def test_sglang_launcher_device_npu_is_one_line_exit_2(sglang_python):
