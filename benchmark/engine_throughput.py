@@ -15,15 +15,14 @@ Ratios are printed side by side (this machine is noisy: compare within one run).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
 
 import torch
+from workload_args import workload_parser
 
 from srt_ascend import Engine
-from srt_ascend.server_args import SHIPPED_MODEL
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -79,14 +78,8 @@ def shared_prefix(model_path, dtype, disable_radix: bool, prefix_len=1024, n=32,
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", default=SHIPPED_MODEL)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p = workload_parser(__doc__)
     p.add_argument("--hf-requests", type=int, default=4)
-    p.add_argument("--json-out", default=None)
     a = p.parse_args()
     res: dict = {
         "model": os.path.basename(a.model_path),

@@ -14,17 +14,16 @@ reported, not hidden). With --speculative-num-steps K the engine runs MTP with K
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
+from workload_args import workload_parser
 
 from srt_ascend import Engine
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.models.deepseek_v3 import MLAAttention
-from srt_ascend.server_args import SHIPPED_MODEL
 
 STACK_ATTRS = {MLAAttention: "qkv_a", DeepseekMoE: "stacks", DenseMLP: "gate_up"}
 
@@ -41,16 +40,10 @@ def stack_holders(runner) -> list[tuple[object, str, object]]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--model-path", default=SHIPPED_MODEL)
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--input-len", type=int, default=128)
-    p.add_argument("--output-len", type=int, default=128)
+    p = workload_parser(__doc__)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--speculative-num-steps", type=int, default=0, help="0: MTP off")
     p.add_argument("--speculative-verify", default="fia", choices=["expand", "fia"])
-    p.add_argument("--json-out", default=None)
     a = p.parse_args()
     spec = {}
     if a.speculative_num_steps:
