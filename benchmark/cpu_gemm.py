@@ -1,6 +1,6 @@
 """CPU bf16 GEMMs: oneDNN (PyTorch's default for bf16) vs MKL, side by side, process-wide (the
 engines run with `--cpu-small-gemm off`, so the global switch alone decides; the runtime's
-own per-matmul choice is `--cpu-small-gemm`, layers/gemm.py).
+own per-matmul choice is `--cpu-small-gemm`, layers/linear.py).
 
     python benchmark/cpu_gemm.py [--rows 1 2 4 8] [--rounds 4] [--output-len 128]
         [--json-out FILE]

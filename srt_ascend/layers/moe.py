@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers.gemm import Linear, bmm, linear
+from srt_ascend.layers.linear import Linear, bmm, linear
 from srt_ascend.layers.weight_stack import WeightStack
 
 
@@ -80,8 +80,8 @@ class RoutedExperts(nn.Module):
     """Experts stored stacked: w13 [E, 2I, H] (gate; up) and w2 [E, H, I].
 
     The loader maps checkpoint names `experts.{e}.gate_proj/up_proj/down_proj` into these rows.
-    Every path also takes the stacks explicitly (`stacks`): DeepseekMoE passes stacks with the
-    shared expert appended as an extra row once it is fused (`fuse_shared_experts`).
+    The dense path also takes the stacks explicitly (`stacks`): DeepseekMoE passes them with
+    the shared expert appended as an extra row once it is fused (`fuse_weights`).
     """
 
     def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
@@ -96,18 +96,15 @@ class RoutedExperts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         static_shapes: bool = False,
-        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """x [T, H]; each token goes through its k experts (rows of `stacks`, default this
-        module's own), outputs summed with their weights.
+        """x [T, H]; each token goes through its k experts, outputs summed with their weights.
 
         Small batches whose T*k assignments number between E/2 and 4E (most experts are hit
         anyway, so dense work reads little extra weight) and graph capture (shapes must not
         depend on the routing) take the dense path; the rest the sparse one."""
-        stacks = stacks or (self.w13, self.w2)
-        if self.use_dense(topk_ids.numel(), stacks[0].shape[0], static_shapes):
-            return self.forward_dense(x, topk_weights, topk_ids, stacks)
-        return self.forward_sparse(x, topk_weights, topk_ids, stacks)
+        if self.use_dense(topk_ids.numel(), self.n_experts, static_shapes):
+            return self.forward_dense(x, topk_weights, topk_ids)
+        return self.forward_sparse(x, topk_weights, topk_ids)
 
     @staticmethod
     def use_dense(assignments: int, rows: int, static_shapes: bool) -> bool:
@@ -115,25 +112,20 @@ class RoutedExperts(nn.Module):
         return static_shapes or rows <= 2 * assignments <= 8 * rows
 
     def forward_sparse(
-        self,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """Token copies are sorted by expert, each expert runs once over its contiguous slice,
         and the results are put back in (token, k) order and summed: no scatter-add."""
-        w13, w2 = stacks or (self.w13, self.w2)
         t, k = topk_ids.shape
         flat_ids = topk_ids.flatten()  # [T*k]
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
         outs, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                gate, up = linear(xs[start : start + n], w13[e]).chunk(2, dim=-1)
-                outs.append(linear(F.silu(gate) * up, w2[e]))
+                gate, up = linear(xs[start : start + n], self.w13[e]).chunk(2, dim=-1)
+                outs.append(linear(F.silu(gate) * up, self.w2[e]))
                 start += n
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)

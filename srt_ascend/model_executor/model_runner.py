@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from srt_ascend.layers import gemm
+from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch
@@ -38,7 +38,7 @@ class ModelRunner:
         self.device = platform.device
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config)
-        gemm.configure(platform.small_gemm_macs(server_args.cpu_small_gemm))
+        layers_linear.configure(platform.small_gemm_macs(server_args.cpu_small_gemm))
         self.model, self.mtp = load_model(
             server_args.model_path,
             dtype=self.dtype,

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from srt_ascend.layers.gemm import Linear
 from srt_ascend.layers.layernorm import RMSNorm
+from srt_ascend.layers.linear import Linear
 from srt_ascend.models.deepseek_v3 import DecoderLayer
 
 if TYPE_CHECKING:

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers.gemm import Linear, bmm, linear
 from srt_ascend.layers.layernorm import RMSNorm
+from srt_ascend.layers.linear import Linear, bmm, linear
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
 from srt_ascend.layers.weight_stack import WeightStack

@@ -69,7 +69,7 @@ class Platform(ABC):
     graphs_by_default = True  # capture decode/verify/draft forwards unless disabled
 
     def small_gemm_macs(self, setting: str) -> int | None:
-        """Multiply-adds up to which half-precision matmuls skip oneDNN (`layers.gemm`) for
+        """Multiply-adds up to which half-precision matmuls skip oneDNN (`layers.linear`) for
         `--cpu-small-gemm` = auto / on / off; None: every matmul as PyTorch picks. Only the
         CPU platform has a choice to make."""
         return None

@@ -1,4 +1,4 @@
-"""layers.gemm: which matmuls skip oneDNN, that they compute the same product, and that
+"""layers.linear: which matmuls skip oneDNN, that they compute the same product, and that
 oneDNN's process-wide switch is always restored."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers import gemm
+from srt_ascend.layers import linear as gemm  # the module, not the function
 from srt_ascend.platforms import get_platform
 from srt_ascend.platforms.cpu import SMALL_GEMM_MACS
 from srt_ascend.server_args import ServerArgs
