@@ -202,6 +202,11 @@ class DeepseekMoE(nn.Module):
             ),
             WeightStack(t2, [(w2, t2[:-1]), (shared.down_proj.weight, t2[-1])]),
         )
+        # Row E is [gate; up] of the shared MLP: its own stacked path reads it in one linear.
+        shared.gate_up = WeightStack(
+            t13[-1],
+            [(shared.gate_proj.weight, t13[-1, :inter]), (shared.up_proj.weight, t13[-1, inter:])],
+        )
 
     def forward(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
         shape = x.shape
@@ -213,12 +218,11 @@ class DeepseekMoE(nn.Module):
                 ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row
                 weights = F.pad(weights, (0, 1), value=1.0)
                 return self.experts.forward_dense(flat, weights, ids, (w13, w2)).view(shape)
-            # Sparse: every token uses the shared row, so it runs on x directly (one gate/up
-            # linear, one down) rather than through the sort and gather.
+            # Sparse: every token uses the shared row, so the shared MLP runs it on x directly
+            # (reading row E: one gate/up linear, one down) rather than through the sort.
             out = self.experts.forward_sparse(flat, weights, ids)
-            gate, up = linear(flat, w13[-1]).chunk(2, dim=-1)
-            return (out + linear(F.silu(gate) * up, w2[-1])).view(shape)
-        out = self.experts(flat, weights, ids, static_shapes)
+        else:
+            out = self.experts(flat, weights, ids, static_shapes)
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(shape)

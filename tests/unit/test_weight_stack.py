@@ -43,8 +43,9 @@ def test_every_layer_is_stacked(pair):
     cfg = model.config
     attn = cfg.num_hidden_layers + 1  # + the MTP layer
     moe_layers = attn - cfg.first_k_dense_replace
-    # q_a + kv_a per attention; shared-expert w13 and w2 per MoE layer; gate + up per dense MLP
-    expected = attn + 2 * moe_layers + cfg.first_k_dense_replace
+    # q_a + kv_a per attention; per MoE layer the expert stacks w13 and w2 and the shared
+    # MLP's gate + up (row E of w13); gate + up per dense MLP
+    expected = attn + 3 * moe_layers + cfg.first_k_dense_replace
     assert len(stacks_of(model) + stacks_of(mtp)) == expected
     assert all(s.intact() for s in stacks_of(model) + stacks_of(mtp))
     assert not stacks_of(plain) and not stacks_of(plain_mtp)

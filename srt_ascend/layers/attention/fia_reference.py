@@ -463,7 +463,6 @@ class _ChunkPlan:
     t1: int
     max_q: int
     max_kv: int
-    block_size: int
     slots: torch.Tensor  # [b, max_kv] block * block_size + offset of each key (0 past kv_len)
     blocked: torch.Tensor  # [b, max_q, max_kv] keys each (padded) query row may not attend
     # Ragged query lengths only (None when all are equal: tokens already form [b, max_q]):
@@ -566,7 +565,7 @@ def _chunk_plan(
         req = torch.repeat_interleave(torch.arange(hi - lo, device=dev), q_lens)  # [t]
         starts = torch.tensor(batch.q_starts[lo:hi], device=dev) - t0
         slot = torch.arange(t1 - t0, device=dev) - starts[req]
-    return _ChunkPlan(t0, t1, max_q, max_kv, block_size, slots, blocked, req, slot)
+    return _ChunkPlan(t0, t1, max_q, max_kv, slots, blocked, req, slot)
 
 
 def _gather_kv(caches: list[torch.Tensor], plan: _ChunkPlan) -> list[torch.Tensor]:
