@@ -117,32 +117,41 @@ def sample_from_probs(
     return torch.where(info.is_greedy, probs.argmax(dim=-1), sampled)
 
 
-def compute_logprobs(
-    logits: torch.Tensor,  # [N, V]
-    token_ids: torch.Tensor,  # [N] int64
-) -> torch.Tensor:  # [N] float32
-    """log_softmax(logits)[n, token_ids[n]]: the logprob of each given token (prompt or output)."""
+TopLogprobs = list[tuple[float, int]]  # (logprob, token id), descending
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [N, V]: the logits the tokens were chosen from, penalties applied
+    token_ids: torch.Tensor,  # [N] int64, on the logits' device
+    top_nums: Sequence[int],  # [N] top logprobs wanted per row (0: none)
+) -> tuple[list[float], list[TopLogprobs]]:
+    """The logprobs every path reports (decode, prompt, speculative verify), read to the host.
+
+    Rule (SGLang's): log_softmax of the logits as given, i.e. after repetition / frequency /
+    presence penalties and the min-new-tokens mask, before temperature and top-k / top-p /
+    min-p. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    chosen = _gather(logprobs, token_ids).tolist()
+    k = min(max(top_nums, default=0), logprobs.shape[-1])
+    if k <= 0:
+        return chosen, [[] for _ in top_nums]
+    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
+    tops = [list(zip(v[:n], i[:n])) for v, i, n in zip(values, ids, top_nums)]
+    return chosen, tops
+
+
+def _gather(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     return logprobs.gather(-1, token_ids.view(-1, 1).to(torch.int64)).squeeze(-1)
-
-
-def top_k_logprobs(
-    logits: torch.Tensor,  # [N, V]
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # values [N, k] float32, ids [N, k] int64
-    """The k largest entries of log_softmax(logits) per row, descending."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    return logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
 
 
 @dataclass
 class SamplerOutput:
-    """Result of one sampling step; tensors live on the logits' device and belong to the caller."""
+    """Result of one sampling step."""
 
-    next_token_ids: torch.Tensor  # [B] int64
-    next_token_logprobs: torch.Tensor | None  # [B] float32, log_softmax of the input logits
-    # Per row: (values [k], ids [k]) for rows asking k > 0 top logprobs, else None.
-    top_logprobs: list[tuple[torch.Tensor, torch.Tensor] | None] | None
+    next_token_ids: torch.Tensor  # [B] int64 on the logits' device
+    # When asked: the chosen tokens' logprobs [B] and per row the top list, on the host.
+    logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
 
 
 class Sampler(nn.Module):
@@ -156,25 +165,13 @@ class Sampler(nn.Module):
         return_logprob: bool = False,
         top_logprobs_nums: Sequence[int] | None = None,  # [B]
     ) -> SamplerOutput:
-        """Sample next tokens; logprobs (when asked) are of the logits as given, before
-        temperature and top-k/top-p/min-p, as SGLang reports them."""
+        """Sample next tokens; logprobs (when asked) by `token_logprobs`."""
         logits = logits.to(torch.float32)
         if info.is_all_greedy:
             next_ids = logits.argmax(dim=-1)
         else:
             next_ids = sample_from_probs(processed_probs(logits, info), info)
         if not return_logprob:
-            return SamplerOutput(next_ids, None, None)
-        logprobs = torch.log_softmax(logits, dim=-1)
-        token_logprobs = logprobs.gather(-1, next_ids.view(-1, 1)).squeeze(-1)
-        return SamplerOutput(next_ids, token_logprobs, _top_logprobs(logprobs, top_logprobs_nums))
-
-
-def _top_logprobs(
-    logprobs: torch.Tensor,  # [B, V]
-    nums: Sequence[int] | None,  # [B]
-) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
-    if not nums or max(nums) <= 0:
-        return None
-    values, ids = logprobs.topk(min(max(nums), logprobs.shape[-1]), dim=-1)
-    return [(values[row, :k], ids[row, :k]) if k > 0 else None for row, k in enumerate(nums)]
+            return SamplerOutput(next_ids)
+        nums = top_logprobs_nums or [0] * logits.shape[0]
+        return SamplerOutput(next_ids, *token_logprobs(logits, next_ids, nums))

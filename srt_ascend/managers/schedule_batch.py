@@ -30,7 +30,8 @@ class FinishReason:
 class Req:
     """One generation request. KV state: positions 0..kv_len-1 have KV in the pool, their slots
     in req_to_token[req_pool_idx]; the first `prefix_len` of them belong to the radix tree
-    (locked through `last_node`)."""
+    (locked through `last_node`); slots up to position alloc_len-1 are held by the request
+    (a step allocates ahead of the KV it writes)."""
 
     rid: str
     origin_input_ids: list[int]
@@ -43,6 +44,7 @@ class Req:
     finished_reason: FinishReason | None = None
     req_pool_idx: int | None = None
     kv_len: int = 0
+    alloc_len: int = 0
     prefix_len: int = 0
     last_node: Any = None
     cached_tokens: int = 0
@@ -50,12 +52,10 @@ class Req:
     input_token_logprobs: list = field(default_factory=list)  # [(logprob | None, token_id)]
     input_top_logprobs: list = field(default_factory=list)
     created_time: float = field(default_factory=time.monotonic)
-    # speculative decoding state and counters
-    spec_verify_ct: int = 0
-    spec_accepted_tokens: int = 0
-    draft_tokens: list[int] = field(default_factory=list)
-    draft_probs: list = field(default_factory=list)  # K tensors [V]: each draft's distribution
-    mtp_hidden: Any = None  # [D] the MTP module's last output hidden (feeds re-application)
+    # owned by the decoder running the request (speculative.SpecState for MTP); reset on release
+    decoder_state: Any = None
+    spec_verify_ct: int = 0  # speculative verify steps the request took part in
+    spec_accepted_tokens: int = 0  # drafts of it accepted
     # per-step outputs not yet sent
     pending_logprobs: list = field(default_factory=list)
     pending_top_logprobs: list = field(default_factory=list)

@@ -14,6 +14,8 @@ from concurrent.futures import Future
 
 import torch
 
+import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
+from srt_ascend.decoding import DecoderHandles, create_decoder
 from srt_ascend.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -21,24 +23,24 @@ from srt_ascend.managers.io_struct import (
     ReqOutput,
     TokenizedGenerateReq,
 )
-from srt_ascend.managers.sample_step import input_logprobs, sample_rows
+from srt_ascend.managers.kv_book import KVBook
 from srt_ascend.managers.schedule_batch import FinishReason, Req, ScheduleBatch
 from srt_ascend.managers.schedule_policy import (
     DECODE_RESERVE_PER_REQ,
     PrefillAdder,
     order_waiting,
 )
-from srt_ascend.managers.scheduler_memory import KVMemoryMixin
 from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.mem_cache import ChunkCache, RadixCache
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.sampling.sample_step import input_logprobs, sample_rows
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
 
-class Scheduler(KVMemoryMixin):
+class Scheduler:
     def __init__(
         self, server_args: ServerArgs, runner: ModelRunner, stop_checker: StopChecker, emit
     ) -> None:
@@ -46,28 +48,28 @@ class Scheduler(KVMemoryMixin):
         self.runner = runner
         self.stop_checker = stop_checker
         self.emit = emit  # Callable[[list[ReqOutput]], None], called from the scheduler thread
-        self.page_size = server_args.page_size
         self.allocator = runner.allocator
         self.req_to_token_pool = runner.req_to_token_pool
         self.req_to_token = runner.req_to_token_pool.req_to_token
         if server_args.disable_radix_cache:
             self.tree = ChunkCache(self.allocator)
         else:
-            self.tree = RadixCache(
-                self.allocator, self.page_size, bigram_keys=server_args.spec_enabled
-            )
+            self.tree = RadixCache(self.allocator, bigram_keys=server_args.spec_enabled)
+        self.kv = KVBook(self.allocator, self.req_to_token_pool, self.tree, self._retract)
         self.waiting: list[Req] = []
         self.running: list[Req] = []
         self.chunked_req: Req | None = None
+        self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
-        self.spec = None
-        if server_args.spec_enabled:
-            from srt_ascend.speculative.spec_decode import SpecDecoder
-
-            self.spec = SpecDecoder(self)
+        self.decoder = create_decoder(
+            server_args,
+            DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
+        )
+        runner.capture_graphs(self.decoder.graph_kinds())
         self.num_retractions = 0
         self.total_cached_tokens = 0
         self.total_prompt_tokens = 0
+        self._outputs: list[ReqOutput] = []  # filled by commits during a step
         self._stop = threading.Event()
 
     # ---- thread API -------------------------------------------------------------------------
@@ -84,9 +86,9 @@ class Scheduler(KVMemoryMixin):
             self._drain_inbox(block=not self.has_work())
             try:
                 self.step()
-            except Exception:  # a bug must not kill the server silently: fail the requests
-                logger.exception("scheduler step failed; aborting the running requests")
-                self._abort_all("internal error in the scheduler step (see server log)")
+            except Exception:  # a bug must not kill the server: fail the step's requests
+                logger.exception("scheduler step failed; aborting its requests")
+                self._fail_in_flight("internal error in the scheduler step (see server log)")
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
@@ -136,7 +138,7 @@ class Scheduler(KVMemoryMixin):
                 ),
             )
             return
-        if len(req.origin_input_ids) + self.page_size > self.runner.max_total_tokens:
+        if len(req.origin_input_ids) + self.kv.page_size > self.runner.max_total_tokens:
             self._finish(req, FinishReason("abort", message="the prompt does not fit the KV pool"))
             return
         self.waiting.append(req)
@@ -146,12 +148,13 @@ class Scheduler(KVMemoryMixin):
     def step(self) -> bool:
         batch = self._schedule_prefill()
         if batch is not None:
+            self.in_flight = batch.reqs
             self._run_prefill(batch)
-            return True
-        if self.running:
+        elif self.running:
+            self.in_flight = self.running
             self._run_decode()
-            return True
-        return False
+        self.in_flight = []
+        return batch is not None or bool(self.running)
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -161,7 +164,7 @@ class Scheduler(KVMemoryMixin):
             budget=chunk if chunk > 0 else 1 << 62,
             available=self.allocator.available_size() + self.tree.evictable_size(),
             free_req_slots=self.args.max_running_requests - len(self.running),
-            page_size=self.page_size,
+            page_size=self.kv.page_size,
             reserve=sum(min(r.remaining_new_tokens, DECODE_RESERVE_PER_REQ) for r in self.running),
         )
         if self.chunked_req is not None:
@@ -191,7 +194,7 @@ class Scheduler(KVMemoryMixin):
         rows = self.req_to_token_pool.alloc(1)
         assert rows is not None, "request rows are sized by --max-running-requests"
         req.req_pool_idx = rows[0]
-        req.prefix_len = req.kv_len = match.prefix_len
+        req.prefix_len = req.kv_len = req.alloc_len = match.prefix_len
         req.last_node = match.last_node
         req.cached_tokens = match.prefix_len if not req.retracted else req.cached_tokens
         self.req_to_token[req.req_pool_idx, : match.prefix_len] = match.device_indices
@@ -201,7 +204,7 @@ class Scheduler(KVMemoryMixin):
 
     def _run_prefill(self, batch: ScheduleBatch) -> None:
         reqs, lens = batch.reqs, batch.extend_lens
-        loc = self._alloc_extend(reqs, lens)
+        loc = self.kv.alloc_extend(reqs, lens)
         input_ids = []
         for r, n in zip(reqs, lens):
             input_ids.extend(r.all_ids[r.kv_len : r.kv_len + n])
@@ -225,7 +228,7 @@ class Scheduler(KVMemoryMixin):
                 self._cache_chunk(r)
         self.chunked_req = next((r for r in reqs if r.rid in batch.chunked), None)
         done = [r.rid not in batch.chunked for r in reqs]
-        outputs, to_sample, prompt_only = [], [], []
+        to_sample, prompt_only = [], []
         for r, d, s, n in zip(reqs, done, starts, lens):
             if not d:
                 continue
@@ -238,15 +241,14 @@ class Scheduler(KVMemoryMixin):
             self.total_cached_tokens += r.cached_tokens
         if to_sample:
             logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
-            outputs += self._sample_and_commit([r for r, _ in to_sample], logits)
-        if self.spec is not None:
-            self.spec.after_extend(reqs, kv_before, lens, hidden, done)
+            self._sample_and_commit([r for r, _ in to_sample], logits)
+        self.decoder.after_prefill(reqs, kv_before, lens, hidden, done)
         for r in reqs:
             if r.finished:
-                self.release(r)
-        outputs += [self._make_output(r, []) for r in prompt_only]
+                self.kv.release(r)
+        self._outputs += [self._make_output(r, []) for r in prompt_only]
         self.running.extend(r for r, _ in to_sample if not r.finished)
-        self._emit(outputs)
+        self._flush_outputs()
 
     def _collect_input_logprobs(self, req: Req, hidden: torch.Tensor, a: int) -> None:
         """Positions a..a+n-1 were computed; the logits at q give the logprob of token q+1."""
@@ -272,47 +274,38 @@ class Scheduler(KVMemoryMixin):
     # ---- decode -----------------------------------------------------------------------------
 
     def _run_decode(self) -> None:
-        if self.spec is not None:
-            self._emit(self.spec.step())
-            return
-        loc = self.alloc_running(1)
-        reqs = self.running
-        if not reqs:
-            return
-        fb = self.runner.build_forward_batch(
-            ForwardMode.DECODE,
-            [r.all_ids[-1] for r in reqs],
-            [r.req_pool_idx for r in reqs],
-            [r.kv_len + 1 for r in reqs],
-            [1] * len(reqs),
-            loc,
-        )
-        hidden = self.runner.forward(fb)
-        for r in reqs:
-            r.kv_len += 1
-        outputs = self._sample_and_commit(reqs, self.runner.compute_logits(hidden))
-        for r in reqs:
+        stepped = self.decoder.step(self.running)
+        for r in stepped:
             if r.finished:
-                self.release(r)
-        self.running = [r for r in reqs if not r.finished]
-        self._emit(outputs)
+                self.kv.release(r)
+        self.running = [r for r in stepped if not r.finished]
+        self._flush_outputs()
+
+    def _retract(self, victim: Req, staying: list[Req]) -> None:
+        """KVBook's callback when a step's allocation does not fit: sends the most recently
+        admitted request back to the queue, keeping its outputs."""
+        if not staying and not self.waiting and self.tree.evictable_size() == 0:
+            # Nothing else holds memory: it can never fit.
+            self._finish(victim, FinishReason("abort", message="KV cache pool too small"))
+            return
+        self.kv.release(victim)
+        victim.retracted += 1
+        self.num_retractions += 1
+        self.waiting.insert(0, victim)
+        logger.info("retracted request %s (KV pool full)", victim.rid)
 
     # ---- sampling and stop conditions -------------------------------------------------------
 
-    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> list[ReqOutput]:
+    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
         res = sample_rows(logits, reqs, self.runner.vocab_size, self.stop_checker.eos_ids)
-        outs = []
         for i, r in enumerate(reqs):
-            lp = None if res.logprobs is None else res.logprobs[i]
-            top = None if res.top_logprobs is None else res.top_logprobs[i]
-            outs.append(self.commit_tokens(r, [res.token_ids[i]], [lp], [top], release=False))
-        return outs
+            lps = None if res.logprobs is None else res.logprobs[i : i + 1]
+            tops = None if res.top_logprobs is None else res.top_logprobs[i : i + 1]
+            self._commit(r, [res.token_ids[i]], lps, tops)
 
-    def commit_tokens(
-        self, req: Req, tokens: list[int], logprobs=None, tops=None, release: bool = True
-    ) -> ReqOutput:
-        """Appends tokens one by one, stopping at the first that finishes the request. With
-        release=False a finished request keeps its KV until the caller calls `release`."""
+    def _commit(self, req: Req, tokens: list[int], logprobs=None, tops=None) -> None:
+        """Appends tokens one by one, stopping at the first that finishes the request (which
+        keeps its KV until the step releases it), and queues the request's output."""
         committed = []
         for j, t in enumerate(tokens):
             req.output_ids.append(t)
@@ -323,14 +316,16 @@ class Scheduler(KVMemoryMixin):
             reason = self.stop_checker.check(req, self.runner.context_len)
             if reason is not None:
                 req.finished_reason = reason
-                if release:
-                    self.release(req)
                 break
-        return self._make_output(req, committed)
+        self._outputs.append(self._make_output(req, committed))
+
+    def _flush_outputs(self) -> None:
+        outputs, self._outputs = self._outputs, []
+        self._emit(outputs)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
         req.finished_reason = reason
-        self.release(req)
+        self.kv.release(req)
         self._emit([self._make_output(req, [])])
 
     # ---- abort / flush / state --------------------------------------------------------------
@@ -349,11 +344,20 @@ class Scheduler(KVMemoryMixin):
             self.running.remove(r)
             self._finish(r, FinishReason("abort", message=msg))
 
-    def _abort_all(self, message: str) -> None:
-        for r in self.waiting + self.running + ([self.chunked_req] if self.chunked_req else []):
-            if not r.finished:
-                self._finish(r, FinishReason("abort", message=message))
-        self.waiting, self.running, self.chunked_req = [], [], None
+    def _fail_in_flight(self, message: str) -> None:
+        """After a step raised: its requests end with an abort finish (streamed to their
+        clients) and give back everything they hold; the other requests carry on."""
+        self._flush_outputs()  # tokens committed before the fault still reach their clients
+        failed, self.in_flight = self.in_flight, []
+        ids = {id(r) for r in failed}
+        self.running = [r for r in self.running if id(r) not in ids]
+        self.waiting = [r for r in self.waiting if id(r) not in ids]  # retracted by the step
+        if self.chunked_req is not None and id(self.chunked_req) in ids:
+            self.chunked_req = None
+        for r in failed:
+            r.finished_reason = FinishReason("abort", message=message)
+            self.kv.release(r)
+            self._emit([self._make_output(r, [])])
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -371,15 +375,9 @@ class Scheduler(KVMemoryMixin):
             "num_queue_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
-            "avg_spec_accept_length": self.spec.avg_accept_length if self.spec else 0.0,
-            "spec_num_verify": self.spec.num_verify if self.spec else 0,
-            "spec_draft_tokens": self.spec.num_verify * self.spec.k if self.spec else 0,
-            "spec_accepted_tokens": self.spec.num_accepted if self.spec else 0,
-            "spec_accepted_per_position": list(self.spec.accepted_per_position)
-            if self.spec
-            else [],
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
+            **self.decoder.stats(),
         }
 
     # ---- outputs ----------------------------------------------------------------------------

@@ -15,11 +15,8 @@ from srt_ascend.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult,
 class ChunkCache(BasePrefixCache):
     """No-sharing prefix cache: matches nothing, frees a request's slots when it finishes."""
 
-    def __init__(self, allocator: TokenToKVPoolAllocator, page_size: int | None = None):
-        if page_size is not None and page_size != allocator.page_size:
-            raise ValueError(f"page_size {page_size} != allocator page_size {allocator.page_size}")
+    def __init__(self, allocator: TokenToKVPoolAllocator):
         self.allocator = allocator
-        self.page_size = allocator.page_size
         self.device = allocator.device
         # Stand-in node returned as ``last_node``; locking it is a no-op.
         self.root_node = TreeNode(lock_ref=1)

@@ -44,19 +44,16 @@ class RadixCache(BasePrefixCache):
     :mod:`srt_ascend.mem_cache.base_prefix_cache` for the ownership contract.
     """
 
-    def __init__(
-        self,
-        allocator: TokenToKVPoolAllocator,
-        page_size: int = 1,
-        bigram_keys: bool = False,
-    ):
-        if page_size != allocator.page_size:
-            raise ValueError(f"page_size {page_size} != allocator page_size {allocator.page_size}")
+    def __init__(self, allocator: TokenToKVPoolAllocator, bigram_keys: bool = False):
         self.allocator = allocator
-        self.page_size = page_size
         self.bigram_keys = bigram_keys
         self.device = allocator.device
         self._reset_tree()
+
+    @property
+    def page_size(self) -> int:
+        """The allocator's: whole pages are matched, inserted and evicted."""
+        return self.allocator.page_size
 
     # ------------------------------------------------------------------ keys
     def _keys(self, token_ids: list[int]) -> list[Any]:

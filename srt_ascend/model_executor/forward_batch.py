@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from srt_ascend.layers.attention.base import AttentionBackend
     from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 
 
@@ -47,7 +46,7 @@ class ForwardBatch:
     extend_seq_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MLATokenToKVPool
-    attn_backend: AttentionBackend
+    attn_backend: Any  # layers.attention.base.AttentionBackend (which imports this module)
     attn_metadata: Any = field(default=None, repr=False)  # the backend's per-batch cache
     # Set by the graph runner: every row has the same query length (FIA rows excepted), KV is
     # read through a fixed window of this many positions, and nothing may depend on host
@@ -85,7 +84,7 @@ class ForwardBatch:
         out_cache_loc: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
         token_to_kv_pool: MLATokenToKVPool,
-        attn_backend: AttentionBackend,
+        attn_backend: Any,
         device: torch.device | str = "cpu",
         init_metadata: bool = True,
     ) -> ForwardBatch:

@@ -12,26 +12,30 @@ Kinds (B = requests in the bucket, K = draft tokens per step):
 - draft_extend:   MTP layer 0 over B rows of 1+K tokens (the pass after verify);
 - draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K).
 
-The graph class comes from the platform: CUDA graphs, aclgraphs, or on CPU an eager replay over
-the same buffers, so the capture/pad/replay logic runs in every test.
+Which kinds exist is the decoders' business: each hands its GraphKinds (with the attention
+backend the kind runs through) to `ModelRunner.capture_graphs`, and names the kind when it
+runs a forward, so nothing here guesses a kind from a batch. The graph class comes from the
+platform: CUDA graphs, aclgraphs, or on CPU an eager replay over the same buffers, so the
+capture/pad/replay logic runs in every test.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from srt_ascend.layers.attention.base import AttentionBackend
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
-    from srt_ascend.model_executor.model_runner import ModelRunner
-    from srt_ascend.platforms import DeviceGraph
+    from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from srt_ascend.platforms import DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
 
@@ -78,18 +82,26 @@ def fia_padded_query_lens(q_lens: Sequence[int], num_slots: int, total_tokens: i
     return lens
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class GraphKind:
+    """One kind of captured forward, defined by the decoder that runs it."""
+
     name: str
     mode: ForwardMode
     tokens_per_req: int  # query tokens each request contributes
     rows_per_req: int  # ForwardBatch rows per request
-    mtp_layer: int | None  # None: the main model; else this MTP layer
-    fia: bool = False  # rows through the FIA backend (host lengths, spare slots)
+    backend: AttentionBackend  # the attention backend its batches run through
+    mtp_layer: int | None = None  # None: the main model; else this MTP layer
 
     @property
     def q_per_row(self) -> int:
         return self.tokens_per_req // self.rows_per_req
+
+    @property
+    def host_lengths(self) -> bool:
+        """Rows through a backend whose op takes host-side lengths (FIA): those are refreshed
+        per replay, and the batch keeps spare request slots (DESIGN section 8)."""
+        return self.backend.uses_host_lengths
 
 
 class _Buffers:
@@ -115,59 +127,61 @@ class _Captured:
     num_rows: int
 
 
+# (fb, kind, MTP input hidden or None) -> output hidden: the eager forward a graph captures
+EagerForward = Callable[[ForwardBatch, GraphKind, "torch.Tensor | None"], torch.Tensor]
+
+
 class GraphRunner:
-    def __init__(self, runner: ModelRunner, buckets: Sequence[int], spec_k: int | None) -> None:
-        self.runner = runner
-        self.platform = runner.platform
+    """Narrow handles: the eager forward to capture, the pools the static batches index, and
+    the platform's graph class; it never sees the model runner."""
+
+    def __init__(
+        self,
+        platform: Platform,
+        eager_forward: EagerForward,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MLATokenToKVPool,
+        hidden_size: int,
+        dtype: torch.dtype,
+        buckets: Sequence[int],
+        kinds: Sequence[GraphKind],
+    ) -> None:
+        self.platform = platform
+        self.eager_forward = eager_forward
+        self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.buckets = sorted(buckets)
-        self.kinds = self._kinds(spec_k)
-        self.static_kv_len = runner.req_to_token_pool.req_to_token.shape[1]
+        self.kinds = self._capturable({k.name: k for k in kinds})
+        self.static_kv_len = req_to_token_pool.req_to_token.shape[1]
         max_bs = self.buckets[-1]
         max_tokens = max(k.tokens_per_req for k in self.kinds.values()) * max_bs
         max_rows = max(self._num_rows(k, max_bs) for k in self.kinds.values())
-        self.buf = _Buffers(
-            max_tokens, max_rows, runner.config.hidden_size, runner.dtype, runner.device
-        )
+        self.buf = _Buffers(max_tokens, max_rows, hidden_size, dtype, platform.device)
         self.graphs: dict[tuple[str, int], _Captured] = {}
         self.replays: Counter[str] = Counter()  # per kind, reported in the internal state
         self.pool = self.platform.graph_pool_handle()
         self.stream = self.platform.new_stream()
 
-    def _kinds(self, k: int | None) -> dict[str, GraphKind]:
-        kinds = [GraphKind("decode", ForwardMode.DECODE, 1, 1, None)]
-        r = self.runner
-        if k is not None:
-            fia = r.verify_backend is not r.attn_backend
-            if not fia:
-                kinds.append(
-                    GraphKind("verify_expand", ForwardMode.TARGET_VERIFY, k + 1, k + 1, None)
+    def _capturable(self, kinds: dict[str, GraphKind]) -> dict[str, GraphKind]:
+        for kind in kinds.values():
+            if not kind.backend.supports_static_shapes:
+                raise ValueError(
+                    f"graphs need attention backends that support static shapes; "
+                    f"{type(kind.backend).__name__} does not: pass --disable-cuda-graph"
                 )
-            elif self.platform.new_graph().supports_host_params:
-                kinds.append(
-                    GraphKind("verify_fia", ForwardMode.TARGET_VERIFY, k + 1, 1, None, True)
-                )
-            else:
-                logger.info(
-                    "FIA verify runs eagerly: this device's graphs cannot refresh its "
-                    "host-side lengths"
-                )
-            kinds.append(GraphKind("draft_extend", ForwardMode.DRAFT_EXTEND, k + 1, 1, 0))
-            for layer in sorted({r.mtp.layer_for_step(j) for j in range(1, k)}):
-                kinds.append(GraphKind(f"draft_step{layer}", ForwardMode.DECODE, 1, 1, layer))
-        backends_ok = (
-            r.attn_backend.supports_static_shapes and r.verify_backend.supports_static_shapes
-        )
-        if not backends_ok:
-            raise ValueError(
-                "graphs need attention backends that support static shapes "
-                "(torch_native, fia); pass --disable-cuda-graph"
+        if self.platform.new_graph().supports_host_params:
+            return kinds
+        eager = [name for name, kind in kinds.items() if kind.host_lengths]
+        if eager:
+            logger.info(
+                "%s runs eagerly: this device's graphs cannot refresh host-side lengths",
+                ", ".join(eager),
             )
-        return {kind.name: kind for kind in kinds}
+        return {name: kind for name, kind in kinds.items() if name not in eager}
 
     @staticmethod
     def _num_rows(kind: GraphKind, bs: int) -> int:
         """ForwardBatch rows of a captured batch: the requests' rows, plus FIA's spare slots."""
-        spare = fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.fia else 0
+        spare = fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.host_lengths else 0
         return bs * kind.rows_per_req + spare
 
     # capture ---------------------------------------------------------------------------
@@ -186,12 +200,12 @@ class GraphRunner:
         )
 
     def _static_batch(self, kind: GraphKind, bs: int) -> ForwardBatch:
-        b, r = self.buf, self.runner
+        b = self.buf
         n_tok = bs * kind.tokens_per_req
         n_rows = self._num_rows(kind, bs)
         q_lens = (
             fia_padded_query_lens([], n_rows, n_tok, kind.tokens_per_req)
-            if kind.fia
+            if kind.host_lengths
             else [kind.q_per_row] * n_rows
         )
         return ForwardBatch(
@@ -200,28 +214,23 @@ class GraphRunner:
             positions=b.positions[:n_tok],
             req_pool_indices=b.req_pool_indices[:n_rows],
             seq_lens=b.seq_lens[:n_rows],
-            extend_seq_lens=torch.tensor(q_lens, dtype=torch.int64, device=r.device),
+            extend_seq_lens=torch.tensor(q_lens, dtype=torch.int64, device=self.platform.device),
             out_cache_loc=b.out_cache_loc[:n_tok],
             seq_lens_cpu=[0] * n_rows,
             extend_seq_lens_cpu=q_lens,
-            req_to_token_pool=r.req_to_token_pool,
-            token_to_kv_pool=r.kv_pool,
-            attn_backend=r.verify_backend
-            if kind.mode == ForwardMode.TARGET_VERIFY
-            else r.attn_backend,
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool=self.kv_pool,
+            attn_backend=kind.backend,
             static_kv_len=self.static_kv_len,
         )
 
     def _capture_one(self, kind: GraphKind, bs: int) -> _Captured:
         fb = self._static_batch(kind, bs)
-        hidden = self.buf.hidden[: fb.num_tokens]
-        r = self.runner
+        hidden = self.buf.hidden[: fb.num_tokens] if kind.mtp_layer is not None else None
 
         def body() -> torch.Tensor:
             fb.attn_backend.init_forward_metadata(fb)
-            if kind.mtp_layer is None:
-                return r.model(fb.input_ids, fb.positions, fb)
-            return r.mtp(fb.input_ids, hidden, fb.positions, fb, step=kind.mtp_layer)
+            return self.eager_forward(fb, kind, hidden)
 
         graph = self.platform.new_graph()
         with self.platform.stream(self.stream):
@@ -231,24 +240,10 @@ class GraphRunner:
         return _Captured(graph, fb, out, fb.num_tokens, fb.batch_size)
 
     # replay ----------------------------------------------------------------------------
-    def kind_of(self, fb: ForwardBatch, mtp_layer: int | None) -> GraphKind | None:
-        if mtp_layer is None:
-            if fb.forward_mode == ForwardMode.DECODE:
-                name = "decode"
-            elif fb.forward_mode == ForwardMode.TARGET_VERIFY:
-                name = "verify_fia" if fb.attn_backend.uses_host_lengths else "verify_expand"
-            else:
-                return None
-        elif fb.forward_mode == ForwardMode.DRAFT_EXTEND and mtp_layer == 0:
-            name = "draft_extend"
-        elif fb.forward_mode == ForwardMode.DECODE:
-            name = f"draft_step{mtp_layer}"
-        else:
-            return None
-        return self.kinds.get(name)
-
     def _bucket(self, kind: GraphKind, fb: ForwardBatch) -> int | None:
-        if kind.fia:
+        if fb.forward_mode != kind.mode:
+            return None
+        if kind.host_lengths:
             reqs = fb.batch_size
             ok = all(1 <= q <= kind.tokens_per_req for q in fb.extend_seq_lens_cpu)
         else:
@@ -258,33 +253,27 @@ class GraphRunner:
             return None
         return next(b for b in self.buckets if b >= reqs)
 
-    def _find(self, fb: ForwardBatch, mtp_layer: int | None) -> tuple[GraphKind, int] | None:
-        kind = self.kind_of(fb, mtp_layer)
-        bucket = None if kind is None else self._bucket(kind, fb)
-        return None if bucket is None else (kind, bucket)
-
-    def can_run(self, fb: ForwardBatch, mtp_layer: int | None = None) -> bool:
-        return self._find(fb, mtp_layer) is not None
+    def can_run(self, fb: ForwardBatch, kind: GraphKind) -> bool:
+        return kind.name in self.kinds and self._bucket(kind, fb) is not None
 
     def replay(
-        self, fb: ForwardBatch, mtp_layer: int | None = None, hidden: torch.Tensor | None = None
+        self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None = None
     ) -> torch.Tensor:
-        out = self.try_replay(fb, mtp_layer, hidden)
+        out = self.try_replay(fb, kind, hidden)
         if out is None:
-            raise ValueError(f"no captured graph holds this {fb.forward_mode.name} batch")
+            raise ValueError(f"no captured {kind.name} graph holds this batch")
         return out
 
     @torch.inference_mode()
     def try_replay(
-        self, fb: ForwardBatch, mtp_layer: int | None = None, hidden: torch.Tensor | None = None
+        self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None = None
     ) -> torch.Tensor | None:
-        """Runs `fb` (eager-built, real rows only) through its captured graph; returns the
-        real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output is reused),
-        or None when no captured graph holds the batch."""
-        found = self._find(fb, mtp_layer)
-        if found is None:
+        """Runs `fb` (eager-built, real rows only) through the captured graph of `kind`;
+        returns the real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output
+        is reused), or None when no graph of that kind holds the batch."""
+        bucket = self._bucket(kind, fb) if kind.name in self.kinds else None
+        if bucket is None:
             return None
-        kind, bucket = found
         g = self.graphs[kind.name, bucket]
         n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
         for dst, src, n, total in (
@@ -301,11 +290,13 @@ class GraphRunner:
             b.hidden[n_tok : g.num_tokens].zero_()
         host = None
         g.fb.seq_lens_cpu[:] = list(fb.seq_lens_cpu) + [0] * (g.num_rows - n_rows)
-        if kind.fia:
+        if kind.host_lengths:
             g.fb.extend_seq_lens_cpu[:] = fia_padded_query_lens(
                 fb.extend_seq_lens_cpu, g.num_rows, g.num_tokens, kind.tokens_per_req
             )
-            g.fb.extend_seq_lens.copy_(torch.tensor(g.fb.extend_seq_lens_cpu))
+            g.fb.extend_seq_lens.copy_(
+                torch.tensor(g.fb.extend_seq_lens_cpu, device=g.fb.extend_seq_lens.device)
+            )
             host = {
                 "actual_seq_lengths": to_cumulative(g.fb.extend_seq_lens_cpu),
                 "actual_seq_lengths_kv": list(g.fb.seq_lens_cpu),

@@ -1,4 +1,8 @@
-"""ModelRunner: owns the model weights, the KV pools and the attention backend."""
+"""ModelRunner: owns the model weights, the KV pools, the attention backend and the graphs.
+
+Which forwards are captured as graphs, and through which attention backend each runs, is
+decided by the decoder (`decoding/`), which hands its GraphKinds to `capture_graphs` and names
+the kind when it calls `forward` / `forward_mtp`."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch
-from srt_ascend.model_executor.graph_runner import GraphRunner, graph_buckets
+from srt_ascend.model_executor.graph_runner import GraphKind, GraphRunner, graph_buckets
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
@@ -65,22 +69,27 @@ class ModelRunner:
         )
         self._init_pools()
         self.attn_backend = create_attention_backend(server_args.attention_backend)
-        self.verify_backend = self.attn_backend  # TARGET_VERIFY rows (expand: the same)
-        if server_args.spec_enabled and server_args.speculative_verify == "fia":
-            import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
-
-            self.verify_backend = create_attention_backend("fia", page_size=server_args.page_size)
         self.graph_runner: GraphRunner | None = None
-        if server_args.graphs_enabled(platform):
-            self.graph_runner = GraphRunner(
-                self,
-                graph_buckets(
-                    server_args.cuda_graph_bs,
-                    min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
-                ),
-                server_args.speculative_num_steps if server_args.spec_enabled else None,
-            )
-            self.graph_runner.capture()
+
+    def capture_graphs(self, kinds: list[GraphKind]) -> None:
+        """Captures `kinds` per batch-size bucket, where graphs are on (`--disable-cuda-graph`,
+        `--enable-cpu-graph`, the platform's default); otherwise does nothing."""
+        args = self.server_args
+        if not args.graphs_enabled(self.platform) or not kinds:
+            return
+        self.graph_runner = GraphRunner(
+            self.platform,
+            lambda fb, kind, hidden: self.forward_eager(fb, kind.mtp_layer, hidden),
+            self.req_to_token_pool,
+            self.kv_pool,
+            self.config.hidden_size,
+            self.dtype,
+            graph_buckets(
+                args.cuda_graph_bs, min(args.cuda_graph_max_bs, args.max_running_requests)
+            ),
+            kinds,
+        )
+        self.graph_runner.capture()
 
     def _kv_bytes_per_token(self) -> int:
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
@@ -136,23 +145,31 @@ class ModelRunner:
             init_metadata=False,
         )
 
-    @torch.inference_mode()
-    def forward(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """Main model forward: a graph replay when one was captured for this batch, else
-        eager. Returns final-normed hidden states [T, hidden]."""
-        fb = forward_batch
-        out = self.graph_runner.try_replay(fb) if self.graph_runner is not None else None
-        return self.forward_eager(fb) if out is None else out
+    def _replay(self, fb: ForwardBatch, kind: GraphKind | None, hidden=None):
+        if kind is None or self.graph_runner is None:
+            return None
+        return self.graph_runner.try_replay(fb, kind, hidden)
 
     @torch.inference_mode()
-    def forward_mtp(self, forward_batch: ForwardBatch, hidden: torch.Tensor, step: int):
+    def forward(self, forward_batch: ForwardBatch, kind: GraphKind | None = None) -> torch.Tensor:
+        """Main model forward: a replay of `kind`'s graph when one holds this batch, else
+        eager. Returns final-normed hidden states [T, hidden]."""
+        out = self._replay(forward_batch, kind)
+        return self.forward_eager(forward_batch) if out is None else out
+
+    @torch.inference_mode()
+    def forward_mtp(
+        self,
+        forward_batch: ForwardBatch,
+        hidden: torch.Tensor,
+        step: int,
+        kind: GraphKind | None = None,
+    ) -> torch.Tensor:
         """MTP draft forward for draft step `step` (input ids = token t+1, `hidden` = h_t);
-        replayed from a graph when one fits. Returns the normed hidden the LM head reads."""
-        fb = forward_batch
-        out = None
-        if self.graph_runner is not None:
-            out = self.graph_runner.try_replay(fb, self.mtp.layer_for_step(step), hidden)
-        return self.forward_eager(fb, step, hidden) if out is None else out
+        replayed from `kind`'s graph when one holds it. Returns the normed hidden the LM
+        head reads."""
+        out = self._replay(forward_batch, kind, hidden)
+        return self.forward_eager(forward_batch, step, hidden) if out is None else out
 
     @torch.inference_mode()
     def forward_eager(

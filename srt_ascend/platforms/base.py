@@ -14,19 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-PLATFORMS: dict[str, type[Platform]] = {}
+from srt_ascend.registry import Registry
+
+PLATFORMS: Registry[Platform] = Registry("device")
+register_platform = PLATFORMS.register
 
 
 class DeviceUnavailable(RuntimeError):
     """The requested device cannot be used here; the message is one line for the CLI."""
-
-
-def register_platform(name: str):
-    def wrap(cls):
-        PLATFORMS[name] = cls
-        return cls
-
-    return wrap
 
 
 class DeviceGraph(ABC):

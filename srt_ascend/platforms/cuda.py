@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from srt_ascend.platforms.base import DeviceGraph, Platform, register_platform
+from srt_ascend.platforms.accelerator import AcceleratorPlatform
+from srt_ascend.platforms.base import DeviceGraph, register_platform
 
 
 class CudaGraph(DeviceGraph):
@@ -21,30 +22,10 @@ class CudaGraph(DeviceGraph):
 
 
 @register_platform("cuda")
-class CudaPlatform(Platform):
+class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
+    graph_class = CudaGraph
 
     @staticmethod
     def is_available() -> bool:
         return torch.cuda.is_available()
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize()
-
-    def new_stream(self):
-        return torch.cuda.Stream()
-
-    def stream(self, stream):
-        return torch.cuda.stream(stream)
-
-    def mem_get_info(self) -> tuple[int, int]:
-        return torch.cuda.mem_get_info()
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()
-
-    def new_graph(self) -> DeviceGraph:
-        return CudaGraph()
-
-    def graph_pool_handle(self):
-        return torch.cuda.graph_pool_handle()

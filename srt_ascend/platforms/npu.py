@@ -12,7 +12,8 @@ import importlib.util
 
 import torch
 
-from srt_ascend.platforms.base import DeviceGraph, Platform, register_platform
+from srt_ascend.platforms.accelerator import AcceleratorPlatform
+from srt_ascend.platforms.base import DeviceGraph, register_platform
 
 
 def _import_torch_npu() -> bool:
@@ -41,30 +42,10 @@ class AclGraph(DeviceGraph):
 
 
 @register_platform("npu")
-class NpuPlatform(Platform):
+class NpuPlatform(AcceleratorPlatform):
     name = "npu"
+    graph_class = AclGraph
 
     @staticmethod
     def is_available() -> bool:
         return _import_torch_npu() and torch.npu.is_available()
-
-    def synchronize(self) -> None:
-        torch.npu.synchronize()
-
-    def new_stream(self):
-        return torch.npu.Stream()
-
-    def stream(self, stream):
-        return torch.npu.stream(stream)
-
-    def mem_get_info(self) -> tuple[int, int]:
-        return torch.npu.mem_get_info()
-
-    def empty_cache(self) -> None:
-        torch.npu.empty_cache()
-
-    def new_graph(self) -> DeviceGraph:
-        return AclGraph()
-
-    def graph_pool_handle(self):
-        return torch.npu.graph_pool_handle()

@@ -1,9 +1,12 @@
 """Verify strategies: how the target model scores 1 + K tokens per request in one forward.
 
+`--speculative-verify` is read once, where the MTP decoder picks its strategy; the strategy
+owns the attention backend its batches run through and the graph kind that captures them.
 Both produce the same target hidden states, laid out [B, K+1, D] (row j of request b is the
 token at position L-1+j, whose logits predict position L+j):
 - expand (SGLang's batch expansion): K+1 single-query rows per request, all sharing the
-  request's req_to_token row with seq_len L, L+1, ..., L+K; only 1-query decode attention;
+  request's req_to_token row with seq_len L, L+1, ..., L+K; only 1-query decode attention,
+  through the runner's attention backend;
 - fia (vllm-ascend's approach): one row of K+1 query tokens per request through the FIA
   backend (TND, sparse_mode 3), at most 16 tokens per request.
 """
@@ -11,73 +14,84 @@ token at position L-1+j, whose logits predict position L+j):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Sequence
 
 import torch
 
-from srt_ascend.layers.attention.base import AttentionBackend
-from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.layers.attention.base import AttentionBackend, create_attention_backend
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt_ascend.model_executor.graph_runner import GraphKind
+from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.registry import Registry
 
-VERIFY_STRATEGIES: dict[str, type[VerifyStrategy]] = {}
-
-
-def register_verify(name: str):
-    def wrap(cls):
-        VERIFY_STRATEGIES[name] = cls
-        return cls
-
-    return wrap
+VERIFY_STRATEGIES: Registry[VerifyStrategy] = Registry("verify strategy")
 
 
 class VerifyStrategy(ABC):
-    def __init__(
-        self, build_forward_batch: Callable[..., ForwardBatch], backend: AttentionBackend
-    ) -> None:
-        self.build_forward_batch = build_forward_batch  # (mode, ids, rows, seq, ext, loc, backend)
-        self.backend = backend
+    name: str
 
-    @staticmethod
-    def verify_tokens(reqs: list[Req]) -> list[list[int]]:
-        """[t_{L-1}, d_1, ..., d_K] per request."""
-        return [[r.all_ids[-1], *r.draft_tokens] for r in reqs]
+    def __init__(self, runner: ModelRunner, k: int) -> None:
+        self.build_forward_batch = runner.build_forward_batch
+        self.k = k
+        self.backend = self._backend(runner)
+        self.kind = self._graph_kind()
 
     @abstractmethod
-    def build(self, reqs: list[Req], loc: torch.Tensor) -> ForwardBatch:
-        """loc [B, K+1]: slots of positions L-1 .. L-1+K, already in req_to_token."""
+    def _backend(self, runner: ModelRunner) -> AttentionBackend: ...
+
+    @abstractmethod
+    def _graph_kind(self) -> GraphKind: ...
+
+    @abstractmethod
+    def build(
+        self,
+        tokens: Sequence[Sequence[int]],  # [B][K+1]: t_{L-1}, d_1..d_K per request
+        rows: Sequence[int],  # [B] req_to_token rows
+        seq_lens: Sequence[int],  # [B] L: committed length per request
+        loc: torch.Tensor,  # [B, K+1] slots of positions L-1 .. L-1+K, in req_to_token
+    ) -> ForwardBatch: ...
 
 
-@register_verify("expand")
+@VERIFY_STRATEGIES.register("expand")
 class BatchExpansionVerify(VerifyStrategy):
-    def build(self, reqs, loc):
+    def _backend(self, runner):
+        return runner.attn_backend
+
+    def _graph_kind(self):
+        k1 = self.k + 1
+        return GraphKind("verify_expand", ForwardMode.TARGET_VERIFY, k1, k1, self.backend)
+
+    def build(self, tokens, rows, seq_lens, loc):
         k1 = loc.shape[1]
-        rows, seq = [], []
-        for r in reqs:
-            rows += [r.req_pool_idx] * k1
-            seq += [r.seq_len + j for j in range(k1)]
-        ids = [t for toks in self.verify_tokens(reqs) for t in toks]
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
-            ids,
-            rows,
-            seq,
-            [1] * len(rows),
+            [t for toks in tokens for t in toks],
+            [row for row in rows for _ in range(k1)],
+            [length + j for length in seq_lens for j in range(k1)],
+            [1] * (len(rows) * k1),
             loc.reshape(-1),
             self.backend,
         )
 
 
-@register_verify("fia")
+@VERIFY_STRATEGIES.register("fia")
 class MultiQueryFiaVerify(VerifyStrategy):
-    def build(self, reqs, loc):
+    def _backend(self, runner):
+        import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
+
+        return create_attention_backend("fia")
+
+    def _graph_kind(self):
+        return GraphKind("verify_fia", ForwardMode.TARGET_VERIFY, self.k + 1, 1, self.backend)
+
+    def build(self, tokens, rows, seq_lens, loc):
         k1 = loc.shape[1]
-        ids = [t for toks in self.verify_tokens(reqs) for t in toks]
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
-            ids,
-            [r.req_pool_idx for r in reqs],
-            [r.seq_len - 1 + k1 for r in reqs],
-            [k1] * len(reqs),
+            [t for toks in tokens for t in toks],
+            list(rows),
+            [length - 1 + k1 for length in seq_lens],
+            [k1] * len(rows),
             loc.reshape(-1),
             self.backend,
         )

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+from srt_ascend.decoding import DecoderHandles
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import (
@@ -19,6 +20,7 @@ from srt_ascend.model_executor.graph_runner import (
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms import get_platform
 from srt_ascend.server_args import ServerArgs
+from srt_ascend.speculative.mtp_decoder import MTPDecoder
 
 # ---- pure rules ----------------------------------------------------------------------------
 
@@ -81,6 +83,8 @@ K = 3
 
 
 def make_runner(path: str, verify: str, page_size: int = 1) -> ModelRunner:
+    """A runner with the graphs the MTP decoder captures (the decoder's kinds are reachable
+    as `runner.kinds`)."""
     args = ServerArgs(
         model_path=path,
         dtype="float32",
@@ -94,7 +98,11 @@ def make_runner(path: str, verify: str, page_size: int = 1) -> ModelRunner:
         enable_cpu_graph=True,
         cuda_graph_bs=(2, 4),
     )
-    return ModelRunner(args, get_platform("cpu"))
+    runner = ModelRunner(args, get_platform("cpu"))
+    decoder = MTPDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
+    runner.capture_graphs(decoder.graph_kinds())
+    runner.kinds = {kind.name: kind for kind in decoder.graph_kinds()}
+    return runner
 
 
 class Requests:
@@ -133,11 +141,13 @@ class Requests:
             seqs = [length + j + 1 for length, q in zip(self.lens, q_lens) for j in range(q)]
             return r.build_forward_batch(
                 ForwardMode.TARGET_VERIFY, ids, rows, seqs, [1] * len(rows), loc,
-                r.verify_backend,
+                self.kind(kind).backend,
             )  # fmt: skip
-        mode = next(k.mode for n, k in r.graph_runner.kinds.items() if n.startswith(kind))
-        backend = r.verify_backend if mode == ForwardMode.TARGET_VERIFY else r.attn_backend
-        return r.build_forward_batch(mode, ids, self.rows, seq, q_lens, loc, backend)
+        k = self.kind(kind)
+        return r.build_forward_batch(k.mode, ids, self.rows, seq, q_lens, loc, k.backend)
+
+    def kind(self, prefix: str):
+        return next(k for n, k in self.runner.kinds.items() if n.startswith(prefix))
 
 
 CASES = [  # (verify path, kind, MTP layer or None, query lengths)
@@ -171,10 +181,12 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
     try:
         fb = reqs.batch(kind, q_lens)
         hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, generator=reqs.gen)
-        assert gr.can_run(fb, layer)
-        name = gr.kind_of(fb, layer).name
+        graph_kind = reqs.kind(kind)
+        assert graph_kind.mtp_layer == layer
+        assert gr.can_run(fb, graph_kind)
+        name = graph_kind.name
         before = gr.replays[name]
-        replayed = gr.replay(fb, layer, hidden if layer is not None else None)
+        replayed = gr.replay(fb, graph_kind, hidden if layer is not None else None)
         assert gr.replays[name] == before + 1
         eager = runner.forward_eager(fb, layer, hidden)
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
@@ -209,19 +221,19 @@ def test_batches_a_graph_cannot_hold_run_eagerly(runners):
     reqs = Requests(runner, lens=(5, 7, 9))
     try:
         fb = reqs.batch("verify_fia")
-        assert runner.graph_runner.can_run(fb)
+        assert runner.graph_runner.can_run(fb, reqs.kind("verify_fia"))
         mixed = reqs.batch("draft_extend", [1, 4, 2])  # ragged MTP extend: eager
-        assert not runner.graph_runner.can_run(mixed, 0)
+        assert not runner.graph_runner.can_run(mixed, reqs.kind("draft_extend"))
         prefill = reqs.batch("verify_fia")
         prefill.forward_mode = ForwardMode.EXTEND
-        assert not runner.graph_runner.can_run(prefill)
+        assert not runner.graph_runner.can_run(prefill, reqs.kind("verify_fia"))
     finally:
         for s in reqs.slots:
             runner.allocator.free(s)
         runner.req_to_token_pool.free(reqs.rows)
     too_many = Requests(runner, lens=tuple(range(3, 8)))  # 5 requests > largest bucket 4
     try:
-        assert not runner.graph_runner.can_run(too_many.batch("decode"))
+        assert not runner.graph_runner.can_run(too_many.batch("decode"), too_many.kind("decode"))
     finally:
         for s in too_many.slots:
             runner.allocator.free(s)
@@ -232,7 +244,7 @@ def test_paged_fia_replay_matches_eager(tiny_mtp_factory):
     runner = make_runner(tiny_mtp_factory(num_mtp=2).path, "fia", page_size=4)
     reqs = Requests(runner, lens=(3, 9))
     fb = reqs.batch("verify_fia")
-    replayed = runner.graph_runner.replay(fb)
+    replayed = runner.graph_runner.replay(fb, reqs.kind("verify_fia"))
     torch.testing.assert_close(replayed, runner.forward_eager(fb, None, None), rtol=1e-4, atol=1e-5)
 
 
@@ -243,5 +255,5 @@ def test_runner_built_under_inference_mode(tiny_mtp_factory):
         runner = make_runner(tiny_mtp_factory(num_mtp=2).path, "expand")
         reqs = Requests(runner, lens=(4, 6))
         fb = reqs.batch("decode")
-        replayed = runner.graph_runner.replay(fb)
+        replayed = runner.graph_runner.replay(fb, reqs.kind("decode"))
         torch.testing.assert_close(replayed, runner.forward_eager(fb), rtol=1e-4, atol=1e-5)

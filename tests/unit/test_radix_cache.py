@@ -62,7 +62,7 @@ class Harness:
         self.rng = random.Random(seed)
         self.ps, self.bigram = page_size, bigram
         self.alloc = TokenToKVPoolAllocator(size=1024, page_size=page_size)
-        self.cache = RadixCache(self.alloc, page_size=page_size, bigram_keys=bigram)
+        self.cache = RadixCache(self.alloc, bigram_keys=bigram)
         self.ref: Ref = {}
         self.locks: list[tuple[TreeNode, tuple]] = []
         self.history: list[list[int]] = []
@@ -213,7 +213,7 @@ def test_split_on_partial_match_and_lock_sizes():
 
 def test_page_aligned_match_and_insert():
     alloc = TokenToKVPoolAllocator(size=64, page_size=4)
-    cache = RadixCache(alloc, page_size=4)
+    cache = RadixCache(alloc)
     with pytest.raises(ValueError):
         cache.insert(list(range(6)), alloc.alloc(4)[:3])
     assert _insert(cache, alloc, list(range(10)), 8) == 0
@@ -241,7 +241,7 @@ def test_bigram_keys_need_the_next_token():
 
 def test_reset_frees_to_allocator_and_refuses_with_locks():
     alloc = TokenToKVPoolAllocator(size=16, page_size=2)
-    cache = RadixCache(alloc, page_size=2)
+    cache = RadixCache(alloc)
     _insert(cache, alloc, [1, 2, 3, 4], 4)
     _insert(cache, alloc, [1, 2, 5, 6], 4)
     res = cache.match_prefix([1, 2, 5, 6])

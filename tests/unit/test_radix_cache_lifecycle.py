@@ -56,7 +56,7 @@ class Sim:
         self.ps, self.bigram = page_size, bigram
         self.alloc = TokenToKVPoolAllocator(size=POOL_TOKENS, page_size=page_size)
         self.cache: BasePrefixCache = (
-            RadixCache(self.alloc, page_size=page_size, bigram_keys=bigram)
+            RadixCache(self.alloc, bigram_keys=bigram)
             if cache_kind == "radix"
             else ChunkCache(self.alloc)
         )

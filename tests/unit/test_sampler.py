@@ -7,12 +7,11 @@ import torch
 
 from srt_ascend.layers.sampler import (
     Sampler,
-    compute_logprobs,
     draw_uniforms,
     inverse_cdf_sample,
     processed_probs,
     sample_from_probs,
-    top_k_logprobs,
+    token_logprobs,
 )
 from srt_ascend.sampling import SamplingBatchInfo, SamplingParams, mix_seed
 
@@ -177,24 +176,29 @@ def test_sampler_logprobs_are_log_softmax_of_raw_logits() -> None:
     assert torch.equal(logits, before)
     ref = torch.log_softmax(logits.float(), dim=-1)
     expected = ref.gather(-1, out.next_token_ids.view(-1, 1)).squeeze(-1)
-    torch.testing.assert_close(out.next_token_logprobs, expected)
-    assert out.top_logprobs[1] is None
-    values, ids = out.top_logprobs[2]
-    assert ids.shape == (5,)
-    torch.testing.assert_close(values, ref[2].sort(descending=True).values[:5])
-    torch.testing.assert_close(out.top_logprobs[0][0], ref[0][out.top_logprobs[0][1]])
+    torch.testing.assert_close(torch.tensor(out.logprobs), expected)
+    assert out.top_logprobs[1] == []
+    values, ids = zip(*out.top_logprobs[2])
+    assert len(ids) == 5
+    torch.testing.assert_close(torch.tensor(values), ref[2].sort(descending=True).values[:5])
+    for value, token in out.top_logprobs[0]:
+        assert math.isclose(value, float(ref[0][token]), rel_tol=1e-6)
     quiet = Sampler()(logits, info)
-    assert quiet.next_token_logprobs is None and quiet.top_logprobs is None
+    assert quiet.logprobs is None and quiet.top_logprobs is None
 
 
-def test_logprob_helpers() -> None:
+def test_token_logprobs_is_log_softmax_with_tops_clamped_to_the_vocabulary() -> None:
     torch.manual_seed(4)
     logits = torch.randn(5, V)
     ids = torch.randint(0, V, (5,))
     ref = torch.log_softmax(logits, dim=-1)
-    torch.testing.assert_close(compute_logprobs(logits, ids), ref[torch.arange(5), ids])
-    values, top_ids = top_k_logprobs(logits, 3)
-    assert values.shape == top_ids.shape == (5, 3)
-    torch.testing.assert_close(values, ref.gather(-1, top_ids))
-    assert torch.equal(top_ids[:, 0], logits.argmax(-1))
+    chosen, tops = token_logprobs(logits, ids, [3, 0, V + 7, 1, 3])
+    torch.testing.assert_close(torch.tensor(chosen), ref[torch.arange(5), ids])
+    assert [len(t) for t in tops] == [3, 0, V, 1, 3]
+    for row, top in enumerate(tops):
+        values = [v for v, _ in top]
+        assert values == sorted(values, reverse=True)
+        for value, token in top:
+            assert math.isclose(value, float(ref[row, token]), rel_tol=1e-6)
+    assert [t[0][1] for t in (tops[0], tops[3])] == logits[[0, 3]].argmax(-1).tolist()
     assert math.isclose(float(ref[0].exp().sum()), 1.0, rel_tol=1e-5)

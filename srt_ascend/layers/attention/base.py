@@ -7,24 +7,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from srt_ascend.registry import Registry
+
 if TYPE_CHECKING:
     from srt_ascend.model_executor.forward_batch import ForwardBatch
 
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_attention_backend(name: str):
-    def wrap(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-        ATTENTION_BACKENDS[name] = cls
-        return cls
-
-    return wrap
+ATTENTION_BACKENDS: Registry[AttentionBackend] = Registry("attention backend")
+register_attention_backend = ATTENTION_BACKENDS.register
 
 
 def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
-    return ATTENTION_BACKENDS[name](**kwargs)
+    return ATTENTION_BACKENDS.get(name)(**kwargs)
 
 
 class AttentionBackend(ABC):

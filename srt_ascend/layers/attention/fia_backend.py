@@ -27,9 +27,11 @@ class FiaMetadata:
     actual_seq_lengths_kv: list[int]  # KV length per request
 
 
-def build_block_table(fb: ForwardBatch, page_size: int) -> torch.Tensor:
-    """Page id of every page of each row: the slot of the page's first position // page size.
-    Under static shapes the table covers the whole KV window (unused pages point at page 0)."""
+def build_block_table(fb: ForwardBatch) -> torch.Tensor:
+    """Page id of every page of each row: the slot of the page's first position // page size
+    (the pool's pages). Under static shapes the table covers the whole KV window (unused pages
+    point at page 0)."""
+    page_size = fb.token_to_kv_pool.page_size
     if fb.static_shapes:
         max_blocks = -(-fb.static_kv_len // page_size)
     else:
@@ -44,8 +46,7 @@ class FiaMLABackend(AttentionBackend):
     supports_static_shapes = True
     uses_host_lengths = True  # actual_seq_lengths(_kv) are host lists: refreshed per replay
 
-    def __init__(self, page_size: int = 1, **_: object) -> None:
-        self.page_size = page_size
+    def __init__(self, **_: object) -> None:
         self._mask: torch.Tensor | None = None
 
     def _causal_mask(self, device) -> torch.Tensor:
@@ -55,7 +56,7 @@ class FiaMLABackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         forward_batch.attn_metadata = FiaMetadata(
-            build_block_table(forward_batch, self.page_size),
+            build_block_table(forward_batch),
             to_cumulative(forward_batch.extend_seq_lens_cpu),
             list(forward_batch.seq_lens_cpu),
         )
@@ -64,7 +65,7 @@ class FiaMLABackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
         meta: FiaMetadata = forward_batch.attn_metadata
-        rank, ps = q_latent.shape[-1], self.page_size
+        rank, ps = q_latent.shape[-1], pool.page_size
         buf = pool.get_key_buffer(layer_id)  # [slots, 1, R + P]; slot = page * ps + offset
         paged = buf.view(buf.shape[0] // ps, ps, buf.shape[-1]).to(q_latent.dtype)
         out, _ = fused_infer_attention_score(

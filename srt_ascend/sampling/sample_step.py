@@ -1,33 +1,50 @@
 """Turns rows of logits into next tokens for a list of requests: penalties, min-new-tokens
-masking, sampling with per-request settings, and the logprobs SGLang reports."""
+masking, sampling with per-request settings, and the logprobs SGLang reports.
+
+The one place below both decoders (plain and speculative): the target logits of a verify
+position and the logits of a plain decode step go through the same `penalised_logits`, and
+every logprob comes from `layers.sampler.token_logprobs`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from srt_ascend.layers.sampler import Sampler
-from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
 from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.sampling.sampling_params import SamplingParams
 
 _sampler = Sampler()
+
+
+class SamplingRequest(Protocol):
+    """What sampling reads of a request (the scheduler's Req has these)."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: list[int]
+    output_ids: list[int]
+    return_logprob: bool
+    top_logprobs_num: int
 
 
 @dataclass
 class SampledRows:
     token_ids: list[int]
     logprobs: list[float] | None  # of the chosen tokens
-    top_logprobs: list[list[tuple[float, int]]] | None
+    top_logprobs: list[TopLogprobs] | None
 
 
 def penalised_logits(
     logits: torch.Tensor,  # [B, V] float32
-    reqs: list[Req],
+    reqs: Sequence[SamplingRequest],
     info: SamplingBatchInfo,
     eos_ids: list[int],
-    extra: list[list[int]] | None = None,  # tokens each row has "generated" beyond output_ids
+    extra: Sequence[Sequence[int]] | None = None,  # tokens each row generated past output_ids
 ) -> torch.Tensor:
     """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask."""
     extra = extra or [[] for _ in reqs]
@@ -36,7 +53,7 @@ def penalised_logits(
         counts = torch.zeros(len(reqs), vocab, dtype=torch.int64, device=logits.device)
         prompt = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=logits.device)
         for i, (r, more) in enumerate(zip(reqs, extra)):
-            out = torch.tensor(r.output_ids + more, dtype=torch.int64, device=logits.device)
+            out = torch.tensor(r.output_ids + list(more), dtype=torch.int64, device=logits.device)
             counts[i].index_add_(0, out, torch.ones_like(out))
             prompt[i, torch.tensor(r.origin_input_ids, device=logits.device)] = True
         logits = apply_penalties(logits, info, counts, prompt)
@@ -51,7 +68,7 @@ def penalised_logits(
     return logits
 
 
-def all_plain_greedy(reqs: list[Req]) -> bool:
+def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
     """Every request decodes by argmax with nothing to apply to its logits: no penalties, and
     min_new_tokens already reached (so no stop mask, now or for later draft positions). Such
     batches skip the sampling-settings tensors (argmax of the raw logits is the same rule)."""
@@ -64,44 +81,35 @@ def all_plain_greedy(reqs: list[Req]) -> bool:
     return True
 
 
+def top_logprobs_nums(reqs: Sequence[SamplingRequest]) -> list[int]:
+    return [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
+
+
 def sample_rows(
     logits: torch.Tensor,  # [B, V] float32, one row per request
-    reqs: list[Req],
+    reqs: Sequence[SamplingRequest],
     vocab_size: int,
     eos_ids: list[int],
 ) -> SampledRows:
     if all_plain_greedy(reqs) and not any(r.return_logprob for r in reqs):
         return SampledRows(logits[:, :vocab_size].argmax(dim=-1).tolist(), None, None)
-    params = [r.sampling_params for r in reqs]
     info = SamplingBatchInfo.from_params(
-        params, vocab_size, logits.device, seed_offsets=[len(r.output_ids) for r in reqs]
+        [r.sampling_params for r in reqs],
+        vocab_size,
+        logits.device,
+        seed_offsets=[len(r.output_ids) for r in reqs],
     )
     logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids)
     want_lp = any(r.return_logprob for r in reqs)
-    nums = [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
-    out = _sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=nums)
-    ids = out.next_token_ids.tolist()
-    if not want_lp:
-        return SampledRows(ids, None, None)
-    tops = None
-    if out.top_logprobs is not None:
-        tops = [
-            [] if t is None else list(zip(t[0].tolist(), t[1].tolist())) for t in out.top_logprobs
-        ]
-    return SampledRows(ids, out.next_token_logprobs.tolist(), tops)
+    out = _sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=top_logprobs_nums(reqs))
+    return SampledRows(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)
 
 
 def input_logprobs(
     logits: torch.Tensor,  # [N, V] logits at consecutive positions a..a+N-1
     next_tokens: list[int],  # [N] the token at position p+1 for each of them
     top_k: int,
-) -> tuple[list[float], list[list[tuple[float, int]]]]:
+) -> tuple[list[float], list[TopLogprobs]]:
     """Prompt logprobs: logprob of token p+1 under the logits at p (SGLang's semantics)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
     ids = torch.tensor(next_tokens, dtype=torch.int64, device=logits.device)
-    chosen = lp.gather(-1, ids.view(-1, 1)).squeeze(-1).tolist()
-    tops: list[list[tuple[float, int]]] = [[] for _ in next_tokens]
-    if top_k > 0:
-        v, i = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
-        tops = [list(zip(a, b)) for a, b in zip(v.tolist(), i.tolist())]
-    return chosen, tops
+    return token_logprobs(logits, ids, [top_k] * len(next_tokens))

@@ -1,0 +1,129 @@
+"""The decoding interface: one decode step over the running batch, plain or speculative.
+
+The scheduler runs whichever decoder `--speculative-algorithm` registers and never branches on
+speculation. A decoder gets narrow handles (DecoderHandles): the model runner, a KV
+bookkeeping handle (allocate / free positions; it owns the page size) and a commit callback;
+it never sees the scheduler, its queues or its outputs.
+
+Contract of one step, for the running batch `reqs`:
+1. allocate the KV positions the step writes through `kv.alloc_running` (which may retract
+   requests to make room: only the requests it returns take part in the step);
+2. run the forward(s) and choose tokens;
+3. commit each request's tokens through `commit` (which appends them one by one and stops at
+   the first that finishes the request) and set `req.kv_len` to the positions that now hold
+   valid KV, freeing any allocated beyond them with `kv.free_positions`;
+4. return the requests that took part. The caller releases the finished ones.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from srt_ascend.layers.sampler import TopLogprobs
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.graph_runner import GraphKind
+from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.registry import Registry
+from srt_ascend.sampling.sample_step import SamplingRequest
+from srt_ascend.server_args import ServerArgs
+
+
+class StepRequest(SamplingRequest, Protocol):
+    """What a decoder reads and writes of a running request (the scheduler's Req)."""
+
+    rid: str
+    req_pool_idx: int | None
+    kv_len: int  # positions 0..kv_len-1 hold valid KV
+    decoder_state: Any  # owned by the decoder that runs the request (None until it sets it)
+
+    @property
+    def all_ids(self) -> list[int]: ...
+
+    @property
+    def seq_len(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...
+
+
+class KVHandle(Protocol):
+    """The scheduler's KV bookkeeping as a decoder sees it."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    def alloc_running(
+        self, reqs: list[StepRequest], n: int
+    ) -> tuple[list[StepRequest], torch.Tensor]:
+        """n new slots per request for positions kv_len .. kv_len+n-1, written into
+        req_to_token; evicts from the prefix cache, then retracts requests (latest admitted
+        first) until it fits. Returns the requests kept and their slots [len(kept) * n]."""
+        ...
+
+    def free_positions(self, req: StepRequest, lo: int, hi: int) -> None:
+        """Frees the request's slots of positions [lo, hi) (whole pages only)."""
+        ...
+
+
+# (req, tokens, logprobs or None, top logprobs or None) -> None: appends the tokens to the
+# request's output one by one, stopping at the first that finishes it (req.finished).
+CommitFn = Callable[[StepRequest, list[int], list[float] | None, list[TopLogprobs] | None], None]
+
+
+@dataclass
+class DecoderHandles:
+    runner: ModelRunner  # forwards, logits, pools
+    kv: KVHandle
+    commit: CommitFn
+    eos_ids: list[int]  # stop tokens, for the min-new-tokens mask
+
+    @property
+    def req_to_token(self) -> torch.Tensor:  # [rows, max_context] slot table
+        return self.runner.req_to_token_pool.req_to_token
+
+
+class Decoder(ABC):
+    def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
+        self.args = args
+        self.h = handles
+        self.runner = handles.runner
+        self.vocab = handles.runner.vocab_size
+
+    def decode_kind(self) -> GraphKind:
+        """One token per request through the main model."""
+        return GraphKind("decode", ForwardMode.DECODE, 1, 1, self.runner.attn_backend)
+
+    def graph_kinds(self) -> list[GraphKind]:
+        """The forwards this decoder runs that graphs may capture."""
+        return [self.decode_kind()]
+
+    def after_prefill(  # noqa: B027 - optional hook
+        self,
+        reqs: list[StepRequest],
+        starts: list[int],  # first position each request computed in the EXTEND pass
+        lens: list[int],  # positions computed
+        hidden: torch.Tensor,  # [sum(lens), D] main-model hidden states of those positions
+        done: list[bool],  # whose prompt is now complete
+    ) -> None:
+        """Called after every EXTEND forward, once the first tokens are committed."""
+
+    @abstractmethod
+    def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
+        """One decode step over the running batch (contract in the module docstring)."""
+
+    def stats(self) -> dict:
+        """Counters reported in the scheduler's internal state."""
+        return {}
+
+
+DECODERS: Registry[Decoder] = Registry("speculative algorithm")
+PLAIN = "NONE"  # SGLang's name for no speculation
+
+
+def create_decoder(args: ServerArgs, handles: DecoderHandles) -> Decoder:
+    return DECODERS.get(args.speculative_algorithm or PLAIN)(args, handles)

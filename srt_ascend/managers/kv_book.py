@@ -1,0 +1,99 @@
+"""KV bookkeeping of running requests: allocation with eviction and retraction, freeing,
+release into the prefix cache. It owns no memory itself: the slots come from the allocator
+(which owns the page size), the rows from the ReqToTokenPool, cached prefixes from the tree.
+
+Per request it keeps two lengths: `kv_len` (positions with valid KV) and `alloc_len`
+(positions whose slots the request holds, >= kv_len), so a request released at any point, a
+failed step included, gives back everything it holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.mem_cache import BasePrefixCache, ReqToTokenPool, TokenToKVPoolAllocator
+
+
+class KVBook:
+    def __init__(
+        self,
+        allocator: TokenToKVPoolAllocator,
+        req_to_token_pool: ReqToTokenPool,
+        tree: BasePrefixCache,
+        retract: Callable[[Req, list[Req]], None],  # (victim, requests staying) -> None
+    ) -> None:
+        self.allocator = allocator
+        self.req_to_token_pool = req_to_token_pool
+        self.req_to_token = req_to_token_pool.req_to_token
+        self.tree = tree
+        self.retract = retract
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def _alloc(self, reqs: list[Req], lens: list[int]) -> torch.Tensor | None:
+        """Slots for positions kv_len .. kv_len+n-1 of each request (evicting once), written
+        into req_to_token; None when they do not fit."""
+        prefix = [r.kv_len for r in reqs]
+        seq = [r.kv_len + n for r, n in zip(reqs, lens)]
+        last = [
+            int(self.req_to_token[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs
+        ]
+        loc = self.allocator.alloc_extend(prefix, seq, last)
+        if loc is None:
+            self.tree.evict(sum(lens) + len(reqs) * self.page_size)
+            loc = self.allocator.alloc_extend(prefix, seq, last)
+        if loc is None:
+            return None
+        off = 0
+        for r, n in zip(reqs, lens):
+            self.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + n] = loc[off : off + n]
+            r.alloc_len = r.kv_len + n
+            off += n
+        return loc
+
+    def alloc_extend(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
+        """Slots for an admitted prefill batch (admission already counted them)."""
+        loc = self._alloc(reqs, lens)
+        if loc is None:
+            raise RuntimeError("KV allocation failed after admission control (accounting bug)")
+        return loc
+
+    def alloc_running(self, reqs: list[Req], n: int) -> tuple[list[Req], torch.Tensor]:
+        """n new slots per request (positions kv_len .. kv_len+n-1, written into
+        req_to_token), evicting from the tree and then retracting requests, latest admitted
+        first, until it fits. Returns the requests kept and their slots [len(kept) * n]."""
+        reqs = list(reqs)
+        while reqs:
+            loc = self._alloc(reqs, [n] * len(reqs))
+            if loc is not None:
+                return reqs, loc
+            victim = reqs.pop()
+            self.retract(victim, reqs)
+        return [], torch.zeros(0, dtype=torch.int64, device=self.req_to_token.device)
+
+    def free_positions(self, req: Req, lo: int, hi: int) -> None:
+        """Frees the request's slots for positions [lo, hi), whole pages only: a page that
+        also holds position lo-1 stays with the request (its next allocation continues it)."""
+        first = -(-lo // self.page_size) * self.page_size
+        if hi > first:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, first:hi].clone())
+            if hi >= req.alloc_len:
+                req.alloc_len = first
+
+    def release(self, req: Req) -> None:
+        """Gives the request's valid KV to the tree, frees the rest it holds, and returns its
+        row. Safe at any point of a step (what was allocated beyond kv_len is freed too)."""
+        if req.req_pool_idx is None:
+            return
+        if req.alloc_len > req.kv_len:
+            self.free_positions(req, req.kv_len, req.alloc_len)
+        row = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        self.tree.cache_finished_req(req.all_ids, row, req.prefix_len, req.last_node)
+        self.req_to_token_pool.free(req.req_pool_idx)
+        req.req_pool_idx, req.last_node, req.decoder_state = None, None, None
+        req.kv_len = req.alloc_len = req.prefix_len = 0

@@ -1,0 +1,41 @@
+"""What CUDA and Ascend NPU share: torch exposes both through one device-module interface
+(`torch.cuda`, `torch.npu`: synchronize, Stream, stream, mem_get_info, empty_cache,
+graph_pool_handle), so one class serves both, parameterised by that module and a graph class."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from srt_ascend.platforms.base import DeviceGraph, Platform
+
+
+class AcceleratorPlatform(Platform):
+    graph_class: type[DeviceGraph]
+
+    @property
+    def module(self) -> ModuleType:
+        """`torch.cuda` or `torch.npu` (registered by torch_npu on import)."""
+        import torch
+
+        return getattr(torch, self.name)
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+    def new_stream(self):
+        return self.module.Stream()
+
+    def stream(self, stream):
+        return self.module.stream(stream)
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return self.module.mem_get_info()
+
+    def empty_cache(self) -> None:
+        self.module.empty_cache()
+
+    def new_graph(self) -> DeviceGraph:
+        return self.graph_class()
+
+    def graph_pool_handle(self):
+        return self.module.graph_pool_handle()

@@ -1,0 +1,221 @@
+"""MTP speculative decoding as a decoder (`--speculative-algorithm MTP`).
+
+Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts d_1..d_K:
+1. allocate K+1 slots for positions L-1..L-1+K (evicting / retracting like plain decode);
+2. draft steps 2..K (MTP re-applied) write MTP KV into those slots;
+3. verify [t_{L-1}, d_1..d_K] with the target model (the verify strategy's forward);
+4. accept (rejection sampling; exact greedy for temperature-0 requests), commit up to a stop;
+5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
+   from the last committed one); free the slots of rejected positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
+from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.graph_runner import GraphKind
+from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits, top_logprobs_nums
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.server_args import ServerArgs
+from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
+from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker, state_of
+from srt_ascend.speculative.verify import VERIFY_STRATEGIES
+
+
+@dataclass
+class Verdict:
+    """What the acceptance rule decided for a batch, read to the host once."""
+
+    accept_len: list[int]  # [B] drafts accepted
+    emitted: list[list[int]]  # [B][K+1]: accepted drafts + 1 target token, then -1
+    logits: torch.Tensor  # [B, K+1, V] the target logits the rule read (penalties applied)
+
+
+@DECODERS.register("MTP")
+class MTPDecoder(Decoder):
+    def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
+        super().__init__(args, handles)
+        runner, k = self.runner, args.speculative_num_steps
+        self.k = k
+        self.verify = VERIFY_STRATEGIES.get(args.speculative_verify)(runner, k)
+        self.extend_kind = GraphKind(
+            "draft_extend", ForwardMode.DRAFT_EXTEND, k + 1, 1, runner.attn_backend, 0
+        )
+        self.step_kinds = {}
+        for j in range(1, k):
+            layer = runner.mtp.layer_for_step(j)
+            self.step_kinds[j] = GraphKind(
+                f"draft_step{layer}", ForwardMode.DECODE, 1, 1, runner.attn_backend, layer
+            )
+        self.worker = MTPWorker(
+            DraftHandles(
+                runner.forward_mtp,
+                runner.mtp.compute_logits,
+                runner.build_forward_batch,
+                handles.req_to_token,
+                self.vocab,
+                handles.eos_ids,
+            ),
+            k,
+            self.extend_kind,
+            self.step_kinds,
+        )
+        self.accepted_per_position = [0] * k  # drafts accepted at draft position j
+        self.num_verify = 0  # request-steps verified (each checks K draft tokens)
+        self.num_accepted = 0  # drafts accepted
+
+    def graph_kinds(self) -> list[GraphKind]:
+        steps = {kind.name: kind for kind in self.step_kinds.values()}
+        return [self.decode_kind(), self.verify.kind, self.extend_kind, *steps.values()]
+
+    def stats(self) -> dict:
+        n = self.num_verify
+        return {
+            "avg_spec_accept_length": 1.0 + self.num_accepted / n if n else 0.0,
+            "spec_num_verify": n,
+            "spec_draft_tokens": n * self.k,
+            "spec_accepted_tokens": self.num_accepted,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+        }
+
+    def after_prefill(self, reqs, starts, lens, hidden, done) -> None:
+        """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
+        that are still running get their first draft."""
+        next_tokens = []
+        for r, s, n in zip(reqs, starts, lens):
+            nxt = r.all_ids[s + 1 : s + n + 1]
+            next_tokens.append(nxt + [0] * (n - len(nxt)))  # no next token: KV never keyed
+        draft = [d and not r.finished for r, d in zip(reqs, done)]
+        self.worker.draft_extend(reqs, starts, lens, hidden, next_tokens, draft)
+
+    @torch.inference_mode()
+    def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
+        k1 = self.k + 1
+        reqs, loc = self.h.kv.alloc_running(reqs, k1)
+        if not reqs:
+            return []
+        loc = loc.view(len(reqs), k1)
+        if self.k > 1:
+            self.worker.draft_chain(reqs, loc)
+        fb = self.verify.build(
+            [[r.all_ids[-1], *state_of(r).draft_tokens] for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            [r.seq_len for r in reqs],
+            loc,
+        )
+        hidden = self.runner.forward(fb, self.verify.kind)  # [B*(K+1), D]
+        logits = self.runner.compute_logits(hidden)[:, : self.vocab].view(len(reqs), k1, -1)
+        verdict = self._accept(reqs, logits)
+        logprobs = self._logprobs(reqs, verdict)
+        starts, committed = [], []
+        for i, r in enumerate(reqs):
+            n, start = verdict.accept_len[i], r.kv_len
+            lps, tops = logprobs[i]
+            self._count(r, n)
+            self.h.commit(r, verdict.emitted[i][: n + 1], lps, tops)
+            starts.append(start)
+            committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
+        self.worker.draft_after_verify(
+            reqs,
+            starts,
+            loc,
+            hidden,
+            [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
+            committed,
+            [not r.finished for r in reqs],
+        )
+        for r, start, c in zip(reqs, starts, committed):
+            r.kv_len = start + c
+            self.h.kv.free_positions(r, r.kv_len, start + k1)
+        return reqs
+
+    def _count(self, req: StepRequest, accepted: int) -> None:
+        req.spec_verify_ct += 1
+        req.spec_accepted_tokens += accepted
+        self.num_verify += 1
+        self.num_accepted += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    def _accept(self, reqs: list[StepRequest], logits: torch.Tensor) -> Verdict:
+        """Target distributions per position (penalties see the drafts before it), then the
+        lossless acceptance rule; greedy requests get one-hot distributions = exact greedy."""
+        k1, device = logits.shape[1], logits.device
+        drafts_host = [state_of(r).draft_tokens for r in reqs]
+        drafts = torch.tensor(drafts_host, dtype=torch.int64, device=device)  # [B, K]
+        if all_plain_greedy(reqs):  # nothing modifies the logits: argmax of the raw ones
+            return self._read(greedy_accept(drafts, logits.argmax(dim=-1)), logits)
+        info = SamplingBatchInfo.from_params(
+            [r.sampling_params for r in reqs],
+            self.vocab,
+            device,
+            seed_offsets=[len(r.output_ids) for r in reqs],
+        )
+        eos = self.h.eos_ids
+        logits = torch.stack(
+            [
+                penalised_logits(logits[:, j], reqs, info, eos, [d[:j] for d in drafts_host])
+                for j in range(k1)
+            ],
+            dim=1,
+        )  # [B, K+1, V]
+        if info.is_all_greedy:  # the same rule without materialising one-hot distributions
+            return self._read(greedy_accept(drafts, logits.argmax(dim=-1)), logits)
+        target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
+        draft_probs = torch.stack(
+            [
+                torch.stack([self._draft_dist(state_of(r), j, device) for j in range(k1 - 1)])
+                for r in reqs
+            ]
+        )  # [B, K, V]
+        res = rejection_sample(drafts, draft_probs, target, generators=list(info.generators))
+        return self._read(res, logits)
+
+    @staticmethod
+    def _read(res, logits: torch.Tensor) -> Verdict:
+        """The step's one host read of the acceptance result."""
+        both = torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1).tolist()
+        return Verdict([row[0] for row in both], [row[1:] for row in both], logits)
+
+    def _draft_dist(self, state, j: int, device: torch.device) -> torch.Tensor:
+        """A greedy draft's distribution is one-hot at its token."""
+        p = state.draft_probs[j]
+        if p is None:
+            p = torch.zeros(self.vocab, device=device)
+            p[state.draft_tokens[j]] = 1.0
+        return p
+
+    def _logprobs(
+        self, reqs: list[StepRequest], verdict: Verdict
+    ) -> list[tuple[list[float] | None, list[TopLogprobs] | None]]:
+        """Logprobs of each emitted token under the target logits of its position, as the
+        plain decoder reports them: penalties applied, top lists clamped to the vocabulary."""
+        out: list[tuple[list[float] | None, list[TopLogprobs] | None]] = [(None, None)] * len(reqs)
+        want = [i for i, r in enumerate(reqs) if r.return_logprob]
+        if not want:
+            return out
+        k1 = verdict.logits.shape[1]
+        rows, tokens, nums = [], [], []
+        for i in want:
+            n = verdict.accept_len[i] + 1
+            rows += [i * k1 + j for j in range(n)]
+            tokens += verdict.emitted[i][:n]
+            nums += [top_logprobs_nums([reqs[i]])[0]] * n
+        device = verdict.logits.device
+        flat = verdict.logits.view(-1, verdict.logits.shape[-1])
+        chosen, tops = token_logprobs(
+            flat.index_select(0, torch.tensor(rows, device=device)),
+            torch.tensor(tokens, dtype=torch.int64, device=device),
+            nums,
+        )
+        at = 0
+        for i in want:
+            n = verdict.accept_len[i] + 1
+            out[i] = (chosen[at : at + n], tops[at : at + n])
+            at += n
+        return out
