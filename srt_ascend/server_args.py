@@ -35,6 +35,7 @@ class ServerArgs:
     num_threads: int | None = None
     cpu_small_gemm: str = "auto"
     stream_interval: int = 1
+    kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -77,6 +78,8 @@ class ServerArgs:
             raise ValueError(f"--port must be in [1, 65535], got {self.port}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError("--num-threads must be >= 1")
+        if self.kv_invariant_check not in ("log", "fatal"):
+            raise ValueError("--kv-invariant-check must be log or fatal")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
         if self.context_length is not None and self.context_length < 2:
@@ -205,6 +208,13 @@ class ServerArgs:
             "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
         )
         a("--stream-interval", type=int, default=1, help="stream every N tokens")
+        a(
+            "--kv-invariant-check",
+            default="log",
+            choices=["log", "fatal"],
+            help="when the scheduler goes idle it checks that every KV slot and request row is "
+            "free or owned by the prefix cache; log a mismatch, or stop the scheduler (tests)",
+        )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")
         a(

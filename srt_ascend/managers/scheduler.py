@@ -85,10 +85,37 @@ class Scheduler:
         while not self._stop.is_set():
             self._drain_inbox(block=not self.has_work())
             try:
-                self.step()
+                worked = self.step()
             except Exception:  # a bug must not kill the server: fail the step's requests
                 logger.exception("scheduler step failed; aborting its requests")
                 self._fail_in_flight("internal error in the scheduler step (see server log)")
+                worked = True
+            if worked and not self.has_work():
+                self._check_when_idle()
+
+    def _check_when_idle(self) -> None:
+        problem = self.idle_invariant_problem()
+        if problem is None:
+            return
+        logger.error("KV invariant broken while idle: %s", problem)
+        if self.args.kv_invariant_check == "fatal":
+            raise RuntimeError(f"KV invariant broken while idle: {problem}")
+
+    def idle_invariant_problem(self) -> str | None:
+        """With no request in the scheduler, every KV slot is free or owned by the prefix
+        cache, nothing in the cache is locked, and every request row is free (SGLang's idle
+        self-check). Returns what is wrong, or None."""
+        free, cached = self.allocator.available_size(), self.tree.total_size()
+        total = self.runner.max_total_tokens
+        problems = []
+        if free + cached != total:
+            problems.append(f"{free} free + {cached} cached KV slots != {total}")
+        if self.tree.protected_size():
+            problems.append(f"{self.tree.protected_size()} cached slots still locked")
+        rows = self.req_to_token_pool
+        if rows.available_size() != rows.size:
+            problems.append(f"{rows.size - rows.available_size()} request rows still held")
+        return "; ".join(problems) or None
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
