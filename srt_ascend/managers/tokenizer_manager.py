@@ -8,6 +8,7 @@ text, output_ids, meta_info), streaming or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -59,8 +60,11 @@ def load_tokenizer(path: str):
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs) -> None:
-        self.args = server_args
         self.platform = get_platform(server_args.device)
+        # --attention-backend resolved for the chosen device (triton on CUDA by default).
+        self.args = dataclasses.replace(
+            server_args, attention_backend=server_args.attention_backend_on(self.platform.name)
+        )
         self.tokenizer = load_tokenizer(server_args.tokenizer)
         self.states: dict[str, ReqState] = {}
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -21,7 +21,12 @@ def register_attention_backend(name: str):
     return wrap
 
 
-def create_attention_backend(name: str, **kwargs) -> AttentionBackend:
+def create_attention_backend(name: str | None, **kwargs) -> AttentionBackend:
+    """The backend registered as `name`; None (an unresolved `--attention-backend`, see
+    `ServerArgs.attention_backend_on`) builds the portable torch_native backend."""
+    import srt_ascend.layers.attention  # noqa: F401  (registers the portable backends)
+
+    name = "torch_native" if name is None else name
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; known: {sorted(ATTENTION_BACKENDS)}")
     return ATTENTION_BACKENDS[name](**kwargs)

@@ -37,8 +37,10 @@ def store_kv(c_kv_buf, k_pe_buf, loc, c_kv, k_pe) -> None:
     n = loc.shape[0]
     if n == 0:
         return
-    c_kv = c_kv.reshape(n, -1)
-    k_pe = k_pe.reshape(n, -1)
+    # Cast in torch (a no-op for the model's own dtype): round-to-nearest-even everywhere,
+    # where the interpreter's in-kernel float32 -> bf16 conversion truncates.
+    c_kv = c_kv.reshape(n, -1).to(c_kv_buf.dtype)
+    k_pe = k_pe.reshape(n, -1).to(k_pe_buf.dtype)
     rank, rope = c_kv.shape[1], k_pe.shape[1]
     if c_kv.stride(1) != 1 or k_pe.stride(1) != 1 or c_kv_buf.stride(-1) != 1:
         raise ValueError("store_kv needs rows contiguous in their last dimension")
