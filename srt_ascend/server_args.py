@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 SHIPPED_MODEL = os.path.join(os.path.dirname(__file__), "checkpoints", "deepseek-v3-tiny-mtp")
 MAX_SPEC_STEPS = 15  # FIA's 16-query-token limit per request: 1 + K <= 16
+ATTENTION_BACKENDS = ("torch_native", "triton")
+# --attention-backend when the flag is not given, by platform name (others: torch_native)
+DEFAULT_ATTENTION_BACKEND = {"cuda": "triton"}
 
 
 @dataclass(frozen=True)
@@ -31,7 +34,7 @@ class ServerArgs:
     page_size: int = 1
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
-    attention_backend: str = "torch_native"
+    attention_backend: str | None = None  # None: the platform's default (attention_backend_on)
     num_threads: int | None = None
     cpu_small_gemm: str = "auto"
     stream_interval: int = 1
@@ -62,6 +65,13 @@ class ServerArgs:
     @property
     def spec_enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    def attention_backend_on(self, platform_name: str) -> str:
+        """The attention backend to build on that platform: the flag's value, else the
+        platform's default (triton on CUDA, torch_native elsewhere)."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return DEFAULT_ATTENTION_BACKEND.get(platform_name, "torch_native")
 
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
@@ -98,6 +108,17 @@ class ServerArgs:
             raise ValueError(
                 f"--cpu-small-gemm must be auto, on or off, got {self.cpu_small_gemm!r}"
             )
+        if self.attention_backend not in (None, *ATTENTION_BACKENDS):
+            raise ValueError(
+                f"unknown --attention-backend {self.attention_backend!r} "
+                f"({', '.join(ATTENTION_BACKENDS)})"
+            )
+        if (
+            self.attention_backend == "triton"
+            and self.device == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError("--attention-backend triton needs --device cuda; use torch_native")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r} (fcfs, lpm)")
         if self.cuda_graph_max_bs < 1:
@@ -198,7 +219,12 @@ class ServerArgs:
             choices=["fcfs", "lpm"],
             help="waiting-queue order: first come first served, or longest prefix match",
         )
-        a("--attention-backend", default="torch_native", help="attention backend name")
+        a(
+            "--attention-backend",
+            default=None,
+            choices=list(ATTENTION_BACKENDS),
+            help="attention kernels (default: triton on CUDA, torch_native on CPU and NPU)",
+        )
         a("--num-threads", type=int, default=None, help="CPU: torch intra-op threads")
         a(
             "--cpu-small-gemm",

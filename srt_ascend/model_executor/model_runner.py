@@ -35,7 +35,7 @@ def resolve_dtype(name: str, config) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, platform: Platform) -> None:
-        import srt_ascend.layers.attention.torch_native  # noqa: F401  (registers the backend)
+        import srt_ascend.layers.attention  # noqa: F401  (registers the portable backends)
 
         self.server_args = server_args
         self.platform = platform
@@ -68,7 +68,10 @@ class ModelRunner:
             self.mtp.num_layers if self.mtp is not None else 0
         )
         self._init_pools()
-        self.attn_backend = create_attention_backend(server_args.attention_backend)
+        # --attention-backend, else the platform's default (triton on CUDA)
+        self.attn_backend = create_attention_backend(
+            server_args.attention_backend_on(platform.name)
+        )
         self.graph_runner: GraphRunner | None = None
 
     def capture_graphs(self, kinds: list[GraphKind]) -> None:

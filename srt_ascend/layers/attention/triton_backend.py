@@ -1,0 +1,81 @@
+"""MLA attention through the Triton paged kernel (`layers/ops/mla_attention_triton.py`).
+
+SGLang's `--attention-backend triton`; the default on CUDA. One kernel serves every forward
+mode (extend with a cached prefix, decode, both verify layouts, draft extend): the kernel reads
+lengths and req_to_token rows on the device, so the launch depends only on host values (batch
+size, the longest query, the number of KV parts) and a graph captured per batch bucket replays
+for any KV length. Under `fb.static_shapes` nothing is read from the device on the host; the KV
+parts are planned from the static window. On CPU the kernels run only under Triton's
+interpreter (`TRITON_INTERPRET=1`, the tests); torch_native is the CPU backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
+from srt_ascend.layers.ops.mla_attention import plan_kv_splits
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+
+@dataclass
+class TritonMetadata:
+    q_starts: torch.Tensor  # [B] index of each row's first query token
+    max_q_len: int  # host: the longest query of a row (launch geometry)
+    max_kv_len: int  # host: the longest KV (the static window under graphs), plans KV parts
+
+
+@register_attention_backend("triton")
+class TritonMLABackend(AttentionBackend):
+    supports_static_shapes = True
+
+    def __init__(self, **_: object) -> None:
+        from srt_ascend.layers.ops import kv_cache_triton, mla_attention_triton
+
+        self._kv = kv_cache_triton
+        self._attn = mla_attention_triton
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        if fb.seq_lens.device.type == "cpu" and not self._attn.INTERPRETED:
+            raise RuntimeError(
+                "attention backend 'triton' needs a CUDA device (or TRITON_INTERPRET=1 set "
+                "before Triton is imported); use torch_native on CPU"
+            )
+        max_kv = fb.static_kv_len if fb.static_shapes else max(fb.seq_lens_cpu, default=0)
+        fb.attn_metadata = TritonMetadata(
+            fb.extend_start_loc, max(fb.extend_seq_lens_cpu, default=1), max_kv
+        )
+
+    def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
+        fb = forward_batch
+        pool = fb.token_to_kv_pool
+        c_kv_buf, k_pe_buf = pool.get_c_kv(layer_id), pool.get_k_pe(layer_id)
+        self._kv.store_kv(c_kv_buf, k_pe_buf, fb.out_cache_loc, c_kv, k_pe)
+        meta: TritonMetadata = fb.attn_metadata
+        block_q, block_h = self._attn.tile_shape(q_latent.shape[1], meta.max_q_len)
+        splits = plan_kv_splits(
+            fb.batch_size,
+            -(-meta.max_q_len // block_q),
+            -(-q_latent.shape[1] // block_h),
+            meta.max_kv_len,
+        )
+        return self._attn.mla_attention(
+            q_latent,
+            q_pe,
+            c_kv_buf,
+            k_pe_buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            fb.extend_seq_lens,
+            meta.q_starts,
+            scale,
+            max_q_len=meta.max_q_len,
+            num_kv_splits=splits,
+        )

@@ -1,0 +1,212 @@
+"""Paged MLA attention in Triton: the kernel behind `mla_attention` on CUDA (contract there).
+
+One program computes a tile of BLOCK_Q query tokens x BLOCK_H heads (all heads share MLA's one
+latent KV head, so a tile reads each key once for BLOCK_H heads) over one part of its row's KV
+(split-KV / flash-decoding), with an online softmax in float32. Lengths, query offsets and the
+row's slots in req_to_token are read on the device, so one launch geometry (batch, max query
+length, number of KV parts) serves any KV length: a CUDA graph captured per batch bucket
+replays for every step, and each part walks only the keys its row really has. With more than
+one part, a second kernel merges the parts by their log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET is read by `triton.jit` when this module is imported.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def _mla_attention_kernel(
+    q_lat_ptr, q_pe_ptr, ckv_ptr, kpe_ptr, r2t_ptr, rows_ptr, seq_lens_ptr, q_lens_ptr,
+    q_starts_ptr, out_ptr, lse_ptr, scale,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ckv, stride_kpe, stride_r2t,
+    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+    num_heads, rank, rope_dim,
+    BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) // NUM_Q_BLOCKS
+    q_block = tl.program_id(0) % NUM_Q_BLOCKS
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    q_len = tl.load(q_lens_ptr + b)
+    q_start = tl.load(q_starts_ptr + b)
+    row = tl.load(rows_ptr + b)
+
+    # Tile row m is query token q_block * BLOCK_Q + m // BLOCK_H, head m % BLOCK_H of the block.
+    offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)
+    qi = q_block * BLOCK_Q + offs_m // BLOCK_H
+    head = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+    m_valid = (qi < q_len) & (head < num_heads)
+    tok = q_start + qi
+    q_pos = seq_len - q_len + qi  # query i sees keys 0 .. q_pos
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_p = tl.arange(0, BLOCK_P)
+    q_lat = tl.load(
+        q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_r[None, :],
+        mask=m_valid[:, None] & (offs_r[None, :] < rank),
+        other=0.0,
+    )
+    q_pe = tl.load(
+        q_pe_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph + offs_p[None, :],
+        mask=m_valid[:, None] & (offs_p[None, :] < rope_dim),
+        other=0.0,
+    )
+    if not LOW_PRECISION_DOT:
+        q_lat = q_lat.to(tl.float32)
+        q_pe = q_pe.to(tl.float32)
+
+    # This part's keys: [lo, hi), cut at the last position any query of the tile can see.
+    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * part
+    last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
+    hi = tl.minimum(tl.minimum(lo + part, seq_len), seq_len - q_len + last_q + 1)
+
+    m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_R], tl.float32)
+    start = lo
+    while start < hi:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < hi
+        slots = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
+        ckv = tl.load(
+            ckv_ptr + slots[:, None] * stride_ckv + offs_r[None, :],
+            mask=n_valid[:, None] & (offs_r[None, :] < rank),
+            other=0.0,
+        )
+        kpe = tl.load(
+            kpe_ptr + slots[:, None] * stride_kpe + offs_p[None, :],
+            mask=n_valid[:, None] & (offs_p[None, :] < rope_dim),
+            other=0.0,
+        )
+        if not LOW_PRECISION_DOT:
+            ckv = ckv.to(tl.float32)
+            kpe = kpe.to(tl.float32)
+        s = tl.dot(q_lat, tl.trans(ckv)) + tl.dot(q_pe, tl.trans(kpe))
+        s = s * scale
+        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep zeros
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if LOW_PRECISION_DOT:
+            acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p, ckv)
+        m_i = m_new
+        start += BLOCK_N
+
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :]
+    out_mask = m_valid[:, None] & (offs_r[None, :] < rank)
+    if NUM_SPLITS == 1:
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_ptr, lse_ptr, out_ptr, num_heads, rank,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    # out = sum_s exp(lse_s - max lse) * part_s / sum_s exp(lse_s - max lse); zeros if no key.
+    t = tl.program_id(0) // num_heads
+    h = tl.program_id(0) % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_r = tl.arange(0, BLOCK_R)
+    lse = tl.load(
+        lse_ptr + t * stride_lt + h * stride_lh + offs_s,
+        mask=offs_s < NUM_SPLITS,
+        other=float("-inf"),
+    )
+    top = tl.max(lse, 0)
+    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps + offs_r[None, :],
+        mask=(offs_s[:, None] < NUM_SPLITS) & (offs_r[None, :] < rank),
+        other=0.0,
+    )
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + offs_r,
+        out.to(out_ptr.dtype.element_ty),
+        mask=offs_r < rank,
+    )
+
+
+def tile_shape(num_heads: int, max_q_len: int) -> tuple[int, int]:
+    """(BLOCK_Q, BLOCK_H): up to 16 heads per tile, up to 64 tile rows, at least 16 (a dot's
+    minimum) - spare rows are masked."""
+    block_h = min(triton.next_power_of_2(num_heads), 16)
+    block_q = min(triton.next_power_of_2(max(max_q_len, 1)), max(1, 64 // block_h))
+    return max(block_q, 16 // block_h), block_h
+
+
+def mla_attention(
+    q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
+    scale: float, *, max_q_len: int, num_kv_splits: int = 1, out: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Launches the kernel (see `mla_attention.mla_attention_reference` for the contract).
+
+    Only host values decide the launch: the batch size, `max_q_len` and `num_kv_splits`;
+    nothing is read back from the device, so the call can be captured in a CUDA graph."""
+    t, h, rank = q_latent.shape
+    rope = q_pe.shape[-1]
+    batch = seq_lens.shape[0]
+    if out is None:
+        out = torch.empty_like(q_latent)
+    if t == 0 or batch == 0:
+        return out
+    for name, x in (("q_latent", q_latent), ("q_pe", q_pe), ("c_kv", c_kv), ("k_pe", k_pe)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dimension")
+    block_q, block_h = tile_shape(h, max_q_len)
+    num_q_blocks = triton.cdiv(max(max_q_len, 1), block_q)
+    splits = max(1, num_kv_splits)
+    # bf16/fp16 caches: tensor-core dots with float32 accumulation (probabilities rounded to
+    # the cache dtype for the second one, as flash attention does). The interpreter computes
+    # half-precision dots wrongly (Triton 3.3), so there the same tiles go through float32.
+    low_precision = c_kv.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
+    if splits == 1:
+        target, lse, so, sl = out, out, 0, (0, 0)
+    else:
+        target = torch.empty(t, h, splits, rank, dtype=torch.float32, device=out.device)
+        lse = torch.empty(t, h, splits, dtype=torch.float32, device=out.device)
+        so, sl = target.stride(2), (lse.stride(0), lse.stride(1))
+    grid = (batch * num_q_blocks, triton.cdiv(h, block_h), splits)
+    _mla_attention_kernel[grid](
+        q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
+        target, lse, scale,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
+        target.stride(0), target.stride(1), so, sl[0], sl[1],
+        h, rank, rope,
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=32 if INTERPRETED else 64,
+        BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, LOW_PRECISION_DOT=low_precision,
+    )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(t * h,)](
+            target, lse, out, h, rank,
+            target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1),
+            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+            BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        )  # fmt: skip
+    return out
