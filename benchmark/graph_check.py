@@ -141,7 +141,7 @@ def main() -> int:
         enable_cpu_graph=True,
         cuda_graph_bs=tuple(a.buckets),
         cuda_graph_max_bs=max(a.buckets),
-    )
+    ).for_device(platform.name)
     t0 = time.perf_counter()
     runner = ModelRunner(args, platform)
     gr = runner.graph_runner

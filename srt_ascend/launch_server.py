@@ -36,13 +36,53 @@ def check_port(host: str, port: int) -> None:
             fail(f"cannot listen on {host}:{port}: {e.strerror}")
 
 
-def check_device(device: str) -> None:
+def check_device(device: str) -> str:
+    """The device type `--device` resolves to (`auto`: npu, cuda, cpu), or exit 2."""
     from srt_ascend.platforms import DeviceUnavailable, get_platform
 
     try:
-        get_platform(device)
+        return get_platform(device).name
     except DeviceUnavailable as e:
         fail(str(e))
+        raise  # unreachable: fail exits
+
+
+def resolve_device_settings(server_args: ServerArgs, device_type: str) -> ServerArgs:
+    """Per-device defaults filled in (`ServerArgs.for_device`) and the attention plan checked
+    against the model's shape (`resolve_attention_plan`), so that a flag or shape the device
+    cannot run is one line and exit 2 before the model loads, not an error at the first
+    request."""
+    from srt_ascend.layers.attention.device_plan import (
+        UnsupportedOnDevice,
+        resolve_attention_plan,
+    )
+    from srt_ascend.models.loader import load_config
+
+    try:
+        args = server_args.for_device(device_type)
+    except ValueError as e:
+        fail(str(e))
+        raise  # unreachable: fail exits
+    try:
+        cfg = load_config(args.model_path)
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        fail(f"cannot load the model from {args.model_path!r}: {e}")
+        raise
+    try:
+        plan = resolve_attention_plan(
+            device_type,
+            cfg.num_attention_heads,
+            cfg.kv_lora_rank,
+            cfg.qk_rope_head_dim,
+            args.page_size,
+            server_args.speculative_verify if args.spec_enabled else None,
+        )
+    except UnsupportedOnDevice as e:
+        fail(str(e))
+        raise
+    if plan.fallback and args.spec_enabled:
+        logger.info("%s", plan.fallback)
+    return args
 
 
 def build_tokenizer_manager(server_args: ServerArgs):
@@ -105,7 +145,8 @@ def run(server_args: ServerArgs) -> None:
     """Runs the server for already-parsed settings until it is stopped (also used by the
     SGLang launcher plugin, `srt_ascend.sglang_plugin`)."""
     configure_logging(server_args)
-    check_device(server_args.device)  # before anything is loaded or logged
+    device_type = check_device(server_args.device)  # before anything is loaded or logged
+    server_args = resolve_device_settings(server_args, device_type)
     check_port(server_args.host, server_args.port)
     tokenizer_manager = build_tokenizer_manager(server_args)
     import uvicorn

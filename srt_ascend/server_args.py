@@ -31,7 +31,7 @@ class ServerArgs:
     max_total_tokens: int | None = None
     mem_fraction_static: float = 0.1
     chunked_prefill_size: int = 1024
-    page_size: int = 1
+    page_size: int | None = None  # None: per device (for_device)
     disable_radix_cache: bool = False
     schedule_policy: str = "fcfs"
     attention_backend: str | None = None  # None: the platform's default (attention_backend_on)
@@ -44,7 +44,7 @@ class ServerArgs:
     speculative_num_steps: int = 1
     speculative_num_draft_tokens: int | None = None
     speculative_eagle_topk: int = 1
-    speculative_verify: str = "fia"
+    speculative_verify: str | None = None  # None: per device and model shape
     # graphs
     disable_cuda_graph: bool = False
     enable_cpu_graph: bool = False
@@ -73,6 +73,24 @@ class ServerArgs:
             return self.attention_backend
         return DEFAULT_ATTENTION_BACKEND.get(platform_name, "torch_native")
 
+    def for_device(self, device_type: str) -> ServerArgs:
+        """These settings with the per-device defaults filled in for what was not given:
+        --page-size (128 on NPU, FIA's block size; 1 elsewhere) and, where the device alone
+        decides it, --speculative-verify (fia off NPU; on NPU the model's shape decides, see
+        `layers.attention.device_plan.resolve_attention_plan`). Called once the device is
+        known, before anything reads these fields; --attention-backend too
+        (`attention_backend_on`)."""
+        from srt_ascend.layers.attention.device_plan import default_page_size, default_verify
+
+        page_size = self.page_size or default_page_size(device_type)
+        verify = self.speculative_verify or default_verify(device_type)
+        return dataclasses.replace(
+            self,
+            page_size=page_size,
+            speculative_verify=verify,
+            attention_backend=self.attention_backend_on(device_type),
+        )
+
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
         only with --enable-cpu-graph; never with --disable-cuda-graph."""
@@ -94,9 +112,9 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("--context-length must be >= 2")
-        if self.page_size < 1:
+        if self.page_size is not None and self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
-        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < (self.page_size or 1):
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
@@ -146,7 +164,7 @@ class ServerArgs:
             )
         if self.speculative_eagle_topk != 1:
             raise ValueError("--speculative-eagle-topk must be 1: MTP drafts a single chain")
-        if self.speculative_verify not in ("expand", "fia"):
+        if self.speculative_verify not in (None, "expand", "fia"):
             raise ValueError("--speculative-verify must be 'expand' or 'fia'")
 
     @staticmethod
@@ -211,7 +229,12 @@ class ServerArgs:
             default=d["chunked_prefill_size"].default,
             help="max prefill tokens per forward; -1 disables chunking",
         )
-        a("--page-size", type=int, default=1, help="KV pool page size in tokens")
+        a(
+            "--page-size",
+            type=int,
+            default=None,
+            help="KV pool page size in tokens (default: 128 on NPU, FIA's block size; else 1)",
+        )
         a("--disable-radix-cache", action="store_true", help="no prefix sharing")
         a(
             "--schedule-policy",
@@ -252,9 +275,10 @@ class ServerArgs:
         a("--speculative-eagle-topk", type=int, default=1, help="must be 1 (chains only)")
         a(
             "--speculative-verify",
-            default="fia",
+            default=None,
             choices=["expand", "fia"],
-            help="verify by batch expansion or by one multi-query FIA forward",
+            help="verify by batch expansion or by one multi-query FIA forward (default: fia; on "
+            "NPU fia where the model's shape fits the op, else expand)",
         )
         a(
             "--disable-cuda-graph",

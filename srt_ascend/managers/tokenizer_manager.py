@@ -59,8 +59,8 @@ def load_tokenizer(path: str):
 
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs) -> None:
-        self.args = server_args
         self.platform = get_platform(server_args.device)
+        self.args = server_args.for_device(self.platform.name)  # per-device defaults
         self.tokenizer = load_tokenizer(server_args.tokenizer)
         self.states: dict[str, ReqState] = {}
         self.loop: asyncio.AbstractEventLoop | None = None

@@ -8,8 +8,9 @@ Two pools, two levels of indirection (as in SGLang):
   Which slots are free is not tracked here; that is the job of
   :class:`srt_ascend.mem_cache.allocator.TokenToKVPoolAllocator`.
 
-DeepSeek-V3 uses MLA, so a slot stores the compressed latent ``c_kv`` [kv_lora_rank] followed
-by the rope key ``k_pe`` [qk_rope_head_dim] in one row of width ``kv_lora_rank + rope_dim``.
+DeepSeek-V3 uses MLA, so a slot stores the compressed latent ``c_kv`` [kv_lora_rank] and the
+rope key ``k_pe`` [qk_rope_head_dim]: interleaved in one row of width ``kv_lora_rank +
+rope_dim`` (CPU/CUDA), or in two separate contiguous caches (NPU: what FIA takes).
 The MTP draft layers are extra layers of the same pool, so one slot index serves the main
 model and the draft module alike.
 """
@@ -79,10 +80,21 @@ class ReqToTokenPool:
         self._is_free = [True] * self.size
 
 
+KV_LAYOUTS = ("interleaved", "separate")
+
+
 class MLATokenToKVPool:
     """Per-layer MLA KV buffers indexed by KV slot.
 
-    Each layer's buffer has shape [size + page_size, 1, kv_lora_rank + qk_rope_head_dim].
+    Two layouts of the same data, chosen at construction (``layout``):
+
+    * ``"interleaved"``: one buffer per layer, [size + page_size, 1, kv_lora_rank + rope_dim],
+      latent then rope key in each row. Torch-native attention gathers a row once and scores
+      [latent | rope] in one matmul (the CPU/CUDA default).
+    * ``"separate"``: two contiguous buffers per layer, latent [size + page_size, 1,
+      kv_lora_rank] and rope key [size + page_size, 1, rope_dim], as FIA's MLA path on NPU
+      needs its key / value / key_rope caches (``npu_fused_infer_attention_score``).
+
     Slots ``0 .. page_size-1`` form a reserved padding page that the allocator never hands
     out, so padded batches (graph replay, IDLE runs) may write to slot 0 harmlessly.
 
@@ -101,9 +113,12 @@ class MLATokenToKVPool:
         qk_rope_head_dim: int,
         layer_num: int,
         device: str | torch.device = "cpu",
+        layout: str = "interleaved",
     ):
         if size <= 0 or page_size <= 0 or layer_num <= 0:
             raise ValueError(f"bad pool geometry: {size=}, {page_size=}, {layer_num=}")
+        if layout not in KV_LAYOUTS:
+            raise ValueError(f"unknown KV layout {layout!r} (known: {', '.join(KV_LAYOUTS)})")
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
@@ -111,17 +126,27 @@ class MLATokenToKVPool:
         self.qk_rope_head_dim = qk_rope_head_dim
         self.kv_cache_dim = kv_lora_rank + qk_rope_head_dim
         self.layer_num = layer_num
+        self.layout = layout
         self.device = torch.device(device)
-        # layer_num x [size + page_size, 1, kv_lora_rank + qk_rope_head_dim]
-        self.kv_buffer: list[torch.Tensor] = [
-            torch.zeros((size + page_size, 1, self.kv_cache_dim), dtype=dtype, device=self.device)
-            for _ in range(layer_num)
-        ]
+        rows = size + page_size
 
-    def _buffer(self, layer_id: int) -> torch.Tensor:
+        def zeros(width: int) -> torch.Tensor:
+            return torch.zeros((rows, 1, width), dtype=dtype, device=self.device)
+
+        # interleaved: layer_num x [rows, 1, R + P], with c_kv / k_pe column views into it;
+        # separate: no joint buffer, layer_num x [rows, 1, R] and layer_num x [rows, 1, P]
+        self._joint: list[torch.Tensor] | None = None
+        if layout == "interleaved":
+            self._joint = [zeros(self.kv_cache_dim) for _ in range(layer_num)]
+            self._c_kv = [buf[..., :kv_lora_rank] for buf in self._joint]
+            self._k_pe = [buf[..., kv_lora_rank:] for buf in self._joint]
+        else:
+            self._c_kv = [zeros(kv_lora_rank) for _ in range(layer_num)]
+            self._k_pe = [zeros(qk_rope_head_dim) for _ in range(layer_num)]
+
+    def _check_layer(self, layer_id: int) -> None:
         if not 0 <= layer_id < self.layer_num:
             raise IndexError(f"layer_id {layer_id} out of range [0, {self.layer_num})")
-        return self.kv_buffer[layer_id]
 
     def set_mla_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, c_kv: torch.Tensor, k_pe: torch.Tensor
@@ -132,30 +157,51 @@ class MLATokenToKVPool:
         dtype. Duplicate slots in ``loc`` (e.g. padding rows all pointing at slot 0) are
         allowed; which write wins among them is unspecified.
         """
-        buf = self._buffer(layer_id)
+        c_buf, pe_buf = self.get_c_kv(layer_id), self.get_k_pe(layer_id)
         n = loc.shape[0]
-        c_kv = c_kv.reshape(n, self.kv_lora_rank).to(dtype=self.dtype, device=buf.device)
-        k_pe = k_pe.reshape(n, self.qk_rope_head_dim).to(dtype=self.dtype, device=buf.device)
-        loc = loc.to(device=buf.device, dtype=torch.int64)
-        buf[loc, 0, : self.kv_lora_rank] = c_kv
-        buf[loc, 0, self.kv_lora_rank :] = k_pe
+        c_kv = c_kv.reshape(n, self.kv_lora_rank).to(dtype=self.dtype, device=c_buf.device)
+        k_pe = k_pe.reshape(n, self.qk_rope_head_dim).to(dtype=self.dtype, device=c_buf.device)
+        loc = loc.to(device=c_buf.device, dtype=torch.int64)
+        c_buf[loc, 0] = c_kv
+        pe_buf[loc, 0] = k_pe
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        """The whole layer buffer, [size + page_size, 1, kv_lora_rank + rope_dim]."""
-        return self._buffer(layer_id)
+        """Every slot's whole KV row, [size + page_size, 1, kv_lora_rank + rope_dim].
+
+        Interleaved layout: the layer buffer itself (writes go to the cache). Separate
+        layout: a new tensor joining the two buffers (a snapshot owned by the caller; the
+        step path reads rows with :meth:`gather_kv` instead)."""
+        self._check_layer(layer_id)
+        if self._joint is not None:
+            return self._joint[layer_id]
+        return torch.cat([self._c_kv[layer_id], self._k_pe[layer_id]], dim=-1)
+
+    def gather_kv(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """KV rows of ``slots`` (any shape S): a new tensor [*S, kv_lora_rank + rope_dim],
+        latent then rope key. One gather in the interleaved layout, two in the separate."""
+        self._check_layer(layer_id)
+        if self._joint is not None:
+            return self._joint[layer_id][slots].squeeze(-2)
+        c_kv, k_pe = self._c_kv[layer_id][slots], self._k_pe[layer_id][slots]
+        return torch.cat([c_kv, k_pe], dim=-1).squeeze(-2)
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         """MLA's value is the latent: same as :meth:`get_c_kv`."""
         return self.get_c_kv(layer_id)
 
     def get_c_kv(self, layer_id: int) -> torch.Tensor:
-        """View of the latent part, [size + page_size, 1, kv_lora_rank]."""
-        return self._buffer(layer_id)[..., : self.kv_lora_rank]
+        """The latent cache, [size + page_size, 1, kv_lora_rank]: a column view of the layer
+        buffer (interleaved) or its own contiguous buffer (separate)."""
+        self._check_layer(layer_id)
+        return self._c_kv[layer_id]
 
     def get_k_pe(self, layer_id: int) -> torch.Tensor:
-        """View of the rope-key part, [size + page_size, 1, qk_rope_head_dim]."""
-        return self._buffer(layer_id)[..., self.kv_lora_rank :]
+        """The rope-key cache, [size + page_size, 1, qk_rope_head_dim]: a column view
+        (interleaved) or its own contiguous buffer (separate)."""
+        self._check_layer(layer_id)
+        return self._k_pe[layer_id]
 
     def mem_usage_bytes(self) -> int:
         """Bytes held by all layer buffers."""
-        return sum(buf.numel() * buf.element_size() for buf in self.kv_buffer)
+        bufs = self._joint if self._joint is not None else [*self._c_kv, *self._k_pe]
+        return sum(buf.numel() * buf.element_size() for buf in bufs)

@@ -12,6 +12,7 @@ import torch
 
 from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
+from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch
 from srt_ascend.model_executor.graph_runner import GraphKind, GraphRunner, graph_buckets
@@ -37,6 +38,7 @@ class ModelRunner:
     def __init__(self, server_args: ServerArgs, platform: Platform) -> None:
         import srt_ascend.layers.attention  # noqa: F401  (registers the portable backends)
 
+        server_args = server_args.for_device(platform.name)  # no-op when already resolved
         self.server_args = server_args
         self.platform = platform
         self.device = platform.device
@@ -67,11 +69,21 @@ class ModelRunner:
         self.num_layers = self.config.num_hidden_layers + (
             self.mtp.num_layers if self.mtp is not None else 0
         )
-        self._init_pools()
-        # --attention-backend, else the platform's default (triton on CUDA)
-        self.attn_backend = create_attention_backend(
-            server_args.attention_backend_on(platform.name)
+        # Which verify path and KV layout this device runs for this shape (one-line error if
+        # the flags ask for what it cannot run); the MTP decoder verifies by `plan.verify`.
+        self.attention_plan = resolve_attention_plan(
+            platform.name,
+            self.config.num_attention_heads,
+            self.config.kv_lora_rank,
+            self.config.qk_rope_head_dim,
+            server_args.page_size,
+            server_args.speculative_verify if server_args.spec_enabled else None,
         )
+        if self.attention_plan.fallback:
+            logger.info("%s", self.attention_plan.fallback)
+        self._init_pools()
+        # --attention-backend, else the platform's default (triton on CUDA): for_device
+        self.attn_backend = create_attention_backend(server_args.attention_backend)
         self.graph_runner: GraphRunner | None = None
 
     def capture_graphs(self, kinds: list[GraphKind]) -> None:
@@ -122,6 +134,7 @@ class ModelRunner:
             self.config.qk_rope_head_dim,
             self.num_layers,
             self.device,
+            layout=self.attention_plan.kv_layout,
         )
         logger.info(
             "KV pool: %d tokens, %.1f MB, %d layers",

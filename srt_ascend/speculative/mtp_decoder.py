@@ -42,7 +42,8 @@ class MTPDecoder(Decoder):
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
         self.k = k
-        self.verify = VERIFY_STRATEGIES.get(args.speculative_verify)(runner, k)
+        # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan)
+        self.verify = VERIFY_STRATEGIES.get(runner.attention_plan.verify)(runner, k)
         self.extend_kind = GraphKind(
             "draft_extend", ForwardMode.DRAFT_EXTEND, k + 1, 1, runner.attn_backend, 0
         )

@@ -45,49 +45,71 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}### assistant:\n{% endif %}"
 )
 
+# config.json as written (every key of DeepSeek-V3's published config.json except its
+# `auto_map`, which names remote-code files not shipped here, and `quantization_config`: the
+# weights are bf16). Values say what this checkpoint does: sigmoid router scores with a
+# selection bias (`noaux_tc`), grouped top-k, every layer after the first an MoE layer, no
+# auxiliary balance loss (balancing is the bias update), one MTP layer.
 MODEL_CONFIG = dict(
-    model_type="deepseek_v3",
     architectures=["DeepseekV3ForCausalLM"],
-    vocab_size=VOCAB_SIZE,
-    hidden_size=256,
-    intermediate_size=768,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_nextn_predict_layers=1,
-    num_attention_heads=8,
-    num_key_value_heads=8,
-    n_shared_experts=1,
-    n_routed_experts=8,
-    num_experts_per_tok=2,
-    n_group=4,
-    topk_group=2,
-    routed_scaling_factor=1.0,
-    norm_topk_prob=True,
+    attention_bias=False,
+    attention_dropout=0.0,
+    aux_loss_alpha=0.0,  # no sequence-wise balance loss was used in training
+    bos_token_id=0,
+    eos_token_id=1,
+    ep_size=1,
     first_k_dense_replace=1,
+    hidden_act="silu",
+    hidden_size=256,
+    initializer_range=0.02,  # build_models' normal init
+    intermediate_size=768,
     kv_lora_rank=64,
+    max_position_embeddings=4096,
+    model_type="deepseek_v3",
+    moe_intermediate_size=256,
+    moe_layer_freq=1,
+    n_group=4,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    norm_topk_prob=True,
+    num_attention_heads=8,
+    num_experts_per_tok=2,
+    num_hidden_layers=4,
+    num_key_value_heads=8,
+    num_nextn_predict_layers=1,
+    pad_token_id=2,
+    pretraining_tp=1,
     q_lora_rank=128,
     qk_nope_head_dim=32,
     qk_rope_head_dim=16,
-    v_head_dim=32,
-    hidden_act="silu",
-    max_position_embeddings=4096,
+    rms_norm_eps=1e-6,
     rope_scaling={
-        "type": "yarn",
-        "factor": 4.0,
-        "original_max_position_embeddings": 1024,
         "beta_fast": 32,
         "beta_slow": 1,
+        "factor": 4.0,
         "mscale": 1.0,
         "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 1024,
+        "type": "yarn",
     },
     rope_theta=10000.0,
-    rms_norm_eps=1e-6,
+    routed_scaling_factor=1.0,
+    scoring_func="sigmoid",
+    seq_aux=True,
     tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
+    topk_group=2,
+    topk_method="noaux_tc",
     torch_dtype="bfloat16",
+    use_cache=True,
+    v_head_dim=32,
+    vocab_size=VOCAB_SIZE,
 )
+
+
+def checkpoint_config() -> dict:
+    """The config.json this tool writes: a deep copy of MODEL_CONFIG (transformers'
+    DeepseekV3Config standardises the rope_scaling dict it is given in place)."""
+    return json.loads(json.dumps(MODEL_CONFIG))
 
 
 def train_tokenizer(texts: list[str], out_dir: str):
@@ -291,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
         flush=True,
     )
 
-    config = DeepseekV3Config(**MODEL_CONFIG)
+    config = DeepseekV3Config(**checkpoint_config())
     model, mtp = build_models(config)
     hooks = [
         m.register_forward_hook(_track_load)
@@ -357,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
 
     save_checkpoint(model, mtp, config, args.out)
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(MODEL_CONFIG, f, indent=2)
+        json.dump(checkpoint_config(), f, indent=2)
+        f.write("\n")
     with open(os.path.join(args.out, "generation_config.json"), "w") as f:
         json.dump({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}, f, indent=2)
     with open(os.path.join(args.out, "training_log.json"), "w") as f:

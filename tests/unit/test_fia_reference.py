@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from srt_ascend.layers.attention import npu_ops
+from srt_ascend.layers.attention.fia_backend import paged_cache
 from srt_ascend.layers.attention.fia_reference import (
     MASK_SIZE,
     build_compressed_causal_mask,
@@ -17,6 +18,7 @@ from srt_ascend.layers.attention.fia_reference import (
     npu_fused_infer_attention_score,
     to_cumulative,
 )
+from srt_ascend.mem_cache import MLATokenToKVPool
 
 RAGGED_Q = [1, 16, 3, 2, 7, 1, 16, 5]
 RAGGED_KV = [1, 40, 3, 17, 9, 64, 16, 33]  # crosses page boundaries for block sizes 4 and 16
@@ -106,7 +108,7 @@ def dense_attention(kwargs, dense, causal=True):
     return out
 
 
-@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 128])
 @pytest.mark.parametrize("cache_4d", [False, True])
 def test_matches_dense_float32(block_size, cache_4d):
     kwargs, dense = make_case(RAGGED_Q, RAGGED_KV, block_size, cache_4d=cache_4d, seed=block_size)
@@ -318,7 +320,7 @@ def test_real_op_matches_reference_on_npu():
     torch.testing.assert_close(out.cpu(), expected, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
+@pytest.mark.parametrize("block_size", [1, 4, 16, 128])
 def test_latent_and_rope_in_one_buffer_match_dense(block_size):
     """How the FIA backend passes the cache: key = value = buf[..., :D] and key_rope =
     buf[..., D:] of one [slots, 1, D + Dr] buffer (the reference then gathers it once)."""
@@ -366,3 +368,23 @@ def test_repeated_calls_are_checked_again_when_anything_checked_changes():
     kwargs["atten_mask"].logical_not_()  # the same mask object, inverted in place
     with pytest.raises(ValueError, match="must be upper-triangular"):
         npu_fused_infer_attention_score(**kwargs)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_kv_pool_caches_as_the_backend_passes_them(block_size, layout):
+    """key = value = the pool's latent cache and key_rope = its rope cache, paged as the FIA
+    backend pages them (separate layout: contiguous, as the NPU op takes them)."""
+    kwargs, dense = make_case(RAGGED_Q, RAGGED_KV, block_size, seed=12)
+    key, rope = kwargs["key"], kwargs["key_rope"]  # (NB, bs, D), (NB, bs, Dr)
+    d, dr = key.shape[-1], rope.shape[-1]
+    slots = key.shape[0] * block_size
+    pool = MLATokenToKVPool(slots - block_size, block_size, key.dtype, d, dr, 1, layout=layout)
+    pool.set_mla_kv_buffer(0, torch.arange(slots), key.reshape(slots, d), rope.reshape(slots, dr))
+    latent = paged_cache(pool.get_c_kv(0), block_size, key.dtype)
+    key_rope = paged_cache(pool.get_k_pe(0), block_size, key.dtype)
+    assert latent.is_contiguous() == key_rope.is_contiguous() == (layout == "separate")
+    out, _ = npu_fused_infer_attention_score(
+        **{**kwargs, "key": latent, "value": latent, "key_rope": key_rope}
+    )
+    torch.testing.assert_close(out.double(), dense_attention(kwargs, dense), atol=1e-5, rtol=1e-5)

@@ -67,3 +67,40 @@ def test_mla_pool_padding_slot_accepts_duplicate_writes():
     loc = torch.tensor([0, 0, 5])  # padded batch: two rows write the padding slot
     pool.set_mla_kv_buffer(0, loc, torch.ones(3, 1, 6), torch.ones(3, 1, 2))
     assert bool((pool.get_key_buffer(0)[5] == 1).all())
+
+
+def test_mla_pool_separate_layout_holds_two_contiguous_caches():
+    """The layout FIA's MLA path takes on NPU: latent and rope key in their own contiguous
+    buffers, read through the same accessors; the data is the interleaved pool's."""
+    pools = {
+        layout: MLATokenToKVPool(8, 4, torch.float32, 6, 2, layer_num=3, layout=layout)
+        for layout in ("interleaved", "separate")
+    }
+    loc = torch.tensor([4, 9, 0, 0])
+    c_kv, k_pe = torch.randn(4, 1, 6), torch.randn(4, 2)
+    for pool in pools.values():
+        pool.set_mla_kv_buffer(1, loc[:2], c_kv[:2], k_pe[:2])
+    inter, sep = pools["interleaved"], pools["separate"]
+    for layer in range(3):
+        assert sep.get_c_kv(layer).is_contiguous() and sep.get_k_pe(layer).is_contiguous()
+        assert not inter.get_c_kv(layer).is_contiguous()
+        assert torch.equal(sep.get_c_kv(layer), inter.get_c_kv(layer))
+        assert torch.equal(sep.get_k_pe(layer), inter.get_k_pe(layer))
+        assert torch.equal(sep.get_key_buffer(layer), inter.get_key_buffer(layer))
+    assert sep.get_c_kv(0).data_ptr() != sep.get_c_kv(1).data_ptr()
+    assert sep.mem_usage_bytes() == inter.mem_usage_bytes() == 3 * 12 * 8 * 4
+    slots = torch.tensor([[4, 9, 0], [9, 9, 4]])
+    for pool in pools.values():
+        rows = pool.gather_kv(1, slots)
+        assert rows.shape == (2, 3, 8)
+        assert torch.equal(rows[0, 1], torch.cat([c_kv[1, 0], k_pe[1]]))
+        assert torch.equal(rows[0, 2], torch.zeros(8))
+    # The separate layout's joint buffer is a snapshot; its caches are the storage.
+    sep.get_key_buffer(1)[4] = 0.0
+    assert torch.equal(sep.get_c_kv(1)[4, 0], c_kv[0, 0])
+    sep.get_k_pe(1)[9] = 5.0
+    assert bool((sep.gather_kv(1, torch.tensor([9]))[0, 6:] == 5).all())
+    with pytest.raises(ValueError, match="unknown KV layout"):
+        MLATokenToKVPool(8, 4, torch.float32, 6, 2, layer_num=1, layout="paged")
+    with pytest.raises(IndexError):
+        sep.gather_kv(3, slots)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from srt_ascend.layers.attention.fia_backend import FiaMLABackend
 from srt_ascend.layers.attention.torch_native import TorchNativeMLABackend
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -43,7 +44,14 @@ class PagedRunner:
     from the allocator (optionally handed out in shuffled page order), one ForwardBatch per
     forward. Several requests per forward, each with its own number of new tokens."""
 
-    def __init__(self, model, page_size: int = 1, size: int = 512, shuffle_seed: int | None = None):
+    def __init__(
+        self,
+        model,
+        page_size: int = 1,
+        size: int = 512,
+        shuffle_seed: int | None = None,
+        layout: str = "interleaved",
+    ):
         cfg = model.config
         self.model = model
         self.req_pool = ReqToTokenPool(size=4, max_context_len=256)
@@ -54,6 +62,7 @@ class PagedRunner:
             cfg.kv_lora_rank,
             cfg.qk_rope_head_dim,
             layer_num=cfg.num_hidden_layers,
+            layout=layout,
         )
         self.allocator = TokenToKVPoolAllocator(size, page_size)
         self.backend = TorchNativeMLABackend()
@@ -131,8 +140,9 @@ def test_absorbed_ragged_prefill_matches_hf(pair):
         assert rel_err(out[i], ref[i, :n]) < TOL, f"row {i}"
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_absorbed_chunked_extend_and_decode_match_hf(pair, page_size):
+def test_absorbed_chunked_extend_and_decode_match_hf(pair, page_size, layout):
     """Prefill (5 and 9 tokens), a chunked extend over the cached prefix (3 and 2 more tokens,
     continuing a partly filled page), then one-token decode steps, all against HF's logits for
     the whole sequence."""
@@ -140,7 +150,7 @@ def test_absorbed_chunked_extend_and_decode_match_hf(pair, page_size):
     total = 20
     ids = torch.randint(0, 256, (2, total), generator=torch.Generator().manual_seed(3))
     ref = hf_logits(hf, ids)
-    runner = PagedRunner(model, page_size=page_size, shuffle_seed=page_size)
+    runner = PagedRunner(model, page_size=page_size, shuffle_seed=page_size, layout=layout)
     rows = runner.new_rows(2)
     done = [0, 0]
 
@@ -161,6 +171,29 @@ def test_absorbed_chunked_extend_and_decode_match_hf(pair, page_size):
         pages = slots // page_size
         assert bool((slots % page_size == torch.arange(total) % page_size).all())
         assert bool((pages.view(-1, page_size) == pages.view(-1, page_size)[:, :1]).all())
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+@pytest.mark.parametrize("page_size", [16, 128])
+def test_fia_multi_query_over_both_pool_layouts_matches_hf(pair, page_size, layout):
+    """FIA's block sizes (16, 128) and both KV layouts: a torch-native prefill, then
+    multi-query rows (verify-shaped: 4 and 3 new tokens, then 2 and 5) through the FIA backend,
+    whose key / value / key_rope are the pool's latent and rope caches, against HF."""
+    model, hf = pair
+    ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(9))
+    ref = hf_logits(hf, ids)
+    runner = PagedRunner(model, page_size=page_size, shuffle_seed=1, layout=layout)
+    rows = runner.new_rows(2)
+    runner.forward(rows, [ids[0, :21], ids[1, :30]])
+    runner.backend = FiaMLABackend(page_size=page_size)
+    done = [21, 30]
+    for new in ([4, 3], [2, 5]):
+        out = runner.forward(rows, [ids[i, done[i] : done[i] + n] for i, n in enumerate(new)])
+        for i, n in enumerate(new):
+            assert rel_err(out[i], ref[i, done[i] : done[i] + n]) < TOL, f"row {i}"
+            done[i] += n
+    c_kv = runner.kv_pool.get_c_kv(0)
+    assert c_kv.is_contiguous() == (layout == "separate")
 
 
 def test_decode_after_long_prefill_uses_yarn_positions(tiny_hf_factory):

@@ -125,7 +125,8 @@ def test_reference_matches_torch_native_and_dispatch():
     args = make_case(gen, q_lens, prefix, 1, torch.float32, split_buffers=False)
     q_lat, q_pe, c_kv, k_pe, r2t, rows, seq_lens, q_lens_t, starts, scale = args
     pool = MLATokenToKVPool(c_kv.shape[0] - 1, 1, torch.float32, R, P, 1)
-    pool.kv_buffer[0].copy_(torch.cat([c_kv, k_pe], dim=-1))
+    pool.get_c_kv(0).copy_(c_kv)
+    pool.get_k_pe(0).copy_(k_pe)
     t = sum(q_lens)
     loc = torch.cat([r2t[rows[b], prefix[b] : prefix[b] + q] for b, q in enumerate(q_lens)])
     fb = SimpleNamespace(

@@ -89,4 +89,5 @@ def test_attention_backend_defaults():
         ServerArgs(attention_backend="flashinfer")
     with pytest.raises(ValueError, match="needs --device cuda"):
         ServerArgs(attention_backend="triton", device="cpu")
-    assert type(create_attention_backend(None)).__name__ == "TorchNativeMLABackend"
+    backend = create_attention_backend(args.for_device("cpu").attention_backend)
+    assert type(backend).__name__ == "TorchNativeMLABackend"

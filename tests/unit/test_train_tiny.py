@@ -32,6 +32,8 @@ def test_train_tiny_smoke_run_loads_back(tmp_path):
         log = json.load(f)
     assert log["steps"] == 2 and log["draft_steps"] == 1 and log["train_files"] == 5
     assert [r["phase"] for r in log["log"]] == [1, 1, 2]
+    with open(os.path.join(out, "config.json")) as f:
+        assert json.load(f) == train_tiny.checkpoint_config()  # DeepSeek-V3's keys
 
     model, mtp = load_model(out, dtype=torch.float32, load_mtp=True)
     assert model.config.vocab_size == train_tiny.VOCAB_SIZE and mtp.num_layers == 1

@@ -41,6 +41,12 @@ def build_block_table(fb: ForwardBatch) -> torch.Tensor:
     return (firsts // page_size).to(torch.int32)
 
 
+def paged_cache(cache: torch.Tensor, page_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """A pool cache [slots, 1, D] as FIA's paged key [slots // page_size, page_size, D]: a
+    view (no copy) when the pool already holds `dtype`."""
+    return cache.view(cache.shape[0] // page_size, page_size, cache.shape[-1]).to(dtype)
+
+
 @register_attention_backend("fia")
 class FiaMLABackend(AttentionBackend):
     supports_static_shapes = True
@@ -65,15 +71,17 @@ class FiaMLABackend(AttentionBackend):
         pool = forward_batch.token_to_kv_pool
         pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
         meta: FiaMetadata = forward_batch.attn_metadata
-        rank, ps = q_latent.shape[-1], pool.page_size
-        buf = pool.get_key_buffer(layer_id)  # [slots, 1, R + P]; slot = page * ps + offset
-        paged = buf.view(buf.shape[0] // ps, ps, buf.shape[-1]).to(q_latent.dtype)
+        # The op's paged caches: [num_blocks, block_size, D], slot = block * ps + offset.
+        # Separate pool layout (NPU): two contiguous caches; interleaved (CPU/CUDA): column
+        # views of one buffer, which the reference reads with one gather.
+        latent = paged_cache(pool.get_c_kv(layer_id), pool.page_size, q_latent.dtype)
+        rope = paged_cache(pool.get_k_pe(layer_id), pool.page_size, q_latent.dtype)
         out, _ = fused_infer_attention_score(
             q_latent,
-            paged[..., :rank],
-            paged[..., :rank],
+            latent,
+            latent,
             query_rope=q_pe,
-            key_rope=paged[..., rank:],
+            key_rope=rope,
             num_heads=q_latent.shape[1],
             num_key_value_heads=1,
             input_layout="TND",
@@ -83,7 +91,7 @@ class FiaMLABackend(AttentionBackend):
             antiquant_mode=0,
             antiquant_scale=None,
             block_table=meta.block_table,
-            block_size=ps,
+            block_size=pool.page_size,
             actual_seq_lengths=meta.actual_seq_lengths,
             actual_seq_lengths_kv=meta.actual_seq_lengths_kv,
         )

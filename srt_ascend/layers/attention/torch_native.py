@@ -79,7 +79,7 @@ class TorchNativeMLABackend(AttentionBackend):
         pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
         meta: PaddedRows = forward_batch.attn_metadata
         b, h, rank = forward_batch.batch_size, q_latent.shape[1], q_latent.shape[-1]
-        kv = pool.get_key_buffer(layer_id)[meta.kv_slots].squeeze(2).float()  # [B, L, R+P]
+        kv = pool.gather_kv(layer_id, meta.kv_slots).float()  # [B, L, R+P]
         q = torch.cat([q_latent, q_pe], dim=-1).float()  # [T, H, R+P]: one score matmul
         if meta.token_row is not None:
             padded = q.new_zeros(b, meta.max_q, h, q.shape[-1])
