@@ -60,6 +60,8 @@ def _split_own_flags(argv: Sequence[str]) -> tuple[dict, list[str]]:
     own.add_argument("--num-threads", type=int, default=argparse.SUPPRESS)
     own.add_argument("--speculative-verify", default=argparse.SUPPRESS)
     own.add_argument("--cpu-small-gemm", default=argparse.SUPPRESS)
+    own.add_argument("--max-request-body-mb", type=float, default=argparse.SUPPRESS)
+    own.add_argument("--shutdown-timeout", type=float, default=argparse.SUPPRESS)
     ns, rest = own.parse_known_args(list(argv))
     return vars(ns), rest
 
