@@ -189,7 +189,7 @@ class ServerArgs:
         a(
             "--admin-api-key",
             default=None,
-            help="key for the admin endpoints (/flush_cache, /abort_request); when set they "
+            help="key for the admin endpoints (/flush_cache); when set they "
             "do not accept --api-key",
         )
         a(
