@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, Phase, settings
 from schemathesis import GenerationMode
 
 MAX_TOKENS = 4
-EXAMPLES_PER_OPERATION = 15
+EXAMPLES_PER_OPERATION = 12
 
 
 @pytest.fixture(scope="module")
