@@ -3,7 +3,9 @@
 Flags use SGLang's names (see `--help`). A setting that makes no sense (unknown algorithm, a
 device that is not there, a model path that is not a checkpoint) is one line on stderr and exit
 code 2. Once the first generation has gone through, the server logs SGLang's
-"The server is fired up and ready to roll!".
+"The server is fired up and ready to roll!". SIGTERM or SIGINT drains: new requests get 503,
+running ones have `--shutdown-timeout` seconds to finish, the rest end with finish_reason abort,
+and the process exits 0 (a second signal skips the wait).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import socket
 import sys
+import time
 
 from srt_ascend.server_args import ServerArgs, prepare_server_args
 
@@ -109,9 +112,61 @@ async def warmup(tokenizer_manager) -> None:
         pass
 
 
+ABORT_GRACE_S = 10.0  # how long aborted requests get to send their last output
+
+
+async def drain(tokenizer_manager, timeout: float, abort_now: asyncio.Event) -> None:
+    """Refuses new requests, waits up to `timeout` s (or until `abort_now`) for the running
+    ones, then aborts the rest (each gets a finish_reason abort output)."""
+    tm = tokenizer_manager
+    tm.draining = True
+    logger.info(
+        "shutting down: %d requests in flight, waiting up to %.0f s", tm.num_in_flight(), timeout
+    )
+    deadline = time.monotonic() + timeout
+    while tm.num_in_flight() and time.monotonic() < deadline and not abort_now.is_set():
+        await asyncio.sleep(0.05)
+    if tm.num_in_flight():
+        logger.info("aborting the %d requests still in flight", tm.num_in_flight())
+        tm.abort("")
+        deadline = time.monotonic() + ABORT_GRACE_S
+        while tm.num_in_flight() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+
+
+def draining_server(config, tokenizer_manager, timeout: float):
+    """A uvicorn.Server whose SIGTERM/SIGINT runs `drain` before uvicorn stops (uvicorn's own
+    handler would stop at once and re-raise the signal afterwards)."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        loop: asyncio.AbstractEventLoop | None = None
+        drain_task: asyncio.Task | None = None
+        abort_now: asyncio.Event | None = None
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.loop is None:  # before serving: stop as uvicorn does
+                self.should_exit = True
+                return
+            self.loop.call_soon_threadsafe(self._start_drain)
+
+        def _start_drain(self) -> None:
+            if self.drain_task is not None:  # a second signal: abort now
+                self.abort_now.set()
+                return
+            self.abort_now = asyncio.Event()
+            self.drain_task = asyncio.ensure_future(
+                drain(tokenizer_manager, timeout, self.abort_now)
+            )
+            self.drain_task.add_done_callback(lambda _: setattr(self, "should_exit", True))
+
+    return DrainingServer(config)
+
+
 async def serve(server, tokenizer_manager) -> None:
     """Runs uvicorn; logs READY_MESSAGE after it listens and a warmup request succeeded."""
     tokenizer_manager.loop = asyncio.get_running_loop()
+    server.loop = tokenizer_manager.loop
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -163,7 +218,8 @@ def run(server_args: ServerArgs) -> None:
         loop="asyncio",
     )
     try:
-        asyncio.run(serve(uvicorn.Server(config), tokenizer_manager))
+        server = draining_server(config, tokenizer_manager, server_args.shutdown_timeout)
+        asyncio.run(serve(server, tokenizer_manager))
     finally:
         tokenizer_manager.shutdown()
 

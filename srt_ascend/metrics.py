@@ -117,6 +117,10 @@ class ServerMetrics:
         self.num_requests = counter("sglang:num_requests", "Finished requests")
         self.num_aborted = counter("sglang:num_aborted_requests", "Aborted requests")
         self.num_bad = counter("sglang:num_bad_requests", "Requests rejected with HTTP 400")
+        self.num_rejected = counter(
+            "sglang:num_rejected_requests",
+            "Requests refused with HTTP 503 (queue full past --max-queued-requests, or shutdown)",
+        )
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("sglang:generation_tokens", "Tokens generated")
         self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from cache")
@@ -188,6 +192,9 @@ class ServerMetrics:
 
     def observe_bad_request(self) -> None:
         self.num_bad.inc()
+
+    def observe_rejected(self) -> None:
+        self.num_rejected.inc()
 
     @property
     def avg_spec_accept_length(self) -> float | None:

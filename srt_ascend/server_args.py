@@ -26,6 +26,12 @@ class ServerArgs:
     context_length: int | None = None
     random_seed: int = 0
     log_level: str = "info"
+    # API and admission
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    max_request_body_mb: float = 32.0
+    max_queued_requests: int | None = None
+    shutdown_timeout: float = 20.0
     # memory and scheduling
     max_running_requests: int = 64
     max_total_tokens: int | None = None
@@ -61,6 +67,10 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
+
+    @property
+    def max_request_body_bytes(self) -> int:
+        return int(self.max_request_body_mb * (1 << 20))
 
     @property
     def spec_enabled(self) -> bool:
@@ -118,6 +128,14 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError("--max-queued-requests must be >= 0")
+        if not self.max_request_body_mb > 0:
+            raise ValueError("--max-request-body-mb must be > 0")
+        if not self.shutdown_timeout >= 0:
+            raise ValueError("--shutdown-timeout must be >= 0")
+        if self.api_key == "" or self.admin_api_key == "":
+            raise ValueError("--api-key and --admin-api-key must not be empty")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -204,6 +222,37 @@ class ServerArgs:
             default="info",
             choices=["debug", "info", "warning", "error", "critical"],
             help="logging level",
+        )
+        a(
+            "--api-key",
+            default=None,
+            help="require 'Authorization: Bearer KEY' on every endpoint but /health*, /metrics",
+        )
+        a(
+            "--admin-api-key",
+            default=None,
+            help="key for the admin endpoints (/flush_cache); when set they "
+            "do not accept --api-key",
+        )
+        a(
+            "--max-request-body-mb",
+            type=float,
+            default=d["max_request_body_mb"].default,
+            help="largest request body accepted (MiB); larger ones get HTTP 413",
+        )
+        a(
+            "--max-queued-requests",
+            type=int,
+            default=None,
+            help="requests allowed to wait beyond --max-running-requests; more get HTTP 503 "
+            "(default: no limit)",
+        )
+        a(
+            "--shutdown-timeout",
+            type=float,
+            default=d["shutdown_timeout"].default,
+            help="on SIGTERM/SIGINT, seconds to let running requests finish before the rest "
+            "are aborted (finish_reason abort) and the process exits",
         )
         a(
             "--max-running-requests",

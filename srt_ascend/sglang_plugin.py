@@ -15,7 +15,8 @@ Two entry points (see pyproject.toml):
 Translation: SGLang's own parser reads the argv (so SGLang's flag names, aliases and types
 apply); every flag given that srt_ascend supports maps to its field, and the rest are listed
 in one warning line at start. Flags that only srt_ascend has (`--num-threads`,
-`--speculative-verify`, `--cpu-small-gemm`) are taken out of argv before SGLang parses it.
+`--speculative-verify`, `--cpu-small-gemm`, `--max-request-body-mb`, `--shutdown-timeout`) are
+taken out of argv before SGLang parses it.
 
 Importing this module imports nothing heavy (no torch, no torch_npu, no sglang runtime).
 """
@@ -60,6 +61,8 @@ def _split_own_flags(argv: Sequence[str]) -> tuple[dict, list[str]]:
     own.add_argument("--num-threads", type=int, default=argparse.SUPPRESS)
     own.add_argument("--speculative-verify", default=argparse.SUPPRESS)
     own.add_argument("--cpu-small-gemm", default=argparse.SUPPRESS)
+    own.add_argument("--max-request-body-mb", type=float, default=argparse.SUPPRESS)
+    own.add_argument("--shutdown-timeout", type=float, default=argparse.SUPPRESS)
     ns, rest = own.parse_known_args(list(argv))
     return vars(ns), rest
 

@@ -10,10 +10,13 @@ rejects them too). Every error is a RequestError (HTTP 400) raised before anythi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 from srt_ascend.managers.tokenizer_manager import RequestError
 
 # SGLang request fields that this server accepts only when unset (null, false, empty).
@@ -137,10 +140,12 @@ class GenerateReqInput:
             return_text_in_logprobs=text_lp,
         )
 
-    def items(self, tokenize: Callable[[str], list[int]]) -> list[GenerateItem]:
+    async def items(self, tokenize: Callable[[str], Awaitable[list[int]]]) -> list[GenerateItem]:
+        """One item per prompt; text prompts go through `tokenize` (async: off the loop)."""
+        ids = [await tokenize(p) if isinstance(p, str) else p for p in self.prompts]
         return [
             GenerateItem(
-                input_ids=tokenize(p) if isinstance(p, str) else p,
+                input_ids=ids[i],
                 sampling_params=self.sampling_params[i],
                 rid=self.rid[i],
                 return_logprob=self.return_logprob[i],
@@ -178,3 +183,67 @@ def _per_item(body: dict, name: str, n: int, ok: Callable[[Any], bool], kind: st
         if not ok(v):
             raise RequestError(f"{name} must be {kind} (or a list of them), got {v!r}")
     return values
+
+
+# ---- the OpenAPI description of the native bodies ---------------------------------------------
+# `GenerateReqInput.from_json` (above) is the validator, with SGLang's messages; these models
+# describe the same contract in /openapi.json (a unit test keeps the two in step).
+
+
+class SamplingParamsBody(BaseModel):
+    """SGLang's sampling parameters as this server implements them; others are refused."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = Field(128, ge=0)
+    min_new_tokens: int | None = Field(0, ge=0)
+    temperature: float | None = Field(1.0, ge=0)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    top_k: int | None = -1
+    min_p: float | None = Field(0.0, ge=0, le=1)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    repetition_penalty: float | None = Field(1.0, gt=0, le=2)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    n: int | None = Field(1, ge=1, le=1)
+    seed: int | None = None
+    sampling_seed: int | None = None  # SGLang's name for seed
+    stream_interval: int | None = None  # ignored: a server-wide setting here
+
+
+def _one_or_list(t: Any) -> Any:
+    return t | list[t] | None
+
+
+class GenerateRequest(BaseModel):
+    """`POST /generate` (SGLang's GenerateReqInput): exactly one of text / input_ids, a single
+    prompt or a batch; per-request fields are one value or a list with one per prompt.
+    Other top-level keys are ignored; SGLang features this server lacks are refused."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: _one_or_list(SamplingParamsBody) = None
+    rid: _one_or_list(str) = None
+    return_logprob: _one_or_list(bool) = None
+    logprob_start_len: _one_or_list(int) = None
+    top_logprobs_num: (
+        Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+        | list[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]]
+        | None
+    ) = None
+    stream: bool = False
+    return_text_in_logprobs: bool = False
+
+
+class AbortRequest(BaseModel):
+    """`POST /abort_request`: the rid of one request, or abort_all."""
+
+    rid: str = ""
+    abort_all: bool = False

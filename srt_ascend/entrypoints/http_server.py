@@ -19,19 +19,26 @@ from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from srt_ascend.entrypoints.generate_input import GenerateReqInput
+from srt_ascend.entrypoints.auth import ApiKeyMiddleware
+from srt_ascend.entrypoints.generate_input import AbortRequest, GenerateReqInput, GenerateRequest
 from srt_ascend.entrypoints.http_utils import (
     SSE_DONE,
+    HTTPStatusError,
+    NativeError,
     ORJSONResponse,
     error_response,
+    install_openapi,
+    is_json_type,
+    json_body_spec,
     openai_error_response,
     read_json,
     sse,
 )
-from srt_ascend.entrypoints.openai_api import add_openai_routes
-from srt_ascend.entrypoints.serving import Serving, until_disconnected
-from srt_ascend.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes, parse_body
+from srt_ascend.entrypoints.serving import ClientDisconnected, Serving, until_disconnected
+from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -52,25 +59,51 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
 
     app = FastAPI(title="srt_ascend", version=VERSION, lifespan=lifespan)
     app.state.serving = serving
+    app.state.max_body_bytes = server_args.max_request_body_bytes
+    if server_args.api_key or server_args.admin_api_key:
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=server_args.api_key, admin_api_key=server_args.admin_api_key
+        )
 
-    def bad_request(request: Request, message: str) -> ORJSONResponse:
-        serving.metrics.observe_bad_request()
+    def refuse(request: Request, message: str, status_code: int = 400) -> ORJSONResponse:
+        if status_code == 400:
+            serving.metrics.observe_bad_request()
         if request.url.path.startswith("/v1/"):
-            return openai_error_response(message)
-        return error_response(message)
+            return openai_error_response(message, status_code)
+        return error_response(message, status_code)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        return bad_request(request, str(exc))
+        return refuse(request, str(exc))
+
+    @app.exception_handler(HTTPStatusError)
+    async def on_status_error(request: Request, exc: HTTPStatusError):
+        return refuse(request, str(exc), exc.status_code)
+
+    @app.exception_handler(ServerBusyError)
+    async def on_busy(request: Request, exc: ServerBusyError):
+        return refuse(request, str(exc), 503)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_exception(request: Request, exc: StarletteHTTPException):
+        response = refuse(request, str(exc.detail), exc.status_code)
+        response.headers.update(exc.headers or {})
+        return response
+
+    @app.exception_handler(ClientDisconnected)
+    async def on_disconnect(request: Request, exc: ClientDisconnected):
+        logger.info("client left before the answer to %s; its requests were aborted", exc)
+        return Response(status_code=499)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         loc = ".".join(str(x) for x in first.get("loc", ()))
-        return bad_request(request, f"{loc}: {first.get('msg', 'invalid request')}")
+        return refuse(request, f"{loc}: {first.get('msg', 'invalid request')}")
 
     app.include_router(router)
     add_openai_routes(app, serving)
+    install_openapi(app, [GenerateRequest, AbortRequest, NativeError, *OPENAI_BODY_MODELS])
     return app
 
 
@@ -81,10 +114,13 @@ def _serving(request: Request) -> Serving:
     return request.app.state.serving
 
 
-@router.api_route("/generate", methods=["POST", "PUT"])
+@router.api_route(
+    "/generate", methods=["POST", "PUT"], openapi_extra=json_body_spec(GenerateRequest, NativeError)
+)
 async def generate(request: Request):
     serving = _serving(request)
     obj = GenerateReqInput.from_json(await read_json(request))
+    serving.admit(len(obj.prompts))
     reqs = [
         serving.make_request(
             it.input_ids,
@@ -94,7 +130,7 @@ async def generate(request: Request):
             logprob_start_len=it.logprob_start_len,
             top_logprobs_num=it.top_logprobs_num,
         )
-        for it in obj.items(serving.tm.tokenize)
+        for it in await obj.items(serving.tm.tokenize_async)
     ]
     serving.check_unique_rids(reqs)
     if obj.stream:
@@ -107,14 +143,17 @@ async def generate(request: Request):
 
 
 @router.get("/health")
-async def health() -> Response:
-    return Response(status_code=200)
+async def health(request: Request) -> Response:
+    """200 while serving; 503 once shutting down (so load balancers stop sending work)."""
+    return Response(status_code=503 if _serving(request).tm.draining else 200)
 
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """200 once a one-token generation goes through the whole runtime, else 503."""
     tm = _serving(request).tm
+    if tm.draining:
+        return Response(status_code=503)
     bos = tm.tokenizer.bos_token_id
     req = tm.make_request([bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0})
     try:
@@ -156,10 +195,14 @@ async def server_info(request: Request):
     return ORJSONResponse({**serving.server_info(), "internal_states": [state], "version": VERSION})
 
 
-@router.api_route("/flush_cache", methods=["GET", "POST"])
+@router.post("/flush_cache")
 async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)):
     """Empties the radix cache; refused (400) while requests run, after waiting up to
-    `timeout` seconds for them to finish."""
+    `timeout` seconds for them to finish. POST only; a body, if any, must be JSON (so no
+    web page can trigger it with a form)."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and not is_json_type(content_type):
+        raise HTTPStatusError(415, "the Content-Type of /flush_cache must be application/json")
     tm = _serving(request).tm
     deadline = time.monotonic() + timeout
     while not await tm.flush_cache():
@@ -169,18 +212,13 @@ async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)):
     return Response("Cache flushed.\n", status_code=200)
 
 
-@router.post("/abort_request")
+@router.post("/abort_request", openapi_extra=json_body_spec(AbortRequest, NativeError))
 async def abort_request(request: Request):
     """{"rid": ...} aborts one request, {"abort_all": true} every one; their KV is freed."""
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
-    if not isinstance(rid, str) or not isinstance(abort_all, bool):
-        raise RequestError("rid must be a string and abort_all a boolean")
-    if not rid and not abort_all:
+    body = parse_body(AbortRequest, await read_json(request))
+    if not body.rid and not body.abort_all:
         raise RequestError("give the rid of the request to abort, or abort_all: true")
-    _serving(request).tm.abort("" if abort_all else rid)
+    _serving(request).tm.abort("" if body.abort_all else body.rid)
     return Response(status_code=200)
 
 

@@ -1,16 +1,29 @@
-"""Small HTTP helpers shared by the native and OpenAI routes: orjson bodies and SSE frames."""
+"""Small HTTP helpers shared by the native and OpenAI routes: orjson bodies, SSE frames, the
+bounded JSON body reader and the OpenAPI description of the request bodies."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import orjson
-from fastapi import Request
+from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
+from pydantic import BaseModel
 
 from srt_ascend.managers.tokenizer_manager import RequestError
 
 SSE_DONE = b"data: [DONE]\n\n"
+JSON_TYPES = ("application/json",)
+
+
+class HTTPStatusError(Exception):
+    """A refused request with its status code (401, 405, 413, 415, 503, ...); the app answers
+    it with the route's error shape (native or OpenAI)."""
+
+    def __init__(self, status_code: int, message: str) -> None:
+        super().__init__(message)
+        self.status_code = status_code
 
 
 class ORJSONResponse(Response):
@@ -20,24 +33,44 @@ class ORJSONResponse(Response):
         return orjson.dumps(content)
 
 
+class NativeErrorDetail(BaseModel):
+    message: str
+
+
+class NativeError(BaseModel):
+    """SGLang's native error body."""
+
+    error: NativeErrorDetail
+
+
 def error_response(message: str, status_code: int = 400) -> ORJSONResponse:
     """SGLang's native error body."""
     return ORJSONResponse({"error": {"message": message}}, status_code=status_code)
 
 
+def openai_error_body(message: str, status_code: int = 400) -> dict:
+    """SGLang's OpenAI-route error body (`openai_protocol.OpenAIError`)."""
+    kind = "BadRequestError" if status_code == 400 else _ERROR_TYPES.get(status_code, "Error")
+    return {
+        "object": "error",
+        "message": message,
+        "type": kind,
+        "param": None,
+        "code": status_code,
+    }
+
+
+_ERROR_TYPES = {
+    401: "AuthenticationError",
+    405: "MethodNotAllowed",
+    413: "RequestTooLarge",
+    415: "UnsupportedMediaType",
+    503: "ServiceUnavailable",
+}
+
+
 def openai_error_response(message: str, status_code: int = 400) -> ORJSONResponse:
-    """OpenAI's error body (what the openai client parses into BadRequestError)."""
-    return ORJSONResponse(
-        {
-            "error": {
-                "message": message,
-                "type": "BadRequestError",
-                "param": None,
-                "code": status_code,
-            }
-        },
-        status_code=status_code,
-    )
+    return ORJSONResponse(openai_error_body(message, status_code), status_code=status_code)
 
 
 def sse(data: Any) -> bytes:
@@ -45,10 +78,80 @@ def sse(data: Any) -> bytes:
     return b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def is_json_type(content_type: str | None) -> bool:
+    """application/json or application/*+json, any parameters (charset) allowed."""
+    if not content_type:
+        return False
+    mime = content_type.split(";", 1)[0].strip().lower()
+    return mime in JSON_TYPES or (mime.startswith("application/") and mime.endswith("+json"))
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The raw body, at most `limit` bytes (HTTPStatusError 413 beyond, read no further)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPStatusError(413, f"the request body is larger than {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPStatusError(413, f"the request body is larger than {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def read_json(request: Request) -> Any:
-    """The parsed body; RequestError (-> 400) for anything that is not JSON."""
-    body = await request.body()
+    """The parsed JSON body. HTTPStatusError 415 unless the Content-Type is JSON (so a
+    cross-site form or text/plain POST cannot reach a route), 413 past the app's body size
+    limit (`app.state.max_body_bytes`); RequestError (400) for a body that is not JSON."""
+    if not is_json_type(request.headers.get("content-type")):
+        raise HTTPStatusError(
+            415, "the request body must be JSON: send the header Content-Type: application/json"
+        )
+    body = await read_body(request, request.app.state.max_body_bytes)
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as e:
         raise RequestError(f"the request body is not valid JSON: {e}") from e
+
+
+# ---- OpenAPI --------------------------------------------------------------------------------
+
+_REF = "#/components/schemas/{model}"
+
+
+def json_body_spec(model: type[BaseModel], error_model: type[BaseModel]) -> dict:
+    """`openapi_extra` for a route that reads a JSON body by hand: the body is `model`, and
+    400/401/413/415/503 answers carry `error_model`."""
+
+    def json_of(m: type[BaseModel]) -> dict:
+        return {"application/json": {"schema": {"$ref": _REF.format(model=m.__name__)}}}
+
+    error = {"content": json_of(error_model)}
+    return {
+        "requestBody": {"required": True, "content": json_of(model)},
+        "responses": {
+            "400": {"description": "Bad request (the message names the problem)", **error},
+            "401": {"description": "Missing or wrong API key (with --api-key)", **error},
+            "413": {"description": "Request body too large", **error},
+            "415": {"description": "Content-Type is not application/json", **error},
+            "503": {"description": "Queue full or server shutting down", **error},
+        },
+    }
+
+
+def install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    """The app's /openapi.json also describes `models` (referenced by `json_body_spec`)."""
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                s = model.model_json_schema(ref_template=_REF)
+                components.update(s.pop("$defs", {}))
+                components[model.__name__] = s
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -2,7 +2,8 @@
 
 Each prompt (times `n`) becomes one runtime request. Streaming sends `data: {chunk}` with the
 text delta of one choice, an optional usage chunk (`stream_options.include_usage`) and
-`data: [DONE]`. Errors are {"error": {"message", "type", "param", "code"}} with HTTP 400.
+`data: [DONE]`. Errors are SGLang's {"object": "error", "message", "type", "param", "code"}
+(HTTP 400 for a bad request).
 """
 
 from __future__ import annotations
@@ -17,21 +18,44 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from srt_ascend.entrypoints.http_utils import SSE_DONE, ORJSONResponse, read_json, sse
-from srt_ascend.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
+from srt_ascend.entrypoints.http_utils import (
+    SSE_DONE,
+    ORJSONResponse,
+    json_body_spec,
+    openai_error_body,
+    read_json,
+    sse,
+)
+from srt_ascend.entrypoints.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+)
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
+OPENAI_BODY_MODELS = [CompletionRequest, ChatCompletionRequest, OpenAIError]
+
 
 def parse_body(model: type[BaseModel], body: Any) -> Any:
-    """Validated request model; RequestError naming the first bad field otherwise."""
+    """Validated request model; RequestError naming the first bad field otherwise. A
+    top-level field the model does not have is refused unless it is null (clients may send
+    nulls for SGLang fields they do not use), as /generate refuses what it does not support."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if model.model_config.get("extra") == "forbid":
+        for key in [k for k in body if k not in model.model_fields]:
+            if body[key] is not None:
+                raise RequestError(f"{key} is not supported by this server")
+            del body[key]
     try:
         obj = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "body"
         raise RequestError(f"{loc}: {err['msg']}") from e
-    bad = obj.unsupported()
+    unsupported = getattr(obj, "unsupported", None)
+    bad = unsupported() if unsupported is not None else None
     if bad is not None:
         raise RequestError(f"{bad} is not supported by this server")
     return obj
@@ -138,8 +162,11 @@ class OpenAIServing:
         self.serving.check_unique_rids(reqs)
         return reqs
 
-    def _completion_prompts(self, obj: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """(token ids, text to echo) per prompt; token-id prompts echo their decoded text."""
+    async def _completion_prompts(
+        self, obj: CompletionRequest
+    ) -> tuple[list[list[int]], list[str]]:
+        """(token ids, text to echo) per prompt; token-id prompts are checked as /generate
+        checks them, then echo their decoded text."""
         p = obj.prompt
         if isinstance(p, str):
             texts = [p]
@@ -149,11 +176,13 @@ class OpenAIServing:
             texts = list(p)
         else:
             ids = [list(p)] if all(isinstance(x, int) for x in p) else [list(x) for x in p]
+            for x in ids:
+                self.tm.validate_input_ids(x)
             dec = self.tm.tokenizer.decode
             return ids, [dec(x, skip_special_tokens=True) for x in ids]
-        return [self.tm.tokenize(t) for t in texts], texts
+        return [await self.tm.tokenize_async(t) for t in texts], texts
 
-    def chat_prompt(self, obj: ChatCompletionRequest) -> list[int]:
+    async def chat_prompt(self, obj: ChatCompletionRequest) -> list[int]:
         if not getattr(self.tm.tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template")
         messages = [{"role": m.role, "content": m.text()} for m in obj.messages]
@@ -163,11 +192,12 @@ class OpenAIServing:
             )
         except Exception as e:  # jinja raises its own errors for malformed conversations
             raise RequestError(f"the chat template failed on these messages: {e}") from e
-        return self.tm.tokenize(text)
+        return await self.tm.tokenize_async(text)
 
     async def completions(self, request: Request):
         obj = parse_body(CompletionRequest, await read_json(request))
-        prompts, prompt_texts = self._completion_prompts(obj)
+        prompts, prompt_texts = await self._completion_prompts(obj)
+        self.serving.admit(len(prompts) * obj.n)
         reqs = self._requests(prompts, obj, obj.sampling_params(obj.max_tokens), obj.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "model": obj.model}
@@ -207,7 +237,8 @@ class OpenAIServing:
 
     async def chat_completions(self, request: Request):
         obj = parse_body(ChatCompletionRequest, await read_json(request))
-        ids = self.chat_prompt(obj)
+        ids = await self.chat_prompt(obj)
+        self.serving.admit(obj.n)
         logprobs = (obj.top_logprobs or 0) if obj.logprobs else None
         reqs = self._requests([ids], obj, obj.sampling_params(obj.max_new_tokens), logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
@@ -279,16 +310,7 @@ class OpenAIServing:
                     c.started = True
                     yield sse({**head, "created": created, "choices": [body], "usage": None})
             except RequestError as e:
-                yield sse(
-                    {
-                        "error": {
-                            "message": str(e),
-                            "type": "BadRequestError",
-                            "param": None,
-                            "code": 400,
-                        }
-                    }
-                )
+                yield sse(openai_error_body(str(e)))
             else:
                 if include_usage:
                     outs = [c.last for c in choices if c.last is not None]
@@ -324,5 +346,15 @@ class OpenAIServing:
 def add_openai_routes(app: FastAPI, serving: Serving) -> None:
     api = OpenAIServing(serving)
     app.add_api_route("/v1/models", lambda: ORJSONResponse(api.models()), methods=["GET"])
-    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
-    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route(
+        "/v1/completions",
+        api.completions,
+        methods=["POST"],
+        openapi_extra=json_body_spec(CompletionRequest, OpenAIError),
+    )
+    app.add_api_route(
+        "/v1/chat/completions",
+        api.chat_completions,
+        methods=["POST"],
+        openapi_extra=json_body_spec(ChatCompletionRequest, OpenAIError),
+    )

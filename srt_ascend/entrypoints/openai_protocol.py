@@ -1,7 +1,9 @@
 """OpenAI request bodies (the fields SGLang's OpenAI server takes), as pydantic models.
 
-Unknown fields are ignored, as by OpenAI's and SGLang's servers; wrong types fail validation
-(HTTP 400). `sampling_params()` maps a request onto SGLang sampling parameters.
+A top-level field this server does not implement is refused (HTTP 400 naming it, as `/generate`
+refuses SGLang features it lacks) unless it is null; wrong types fail validation (HTTP 400).
+`sampling_params()` maps a request onto SGLang sampling parameters. The models also describe
+the request bodies in the served `/openapi.json`.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 
 
 class StreamOptions(BaseModel):
@@ -18,7 +22,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     """What completions and chat share, including SGLang's extra sampling fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
     temperature: float | None = None
@@ -78,7 +82,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
 
@@ -123,8 +127,10 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
+    tool_choice: Literal["none", "auto"] | None = None  # "auto" with no tools is "none"
+    parallel_tool_calls: bool | None = None  # meaningful only with tools
     response_format: ResponseFormat | None = None
 
     @property
@@ -141,3 +147,13 @@ class ChatCompletionRequest(_SamplingFields):
         if self.response_format is not None and self.response_format.type != "text":
             return f"response_format {self.response_format.type!r}"
         return super().unsupported()
+
+
+class OpenAIError(BaseModel):
+    """SGLang's error body on /v1/* (HTTP 4xx/5xx)."""
+
+    object: Literal["error"] = "error"
+    message: str
+    type: str
+    param: str | None = None
+    code: int

@@ -15,11 +15,15 @@ from typing import Any
 from fastapi import Request
 
 from srt_ascend.managers.io_struct import TokenizedGenerateReq
-from srt_ascend.managers.tokenizer_manager import RequestError, TokenizerManager
+from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.metrics import RequestStats, ServerMetrics
 from srt_ascend.server_args import ServerArgs
 
 DISCONNECT_POLL_S = 0.5
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client left before its (non-streaming) answer; its requests were aborted."""
 
 
 class Serving:
@@ -39,6 +43,15 @@ class Serving:
         if rid is not None and self.tm.has_request(rid):
             raise RequestError(f"duplicate request id {rid!r}")
         return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
+
+    def admit(self, n: int) -> None:
+        """Admission control before `n` requests start: ServerBusyError (HTTP 503, counted
+        in /metrics) when the queue is full or the server is shutting down."""
+        try:
+            self.tm.check_admission(n)
+        except ServerBusyError:
+            self.metrics.observe_rejected()
+            raise
 
     def check_unique_rids(self, reqs: list[TokenizedGenerateReq]) -> None:
         rids = [r.rid for r in reqs]
@@ -145,7 +158,7 @@ class Serving:
 
 async def until_disconnected(request: Request, work: Awaitable):
     """Awaits `work`; if the HTTP client disconnects first, cancels it (aborting its
-    requests) and raises asyncio.CancelledError."""
+    requests) and raises ClientDisconnected."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -153,7 +166,7 @@ async def until_disconnected(request: Request, work: Awaitable):
             if done:
                 return task.result()
             if await request.is_disconnected():
-                raise asyncio.CancelledError("client disconnected")
+                raise ClientDisconnected(f"{request.method} {request.url.path}")
     finally:
         if not task.done():
             task.cancel()

@@ -4,22 +4,47 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+
 
 @dataclass
 class DecodeState:
-    """Cumulative text of one request; holds back an incomplete trailing UTF-8 sequence."""
+    """Cumulative text of one request, decoded incrementally (SGLang's offsets).
+
+    `committed` is the text of `output_ids[:read_offset]`. Each step decodes only the window
+    `output_ids[surr_offset:]` and keeps what follows the decoded surrogate context
+    `output_ids[surr_offset:read_offset]`, so byte-level merges and leading-space rules at the
+    window start come out as in a full decode, while a step costs O(window), not O(output).
+    The window moves forward only when its new text does not end in an incomplete UTF-8
+    sequence; until then the tail is held back (and stays in the window for the next step).
+    The resulting `text` equals `decode(output_ids)` with a trailing U+FFFD run stripped
+    while unfinished, and exactly `decode(output_ids)` on the final step.
+    """
 
     skip_special_tokens: bool = True
     output_ids: list[int] = field(default_factory=list)
     text: str = ""
+    committed: str = ""
+    surr_offset: int = 0
+    read_offset: int = 0
 
     def update(self, tokenizer, new_ids: list[int], final: bool) -> str:
+        """Appends `new_ids` and returns the cumulative text (also kept in `self.text`)."""
         self.output_ids.extend(new_ids)
-        text = tokenizer.decode(self.output_ids, skip_special_tokens=self.skip_special_tokens)
-        if not final:
-            text = text.rstrip("\ufffd")
-        self.text = text
-        return text
+        window = self.output_ids[self.surr_offset :]
+        context_len = self.read_offset - self.surr_offset
+        skip = self.skip_special_tokens
+        surr_text = tokenizer.decode(window[:context_len], skip_special_tokens=skip)
+        new_text = tokenizer.decode(window, skip_special_tokens=skip)[len(surr_text) :]
+        if final:
+            self.text = self.committed + new_text
+        elif new_text and not new_text.endswith(REPLACEMENT):
+            self.committed += new_text
+            self.surr_offset, self.read_offset = self.read_offset, len(self.output_ids)
+            self.text = self.committed
+        else:
+            self.text = self.committed + new_text.rstrip(REPLACEMENT)
+        return self.text
 
 
 def trim_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:

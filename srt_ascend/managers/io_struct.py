@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from srt_ascend.sampling.sampling_params import SamplingParams
 
+MAX_TOP_LOGPROBS = 20  # top_logprobs_num cap on every route (OpenAI's limit)
+
 
 @dataclass
 class TokenizedGenerateReq:

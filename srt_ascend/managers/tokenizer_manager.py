@@ -12,10 +12,12 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
+    MAX_TOP_LOGPROBS,
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
@@ -34,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 class RequestError(ValueError):
     """A bad request: the HTTP layer answers 400 with this message."""
+
+
+class ServerBusyError(RuntimeError):
+    """The server refuses new work (queue full, shutting down): HTTP 503 with this message."""
 
 
 @dataclass
@@ -67,6 +73,10 @@ class TokenizerManager:
         self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler)
         self.runner = self.scheduler.runner
         self.context_len = self.runner.context_len
+        # Tokenization runs here, off the event loop; texts that cannot fit are refused first.
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.max_text_chars = self.context_len * _max_token_chars(self.tokenizer)
+        self.draining = False  # set at shutdown: new requests are refused (503)
 
     def _build_scheduler(self) -> Scheduler:
         """Runs in the scheduler thread: model load, KV pools, graph capture."""
@@ -104,6 +114,44 @@ class TokenizerManager:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text)
 
+    async def tokenize_async(self, text: str) -> list[int]:
+        """`tokenize` in the tokenizer thread, so the event loop keeps serving (/health).
+        A text too long to fit the context whatever its tokens is refused before tokenizing
+        (RequestError, the same message as an over-long token input)."""
+        if len(text) > self.max_text_chars:
+            raise RequestError(
+                f"the input ({len(text)} characters) is longer than the model's context length "
+                f"({self.context_len} tokens)"
+            )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._tokenize_pool, self.tokenize, text)
+
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished (running or waiting in the scheduler)."""
+        return len(self.states)
+
+    def check_admission(self, n: int) -> None:
+        """ServerBusyError (503) when `n` more requests would exceed
+        --max-running-requests + --max-queued-requests, or the server is shutting down."""
+        if self.draining:
+            raise ServerBusyError("the server is shutting down")
+        queued_limit = self.args.max_queued_requests
+        if queued_limit is None:
+            return
+        limit = self.args.max_running_requests + queued_limit
+        if self.num_in_flight() + n > limit:
+            raise ServerBusyError(
+                f"the request queue is full ({self.num_in_flight()} requests in flight, "
+                f"--max-running-requests {self.args.max_running_requests} + "
+                f"--max-queued-requests {queued_limit}); retry later"
+            )
+
+    def validate_input_ids(self, input_ids: list) -> None:
+        """RequestError unless `input_ids` are token ids of this model's vocabulary."""
+        vocab = self.runner.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in input_ids):
+            raise RequestError(f"input_ids must be integers in [0, {vocab})")
+
     def make_request(
         self,
         input_ids: list[int],
@@ -123,15 +171,14 @@ class TokenizerManager:
             raise RequestError(str(e)) from e
         if not input_ids:
             raise RequestError("the input is empty")
-        if any((not isinstance(t, int)) or t < 0 or t >= self.runner.vocab_size for t in input_ids):
-            raise RequestError(f"input_ids must be integers in [0, {self.runner.vocab_size})")
+        self.validate_input_ids(input_ids)
         if len(input_ids) >= self.context_len:
             raise RequestError(
                 f"the input ({len(input_ids)} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens)"
             )
-        if top_logprobs_num is not None and top_logprobs_num < 0:
-            raise RequestError("top_logprobs_num must be >= 0")
+        if top_logprobs_num is not None and not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         start = -1
         if return_logprob:
             start = (
@@ -236,3 +283,12 @@ class TokenizerManager:
     def shutdown(self) -> None:
         self.scheduler.stop()
         self.thread.join(timeout=10)
+        self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _max_token_chars(tokenizer) -> int:
+    """An upper bound on the characters of text one token stands for: twice the longest
+    vocabulary entry (byte-level and sentencepiece entries are at least as long as the text
+    they encode; the factor covers normalizers that shorten text)."""
+    longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+    return 2 * max(longest, 1)

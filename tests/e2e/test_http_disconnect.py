@@ -84,3 +84,7 @@ def test_non_streaming_disconnect_aborts(server):
         state["available_kv_tokens"] + state["cached_tokens_in_tree"]
         == (state["max_total_num_tokens"])
     )
+    # One log line for the client that left, no traceback.
+    log = server.log()
+    assert "client left before the answer to POST /generate" in log
+    assert "CancelledError" not in log and "Exception in ASGI application" not in log

@@ -1,11 +1,24 @@
 """Bad input gets HTTP 400 with a message (SGLang's {"error": {"message"}} on the native API,
-OpenAI's {"error": {"message", "type", "code"}} on /v1), and the server keeps serving."""
+SGLang's {"object": "error", "message", "type", "param", "code"} on /v1), and the server keeps
+serving. Bodies must be JSON (415), bounded (413); state changes are POST-only (405)."""
 
 from __future__ import annotations
 
+import socket
+import threading
+import time
+
 import pytest
+import requests
 
 OK_SP = {"max_new_tokens": 2, "temperature": 0}
+
+JSON = {"Content-Type": "application/json"}
+
+
+def _body(body) -> dict:
+    return {"data": body, "headers": JSON} if isinstance(body, bytes) else {"json": body}
+
 
 NATIVE_CASES = {
     "malformed-json": (b'{"text": "a", ', "not valid JSON"),
@@ -49,14 +62,14 @@ NATIVE_CASES = {
         "logprob_start_len",
     ),
     "image-data": ({"text": "a", "image_data": "http://x/y.png"}, "image_data is not supported"),
+    "top-logprobs-over-cap": ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num must be"),
 }
 
 
 @pytest.mark.parametrize("case", list(NATIVE_CASES))
 def test_native_bad_input_is_400(server, case):
     body, message = NATIVE_CASES[case]
-    kw = {"data": body} if isinstance(body, bytes) else {"json": body}
-    r = server.post("/generate", **kw)
+    r = server.post("/generate", **_body(body))
     assert r.status_code == 400, r.text
     assert message in r.json()["error"]["message"]
 
@@ -68,13 +81,17 @@ def test_prompt_longer_than_context(server):
     assert "longer than the model's context length" in r.json()["error"]["message"]
     r = server.post("/v1/completions", json={"model": "m", "prompt": [5] * (ctx + 1)})
     assert r.status_code == 400
-    assert "context length" in r.json()["error"]["message"]
+    assert "context length" in r.json()["message"]
+    # A text that cannot fit whatever its tokens is refused before it is tokenized.
+    r = server.post("/generate", json={"text": "x" * 2_000_000, "sampling_params": OK_SP})
+    assert r.status_code == 400
+    assert "longer than the model's context length" in r.json()["error"]["message"]
 
 
 def test_bad_requests_leave_the_server_serving(server):
     before = server.metric("sglang:num_bad_requests_total")
     for _ in range(3):
-        assert server.post("/generate", data=b"{").status_code == 400
+        assert server.post("/generate", data=b"{", headers=JSON).status_code == 400
     assert server.metric("sglang:num_bad_requests_total") == before + 3
     r = server.post("/generate", json={"text": "a", "sampling_params": OK_SP})
     assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
@@ -108,7 +125,33 @@ def test_abort_request_needs_a_rid(server):
     assert r.status_code == 400 and "rid" in r.json()["error"]["message"]
 
 
+CHAT = [{"role": "user", "content": "hi"}]
 OPENAI_CASES = {
+    "out-of-vocab-ids": (
+        "/v1/completions",
+        {"model": "m", "prompt": [1, -1]},
+        "input_ids must be integers in",
+    ),
+    "out-of-vocab-id-batch": (
+        "/v1/completions",
+        {"model": "m", "prompt": [[1, 2], [10**9]]},
+        "input_ids must be integers in",
+    ),
+    "unsupported-regex": (
+        "/v1/completions",
+        {"model": "m", "prompt": "a", "regex": "[0-9]+"},
+        "regex is not supported",
+    ),
+    "unknown-field": (
+        "/v1/chat/completions",
+        {"model": "m", "messages": CHAT, "max_tokenz": 3},
+        "max_tokenz is not supported",
+    ),
+    "top-logprobs-over-cap": (
+        "/v1/chat/completions",
+        {"model": "m", "messages": CHAT, "logprobs": True, "top_logprobs": 21},
+        "top_logprobs",
+    ),
     "malformed-json": ("/v1/completions", b"{", "not valid JSON"),
     "max-tokens-type": (
         "/v1/completions",
@@ -137,9 +180,75 @@ OPENAI_CASES = {
 @pytest.mark.parametrize("case", list(OPENAI_CASES))
 def test_openai_bad_input_is_400(server, case):
     path, body, message = OPENAI_CASES[case]
-    kw = {"data": body} if isinstance(body, bytes) else {"json": body}
-    r = server.post(path, **kw)
+    r = server.post(path, **_body(body))
     assert r.status_code == 400, r.text
-    err = r.json()["error"]
+    err = r.json()
     assert message in err["message"]
+    assert err["object"] == "error" and err["param"] is None
     assert err["code"] == 400 and err["type"] == "BadRequestError"
+
+
+def test_openai_null_extension_fields_are_accepted(server):
+    body = {"model": "m", "prompt": "a", "max_tokens": 2, "regex": None, "lora_path": None}
+    r = server.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/abort_request"])
+def test_json_content_type_is_required(server, path):
+    """A form or text/plain POST (what a web page can send cross-site) is refused: 415."""
+    body = b'{"abort_all": true, "text": "a", "prompt": "a", "model": "m"}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = server.post(path, data=body, headers=headers)
+        assert r.status_code == 415, (ctype, r.text)
+        err = r.json() if path.startswith("/v1/") else r.json()["error"]
+        assert "Content-Type: application/json" in err["message"]
+    r = server.post(path, data=b"{}", headers={"Content-Type": "application/json; charset=utf-8"})
+    assert r.status_code == 400  # JSON accepted, then the body is checked
+
+
+def test_flush_cache_is_post_only(server):
+    r = server.get("/flush_cache")
+    assert r.status_code == 405 and "POST" in r.headers["allow"]
+    assert server.post("/flush_cache", headers={"Content-Type": "text/plain"}).status_code == 415
+    server.wait_idle()
+    assert server.post("/flush_cache").status_code == 200
+
+
+def _raw_post(url: str, path: str, headers: dict, body: bytes) -> tuple[int, bytes]:
+    """POST over a raw socket (the declared Content-Length may exceed what is sent); returns
+    (status, response bytes)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n"
+        head += "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n"
+        sock.sendall(head.encode() + body)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    return int(data.split(b" ", 2)[1]), data
+
+
+def test_oversized_body_is_413_without_reading_it(server):
+    limit = server.get("/server_info").json()["max_request_body_mb"]
+    declared = int(limit * (1 << 20)) + 1
+    headers = {"Content-Type": "application/json", "Content-Length": str(declared)}
+    status, data = _raw_post(server.url, "/generate", headers, b'{"text": "aaaa')
+    assert status == 413, data[:300]
+    assert b"larger than" in data
+
+
+def test_huge_text_does_not_stall_health(server):
+    """A 20 MB prompt is refused (400) while /health keeps answering."""
+    big = {"text": "def f(x):\n    return x\n" * 800_000, "sampling_params": OK_SP}
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(r=server.post("/generate", json=big)))
+    worker.start()
+    while worker.is_alive():
+        assert requests.get(server.url + "/health", timeout=2).status_code == 200
+        time.sleep(0.05)
+    worker.join()
+    assert result["r"].status_code == 400
+    assert "longer than the model's context length" in result["r"].json()["error"]["message"]

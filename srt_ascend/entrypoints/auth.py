@@ -1,0 +1,61 @@
+"""API keys (`--api-key`, `--admin-api-key`) with SGLang's rules, as an ASGI middleware.
+
+- `/health*` and `/metrics` are always open (probes and scrapers carry no secrets).
+- Admin endpoints (`ADMIN_PATHS`, SGLang's ADMIN_OPTIONAL level): with an admin key they need
+  it (the API key does not open them); else the API key when one is set; else open.
+- Every other endpoint needs `Authorization: Bearer <api key>` when an API key is set.
+A refused request gets HTTP 401 with the route's error shape. The middleware is plain ASGI
+(not BaseHTTPMiddleware) so client disconnects still reach the routes.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from srt_ascend.entrypoints.http_utils import error_response, openai_error_response
+
+OPEN_PREFIXES = ("/health", "/metrics")
+ADMIN_PATHS = frozenset({"/flush_cache"})
+
+
+def _bearer_matches(header: str | None, key: str) -> bool:
+    if not header:
+        return False
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.strip(), key)
+
+
+def is_authorized(
+    path: str, method: str, authorization: str | None, api_key: str | None, admin_key: str | None
+) -> bool:
+    """The decision alone (pure, unit-tested)."""
+    if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
+        return True
+    if path in ADMIN_PATHS and admin_key:
+        return _bearer_matches(authorization, admin_key)
+    if api_key:
+        return _bearer_matches(authorization, api_key)
+    return True
+
+
+class ApiKeyMiddleware:
+    def __init__(self, app, api_key: str | None, admin_api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.admin_api_key = admin_api_key
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        headers = dict(scope.get("headers") or [])
+        authorization = headers.get(b"authorization", b"").decode("latin-1") or None
+        if is_authorized(path, scope["method"], authorization, self.api_key, self.admin_api_key):
+            await self.app(scope, receive, send)
+            return
+        message = "missing or wrong API key: send the header Authorization: Bearer <key>"
+        make = openai_error_response if path.startswith("/v1/") else error_response
+        response = make(message, 401)
+        response.headers["WWW-Authenticate"] = "Bearer"
+        await response(scope, receive, send)

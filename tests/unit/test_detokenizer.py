@@ -1,0 +1,84 @@
+"""Incremental detokenization: the streamed text equals a full decode at every step
+(trailing incomplete UTF-8 held back), including tokens that split multi-byte characters,
+and each step decodes only a window of the output, not all of it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import AutoTokenizer
+
+from srt_ascend.managers.detokenizer import DecodeState
+from srt_ascend.server_args import SHIPPED_MODEL
+
+TEXTS = [
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "漢字とかなの混じった文章、そして絵文字 🚀🎉 と Ελληνικά.",
+    "naïve café — “quotes” and ∑ maths ≤ ∞ 👩‍👩‍👧",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(SHIPPED_MODEL, local_files_only=True)
+
+
+def _splits_a_character(tokenizer, ids: list[int]) -> bool:
+    return any("\ufffd" in tokenizer.decode([i]) for i in ids)
+
+
+def _stream(tokenizer, ids: list[int], chunks: list[int], skip: bool) -> None:
+    state = DecodeState(skip_special_tokens=skip)
+    pos = 0
+    for n, size in enumerate(chunks):
+        new = ids[pos : pos + size]
+        pos += size
+        final = n == len(chunks) - 1
+        text = state.update(tokenizer, new, final)
+        full = tokenizer.decode(ids[:pos], skip_special_tokens=skip)
+        assert text == (full if final else full.rstrip("\ufffd")), (pos, text, full)
+        assert state.text == text
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_matches_full_decode_at_every_step(tokenizer, skip):
+    rng = random.Random(0)
+    specials = tokenizer.all_special_ids
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if text != TEXTS[0]:
+            assert _splits_a_character(tokenizer, ids), "the test needs split characters"
+        ids = ids[:7] + [specials[0]] + ids[7:]  # a special token in the middle
+        for _ in range(10):
+            chunks, left = [], len(ids)
+            while left:
+                chunks.append(min(left, rng.randint(1, 4)))
+                left -= chunks[-1]
+            _stream(tokenizer, ids, chunks, skip)
+
+
+def test_random_ids_including_invalid_utf8(tokenizer):
+    rng = random.Random(1)
+    vocab = tokenizer.vocab_size
+    for _ in range(30):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 40))]
+        _stream(tokenizer, ids, [1] * len(ids), skip=True)
+
+
+def test_each_step_decodes_a_bounded_window(tokenizer):
+    """O(new tokens): the decoded window stays small however long the output grows."""
+    calls: list[int] = []
+
+    class Counting:
+        def decode(self, ids, skip_special_tokens=True):
+            calls.append(len(ids))
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    ids = tokenizer.encode(TEXTS[0] * 20, add_special_tokens=False)
+    state = DecodeState()
+    for i, t in enumerate(ids):
+        state.update(Counting(), [t], final=i == len(ids) - 1)
+    assert len(ids) > 300
+    assert max(calls) <= 8
+    assert state.text == tokenizer.decode(ids)
