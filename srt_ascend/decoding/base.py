@@ -29,7 +29,7 @@ from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.registry import Registry
-from srt_ascend.sampling.sample_step import SamplingRequest
+from srt_ascend.sampling.sample_step import SamplingRequest, sample_rows
 from srt_ascend.server_args import ServerArgs
 
 
@@ -111,6 +111,15 @@ class Decoder(ABC):
         done: list[bool],  # whose prompt is now complete
     ) -> None:
         """Called after every EXTEND forward, once the first tokens are committed."""
+
+    def sample_and_commit(self, reqs: list[StepRequest], logits: torch.Tensor) -> None:
+        """One token per request from its row of `logits` [B, V] (penalties, sampling
+        settings, logprobs as asked), committed through the handle."""
+        res = sample_rows(logits, reqs, self.vocab, self.h.eos_ids)
+        for i, r in enumerate(reqs):
+            lps = None if res.logprobs is None else res.logprobs[i : i + 1]
+            tops = None if res.top_logprobs is None else res.top_logprobs[i : i + 1]
+            self.h.commit(r, [res.token_ids[i]], lps, tops)
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, StepRequest
 from srt_ascend.model_executor.forward_batch import ForwardMode
-from srt_ascend.sampling.sample_step import sample_rows
 
 
 @DECODERS.register(PLAIN)
@@ -28,10 +27,5 @@ class PlainDecoder(Decoder):
         hidden = self.runner.forward(fb, self.kind)
         for r in reqs:
             r.kv_len += 1
-        logits = self.runner.compute_logits(hidden)
-        res = sample_rows(logits, reqs, self.vocab, self.h.eos_ids)
-        for i, r in enumerate(reqs):
-            lps = None if res.logprobs is None else res.logprobs[i : i + 1]
-            tops = None if res.top_logprobs is None else res.top_logprobs[i : i + 1]
-            self.h.commit(r, [res.token_ids[i]], lps, tops)
+        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
         return reqs

@@ -34,7 +34,7 @@ from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.mem_cache import ChunkCache, RadixCache
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.model_runner import ModelRunner
-from srt_ascend.sampling.sample_step import input_logprobs, sample_rows
+from srt_ascend.sampling.sample_step import input_logprobs
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -268,7 +268,7 @@ class Scheduler:
             self.total_cached_tokens += r.cached_tokens
         if to_sample:
             logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
-            self._sample_and_commit([r for r, _ in to_sample], logits)
+            self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
         self.decoder.after_prefill(reqs, kv_before, lens, hidden, done)
         for r in reqs:
             if r.finished:
@@ -322,13 +322,6 @@ class Scheduler:
         logger.info("retracted request %s (KV pool full)", victim.rid)
 
     # ---- sampling and stop conditions -------------------------------------------------------
-
-    def _sample_and_commit(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        res = sample_rows(logits, reqs, self.runner.vocab_size, self.stop_checker.eos_ids)
-        for i, r in enumerate(reqs):
-            lps = None if res.logprobs is None else res.logprobs[i : i + 1]
-            tops = None if res.top_logprobs is None else res.top_logprobs[i : i + 1]
-            self._commit(r, [res.token_ids[i]], lps, tops)
 
     def _commit(self, req: Req, tokens: list[int], logprobs=None, tops=None) -> None:
         """Appends tokens one by one, stopping at the first that finishes the request (which

@@ -19,7 +19,7 @@ from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequ
 from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
-from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits, top_logprobs_nums
+from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
@@ -206,7 +206,7 @@ class MTPDecoder(Decoder):
             n = verdict.accept_len[i] + 1
             rows += [i * k1 + j for j in range(n)]
             tokens += verdict.emitted[i][:n]
-            nums += [top_logprobs_nums([reqs[i]])[0]] * n
+            nums += [reqs[i].top_logprobs_num] * n
         device = verdict.logits.device
         flat = verdict.logits.view(-1, verdict.logits.shape[-1])
         chosen, tops = token_logprobs(
