@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.utils import HOST_READS, to_device
 
 
 def draw_uniforms(
@@ -30,9 +31,10 @@ def draw_uniforms(
     inverse-CDF sampling never lands on a zero-probability token.
     """
     u = torch.rand(len(generators), num, device=device)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            u[row] = torch.rand(num, generator=generator, device=device)
+    seeded = [row for row, g in enumerate(generators) if g is not None]
+    if seeded:  # host generators: the same numbers on every device, copied over async
+        host = torch.stack([torch.rand(num, generator=generators[row]) for row in seeded])
+        u[to_device(seeded, device)] = to_device(host, device, torch.float32)
     return 1.0 - u
 
 
@@ -131,13 +133,19 @@ def token_logprobs(
     presence penalties and the min-new-tokens mask, before temperature and top-k / top-p /
     min-p. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    chosen = _gather(logprobs, token_ids).tolist()
+    chosen = _gather(logprobs, token_ids)
     k = min(max(top_nums, default=0), logprobs.shape[-1])
     if k <= 0:
-        return chosen, [[] for _ in top_nums]
-    values, ids = (t.tolist() for t in logprobs.topk(k, dim=-1))
-    tops = [list(zip(v[:n], i[:n])) for v, i, n in zip(values, ids, top_nums)]
-    return chosen, tops
+        return HOST_READS.read(chosen), [[] for _ in top_nums]
+    values, ids = logprobs.topk(k, dim=-1)
+    # one read: [N, 1 + 2k] = chosen | top values | top ids (ids are exact in float64)
+    both = torch.cat([chosen.view(-1, 1).double(), values.double(), ids.double()], 1)
+    rows = HOST_READS.read(both)
+    tops = [
+        [(v, int(i)) for v, i in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])]
+        for row, n in zip(rows, top_nums)
+    ]
+    return [row[0] for row in rows], tops
 
 
 def _gather(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

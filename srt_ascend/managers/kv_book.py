@@ -27,7 +27,7 @@ class KVBook:
     ) -> None:
         self.allocator = allocator
         self.req_to_token_pool = req_to_token_pool
-        self.req_to_token = req_to_token_pool.req_to_token
+        self.host = req_to_token_pool.host  # bookkeeping reads the host copy: no device sync
         self.tree = tree
         self.retract = retract
 
@@ -37,23 +37,20 @@ class KVBook:
 
     def _alloc(self, reqs: list[Req], lens: list[int]) -> torch.Tensor | None:
         """Slots for positions kv_len .. kv_len+n-1 of each request (evicting once), written
-        into req_to_token; None when they do not fit."""
+        into req_to_token; None when they do not fit. Slots are host tensors: allocation is
+        host bookkeeping, the device table gets them with one async copy."""
         prefix = [r.kv_len for r in reqs]
         seq = [r.kv_len + n for r, n in zip(reqs, lens)]
-        last = [
-            int(self.req_to_token[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs
-        ]
+        last = [int(self.host[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs]
         loc = self.allocator.alloc_extend(prefix, seq, last)
         if loc is None:
             self.tree.evict(sum(lens) + len(reqs) * self.page_size)
             loc = self.allocator.alloc_extend(prefix, seq, last)
         if loc is None:
             return None
-        off = 0
+        self.req_to_token_pool.write([r.req_pool_idx for r in reqs], prefix, loc, lens)
         for r, n in zip(reqs, lens):
-            self.req_to_token[r.req_pool_idx, r.kv_len : r.kv_len + n] = loc[off : off + n]
             r.alloc_len = r.kv_len + n
-            off += n
         return loc
 
     def alloc_extend(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
@@ -74,14 +71,14 @@ class KVBook:
                 return reqs, loc
             victim = reqs.pop()
             self.retract(victim, reqs)
-        return [], torch.zeros(0, dtype=torch.int64, device=self.req_to_token.device)
+        return [], torch.zeros(0, dtype=torch.int64)
 
     def free_positions(self, req: Req, lo: int, hi: int) -> None:
         """Frees the request's slots for positions [lo, hi), whole pages only: a page that
         also holds position lo-1 stays with the request (its next allocation continues it)."""
         first = -(-lo // self.page_size) * self.page_size
         if hi > first:
-            self.allocator.free(self.req_to_token[req.req_pool_idx, first:hi].clone())
+            self.allocator.free(self.host[req.req_pool_idx, first:hi].clone())
             if hi >= req.alloc_len:
                 req.alloc_len = first
 
@@ -92,7 +89,7 @@ class KVBook:
             return
         if req.alloc_len > req.kv_len:
             self.free_positions(req, req.kv_len, req.alloc_len)
-        row = self.req_to_token[req.req_pool_idx, : req.kv_len].clone()
+        row = self.host[req.req_pool_idx, : req.kv_len].clone()
         self.tree.cache_finished_req(req.all_ids, row, req.prefix_len, req.last_node)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.decoder_state = None, None, None

@@ -50,7 +50,6 @@ class Scheduler:
         self.emit = emit  # Callable[[list[ReqOutput]], None], called from the scheduler thread
         self.allocator = runner.allocator
         self.req_to_token_pool = runner.req_to_token_pool
-        self.req_to_token = runner.req_to_token_pool.req_to_token
         if server_args.disable_radix_cache:
             self.tree = ChunkCache(self.allocator)
         else:
@@ -224,7 +223,9 @@ class Scheduler:
         req.prefix_len = req.kv_len = req.alloc_len = match.prefix_len
         req.last_node = match.last_node
         req.cached_tokens = match.prefix_len if not req.retracted else req.cached_tokens
-        self.req_to_token[req.req_pool_idx, : match.prefix_len] = match.device_indices
+        self.req_to_token_pool.write(
+            [req.req_pool_idx], [0], match.device_indices, [match.prefix_len]
+        )
         return True
 
     # ---- prefill ----------------------------------------------------------------------------
@@ -244,7 +245,7 @@ class Scheduler:
             loc,
         )
         hidden = self.runner.forward(fb)
-        starts = fb.extend_start_loc.tolist()
+        starts = [sum(lens[:i]) for i in range(len(lens))]
         kv_before = [r.kv_len for r in reqs]
         for r, n, s in zip(reqs, lens, starts):
             if r.wants_input_logprobs:
@@ -291,11 +292,9 @@ class Scheduler:
             req.input_top_logprobs.extend(tops)
 
     def _cache_chunk(self, req: Req) -> None:
-        row = self.req_to_token[req.req_pool_idx]
-        res = self.tree.cache_unfinished_req(
-            req.all_ids, row[: req.kv_len].clone(), req.prefix_len, req.last_node
-        )
-        row[: res.prefix_len] = res.device_indices
+        row = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
+        res = self.tree.cache_unfinished_req(req.all_ids, row, req.prefix_len, req.last_node)
+        self.req_to_token_pool.write([req.req_pool_idx], [0], res.device_indices, [res.prefix_len])
         req.prefix_len, req.last_node = res.prefix_len, res.last_node
 
     # ---- decode -----------------------------------------------------------------------------

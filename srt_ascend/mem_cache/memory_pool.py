@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import torch
 
+from srt_ascend.utils import to_device
+
 
 class ReqToTokenPool:
     """Rows mapping each running request's positions to KV slot indices.
 
     Ownership: a row returned by :meth:`alloc` belongs to the caller (one request) until it is
     given back with :meth:`free`. The pool never reads the row's contents; the caller writes
-    ``req_to_token[row, :seq_len]`` and is responsible for the KV slots it names.
+    ``req_to_token[row, :seq_len]`` (through :meth:`write`, which keeps the host copy ``host``
+    in step) and is responsible for the KV slots it names.
     """
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu"):
@@ -36,9 +39,16 @@ class ReqToTokenPool:
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
-        # [size, max_context_len] KV slot index of each (request row, position)
+        # [size, max_context_len] KV slot index of each (request row, position): what the
+        # attention kernels read, on the device ...
         self.req_to_token = torch.zeros(
             (size, max_context_len), dtype=torch.int64, device=self.device
+        )
+        # ... and its host copy, which bookkeeping reads (no device sync); the same tensor on CPU
+        self.host = (
+            self.req_to_token
+            if self.device.type == "cpu"
+            else torch.zeros((size, max_context_len), dtype=torch.int64)
         )
         self._free_rows: list[int] = []
         self._is_free: list[bool] = []
@@ -73,6 +83,19 @@ class ReqToTokenPool:
         for row in rows:
             self._is_free[row] = True
         self._free_rows.extend(rows)
+
+    def write(self, rows: list[int], starts: list[int], slots: torch.Tensor, lens: list[int]):
+        """req_to_token[rows[i], starts[i] : starts[i]+lens[i]] = the next lens[i] of `slots`
+        (host tensor, in request order), on the host and, with one async copy, the device."""
+        if not rows:
+            return
+        slots = slots.to(device="cpu", dtype=torch.int64)
+        row_idx = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in zip(rows, lens)])
+        col_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        self.host[row_idx, col_idx] = slots
+        if self.host is not self.req_to_token:
+            both = to_device(torch.stack([row_idx, col_idx, slots]), self.device)
+            self.req_to_token[both[0], both[1]] = both[2]
 
     def clear(self) -> None:
         """Mark every row free. Row contents are left as they are (callers overwrite them)."""

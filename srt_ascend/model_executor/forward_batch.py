@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from srt_ascend.utils import to_device
+
 if TYPE_CHECKING:
     from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
 
@@ -89,25 +91,18 @@ class ForwardBatch:
         init_metadata: bool = True,
     ) -> ForwardBatch:
         """Builds positions from the lengths and (unless the caller defers it, as the model
-        runner does for batches a graph may replay) lets the backend precompute its metadata."""
-        positions = (
-            torch.cat(
-                [
-                    torch.arange(s - e, s, dtype=torch.int64)
-                    for s, e in zip(seq_lens, extend_seq_lens)
-                ]
-            )
-            if seq_lens
-            else torch.zeros(0, dtype=torch.int64)
-        )
+        runner does for batches a graph may replay) lets the backend precompute its metadata.
+        Host inputs reach `device` by async copies (utils.to_device); device tensors (e.g.
+        draft tokens) are used as they are."""
+        positions = [p for s, e in zip(seq_lens, extend_seq_lens) for p in range(s - e, s)]
         fb = cls(
             forward_mode=forward_mode,
-            input_ids=torch.as_tensor(input_ids, dtype=torch.int64, device=device),
-            positions=positions.to(device),
-            req_pool_indices=torch.as_tensor(req_pool_indices, dtype=torch.int64, device=device),
-            seq_lens=torch.as_tensor(seq_lens, dtype=torch.int64, device=device),
-            extend_seq_lens=torch.as_tensor(extend_seq_lens, dtype=torch.int64, device=device),
-            out_cache_loc=out_cache_loc.to(device=device, dtype=torch.int64),
+            input_ids=to_device(input_ids, device),
+            positions=to_device(positions, device),
+            req_pool_indices=to_device(req_pool_indices, device),
+            seq_lens=to_device(seq_lens, device),
+            extend_seq_lens=to_device(extend_seq_lens, device),
+            out_cache_loc=to_device(out_cache_loc, device),
             seq_lens_cpu=list(seq_lens),
             extend_seq_lens_cpu=list(extend_seq_lens),
             req_to_token_pool=req_to_token_pool,

@@ -32,6 +32,7 @@ import torch
 from srt_ascend.layers.attention.base import AttentionBackend
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt_ascend.utils import to_device
 
 if TYPE_CHECKING:
     from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
@@ -295,7 +296,7 @@ class GraphRunner:
                 fb.extend_seq_lens_cpu, g.num_rows, g.num_tokens, kind.tokens_per_req
             )
             g.fb.extend_seq_lens.copy_(
-                torch.tensor(g.fb.extend_seq_lens_cpu, device=g.fb.extend_seq_lens.device)
+                to_device(g.fb.extend_seq_lens_cpu, g.fb.extend_seq_lens.device)
             )
             host = {
                 "actual_seq_lengths": to_cumulative(g.fb.extend_seq_lens_cpu),

@@ -125,7 +125,8 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(
             args.max_running_requests + 1, self.context_len + MAX_SPEC_STEPS + 2, self.device
         )
-        self.allocator = TokenToKVPoolAllocator(size, ps, self.device)
+        # Which slots are free is host bookkeeping: allocating never waits for the device.
+        self.allocator = TokenToKVPoolAllocator(size, ps, "cpu")
         self.kv_pool = MLATokenToKVPool(
             size,
             ps,

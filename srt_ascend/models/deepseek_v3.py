@@ -176,9 +176,16 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.self_attn(positions, h, forward_batch)
         h = self.post_attention_layernorm(x)
-        if self.is_moe and forward_batch is not None and forward_batch.static_shapes:
-            return x + self.mlp(h, static_shapes=True)  # graph capture: no routing-sized shapes
+        if self.is_moe and forward_batch is not None and _routing_free(forward_batch, x):
+            return x + self.mlp(h, static_shapes=True)  # no routing-sized shapes
         return x + self.mlp(h)
+
+
+def _routing_free(fb: ForwardBatch, x: torch.Tensor) -> bool:
+    """Forwards whose MoE must not size anything by the routing: graph captures, and every
+    forward on an accelerator (the sparse path reads the per-expert counts to the host, a sync
+    per layer; a grouped-GEMM kernel reading them on the device would lift this)."""
+    return fb.static_shapes or x.device.type != "cpu"
 
 
 class DeepseekV3Model(nn.Module):

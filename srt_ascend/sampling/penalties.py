@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.utils import to_device
 
 
 def apply_penalties(
@@ -68,7 +69,6 @@ def mask_stop_tokens(
         row_idx.extend([row] * len(ids))
         tok_idx.extend(int(t) for t in ids)
     if row_idx:
-        r = torch.tensor(row_idx, dtype=torch.int64, device=out.device)
-        t = torch.tensor(tok_idx, dtype=torch.int64, device=out.device)
-        out[r, t] = float("-inf")
+        index = to_device([row_idx, tok_idx], out.device)
+        out[index[0], index[1]] = float("-inf")
     return out

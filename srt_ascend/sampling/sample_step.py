@@ -18,6 +18,7 @@ from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
 from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
+from srt_ascend.utils import HOST_READS, to_device
 
 _sampler = Sampler()
 
@@ -44,23 +45,30 @@ def penalised_logits(
     reqs: Sequence[SamplingRequest],
     info: SamplingBatchInfo,
     eos_ids: list[int],
-    extra: Sequence[Sequence[int]] | None = None,  # tokens each row generated past output_ids
+    extra: torch.Tensor | None = None,  # [B, j] tokens each row generated past output_ids
 ) -> torch.Tensor:
-    """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask."""
-    extra = extra or [[] for _ in reqs]
-    vocab = logits.shape[-1]
+    """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask.
+    `extra` (a speculative row's drafts before it) stays on the device."""
+    n_extra = 0 if extra is None else extra.shape[1]
+    vocab, device = logits.shape[-1], logits.device
     if info.need_penalties:
-        counts = torch.zeros(len(reqs), vocab, dtype=torch.int64, device=logits.device)
-        prompt = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=logits.device)
-        for i, (r, more) in enumerate(zip(reqs, extra)):
-            out = torch.tensor(r.output_ids + list(more), dtype=torch.int64, device=logits.device)
-            counts[i].index_add_(0, out, torch.ones_like(out))
-            prompt[i, torch.tensor(r.origin_input_ids, device=logits.device)] = True
+        counts = torch.zeros(len(reqs), vocab, dtype=torch.int64, device=device)
+        prompt = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=device)
+        out_rows = [i for i, r in enumerate(reqs) for _ in r.output_ids]
+        out_ids = [t for r in reqs for t in r.output_ids]
+        if out_ids:
+            index = to_device([out_rows, out_ids], device)
+            counts.index_put_((index[0], index[1]), torch.ones_like(index[0]), accumulate=True)
+        if n_extra:
+            counts.scatter_add_(1, extra, torch.ones_like(extra))
+        in_rows = [i for i, r in enumerate(reqs) for _ in r.origin_input_ids]
+        index = to_device([in_rows, [t for r in reqs for t in r.origin_input_ids]], device)
+        prompt[index[0], index[1]] = True
         logits = apply_penalties(logits, info, counts, prompt)
     rows, stops = [], []
-    for i, (r, more) in enumerate(zip(reqs, extra)):
+    for i, r in enumerate(reqs):
         p = r.sampling_params
-        if len(r.output_ids) + len(more) < p.min_new_tokens:
+        if len(r.output_ids) + n_extra < p.min_new_tokens:
             rows.append(i)
             stops.append(sorted(set(eos_ids) | set(p.stop_token_ids or [])))
     if rows:
@@ -92,7 +100,7 @@ def sample_rows(
     eos_ids: list[int],
 ) -> SampledRows:
     if all_plain_greedy(reqs) and not any(r.return_logprob for r in reqs):
-        return SampledRows(logits[:, :vocab_size].argmax(dim=-1).tolist(), None, None)
+        return SampledRows(HOST_READS.read(logits[:, :vocab_size].argmax(dim=-1)), None, None)
     info = SamplingBatchInfo.from_params(
         [r.sampling_params for r in reqs],
         vocab_size,
@@ -102,7 +110,7 @@ def sample_rows(
     logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids)
     want_lp = any(r.return_logprob for r in reqs)
     out = _sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=top_logprobs_nums(reqs))
-    return SampledRows(out.next_token_ids.tolist(), out.logprobs, out.top_logprobs)
+    return SampledRows(HOST_READS.read(out.next_token_ids), out.logprobs, out.top_logprobs)
 
 
 def input_logprobs(
@@ -111,5 +119,5 @@ def input_logprobs(
     top_k: int,
 ) -> tuple[list[float], list[TopLogprobs]]:
     """Prompt logprobs: logprob of token p+1 under the logits at p (SGLang's semantics)."""
-    ids = torch.tensor(next_tokens, dtype=torch.int64, device=logits.device)
+    ids = to_device(next_tokens, logits.device)
     return token_logprobs(logits, ids, [top_k] * len(next_tokens))

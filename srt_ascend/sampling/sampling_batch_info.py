@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from srt_ascend.sampling.sampling_params import SamplingParams
+from srt_ascend.utils import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -64,7 +65,8 @@ class SamplingBatchInfo:
     ) -> SamplingBatchInfo:
         """Tensorise `params` (one row each; normalized or not) onto `device`.
 
-        Seeded requests get a fresh `torch.Generator` on `device` seeded with
+        Seeded requests get a fresh host `torch.Generator` (the same numbers on every device;
+        `layers.sampler.draw_uniforms` copies them over) seeded with
         `mix_seed(seed, seed_offsets[i])`; pass the request's number of output tokens so far as
         its offset so every step draws new numbers (default offset 0). Others get None.
         """
@@ -75,7 +77,7 @@ class SamplingBatchInfo:
             top_k = 1 if greedy else p.top_k
             top_ks.append(vocab_size if top_k < 1 or top_k > vocab_size else top_k)
             offset = 0 if seed_offsets is None else int(seed_offsets[i])
-            gens.append(None if p.seed is None else _make_generator(p.seed, offset, device))
+            gens.append(None if p.seed is None else _make_generator(p.seed, offset))
         top_ps = [float(p.top_p) for p in params]
         min_ps = [float(p.min_p) for p in params]
         freq = [float(p.frequency_penalty) for p in params]
@@ -83,12 +85,12 @@ class SamplingBatchInfo:
         rep = [float(p.repetition_penalty) for p in params]
 
         def f32(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, device, torch.float32)
 
         return cls(
             temperatures=f32(temps).view(-1, 1),
             top_ps=f32(top_ps),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            top_ks=to_device(top_ks, device),
             min_ps=f32(min_ps),
             frequency_penalties=f32(freq),
             presence_penalties=f32(pres),
@@ -123,7 +125,7 @@ class SamplingBatchInfo:
     def index(self, select: torch.Tensor | Sequence[int]) -> SamplingBatchInfo:
         """New info with rows `select` (int indices, repeats allowed); generators are shared,
         not copied. Syncs the device only when `select` is a tensor and some row is seeded."""
-        idx = torch.as_tensor(select, dtype=torch.int64, device=self.device)
+        idx = to_device(select, self.device)
         if self.has_seeded_rows:
             rows = select.tolist() if isinstance(select, torch.Tensor) else list(select)
             gens = tuple(self.generators[r] for r in rows)
@@ -138,7 +140,7 @@ class SamplingBatchInfo:
         if len(counts) != self.batch_size:
             raise ValueError(f"repeats has {len(counts)} entries for {self.batch_size} rows.")
         total = sum(counts)
-        reps = torch.tensor(counts, dtype=torch.int64, device=self.device)
+        reps = to_device(counts, self.device)
         gens = tuple(g for g, c in zip(self.generators, counts, strict=True) for _ in range(c))
         return self._with_rows(lambda t: t.repeat_interleave(reps, dim=0, output_size=total), gens)
 
@@ -164,8 +166,8 @@ class SamplingBatchInfo:
         )
 
 
-def _make_generator(seed: int, offset: int, device: torch.device | str) -> torch.Generator:
-    generator = torch.Generator(device=torch.device(device))
+def _make_generator(seed: int, offset: int) -> torch.Generator:
+    generator = torch.Generator()
     generator.manual_seed(mix_seed(seed, offset))
     return generator
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
 from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
@@ -23,8 +24,9 @@ from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
-from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker, state_of
+from srt_ascend.speculative.mtp_worker import DraftHandles, Drafts, MTPWorker
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
+from srt_ascend.utils import HOST_READS, to_device
 
 
 @dataclass
@@ -101,17 +103,17 @@ class MTPDecoder(Decoder):
         if not reqs:
             return []
         loc = loc.view(len(reqs), k1)
-        if self.k > 1:
-            self.worker.draft_chain(reqs, loc)
+        drafts = self.worker.draft_chain(reqs, to_device(loc, self.runner.device))
+        last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
         fb = self.verify.build(
-            [[r.all_ids[-1], *state_of(r).draft_tokens] for r in reqs],
+            torch.cat([last, drafts.tokens], dim=1),
             [r.req_pool_idx for r in reqs],
             [r.seq_len for r in reqs],
             loc,
         )
         hidden = self.runner.forward(fb, self.verify.kind)  # [B*(K+1), D]
         logits = self.runner.compute_logits(hidden)[:, : self.vocab].view(len(reqs), k1, -1)
-        verdict = self._accept(reqs, logits)
+        verdict = self._accept(reqs, logits, drafts)
         logprobs = self._logprobs(reqs, verdict)
         starts, committed = [], []
         for i, r in enumerate(reqs):
@@ -143,14 +145,13 @@ class MTPDecoder(Decoder):
         for j in range(accepted):
             self.accepted_per_position[j] += 1
 
-    def _accept(self, reqs: list[StepRequest], logits: torch.Tensor) -> Verdict:
+    def _accept(self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts) -> Verdict:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy."""
         k1, device = logits.shape[1], logits.device
-        drafts_host = [state_of(r).draft_tokens for r in reqs]
-        drafts = torch.tensor(drafts_host, dtype=torch.int64, device=device)  # [B, K]
+        tokens = drafts.tokens  # [B, K]
         if all_plain_greedy(reqs):  # nothing modifies the logits: argmax of the raw ones
-            return self._read(greedy_accept(drafts, logits.argmax(dim=-1)), logits)
+            return self._read(greedy_accept(tokens, logits.argmax(dim=-1)), logits)
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.vocab,
@@ -159,37 +160,23 @@ class MTPDecoder(Decoder):
         )
         eos = self.h.eos_ids
         logits = torch.stack(
-            [
-                penalised_logits(logits[:, j], reqs, info, eos, [d[:j] for d in drafts_host])
-                for j in range(k1)
-            ],
+            [penalised_logits(logits[:, j], reqs, info, eos, tokens[:, :j]) for j in range(k1)],
             dim=1,
         )  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
-            return self._read(greedy_accept(drafts, logits.argmax(dim=-1)), logits)
+            return self._read(greedy_accept(tokens, logits.argmax(dim=-1)), logits)
         target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
-        draft_probs = torch.stack(
-            [
-                torch.stack([self._draft_dist(state_of(r), j, device) for j in range(k1 - 1)])
-                for r in reqs
-            ]
-        )  # [B, K, V]
-        res = rejection_sample(drafts, draft_probs, target, generators=list(info.generators))
+        draft_probs = drafts.probs
+        if draft_probs is None:  # greedy drafts: one-hot at the token
+            draft_probs = nn.functional.one_hot(tokens, self.vocab).to(torch.float32)
+        res = rejection_sample(tokens, draft_probs, target, generators=list(info.generators))
         return self._read(res, logits)
 
     @staticmethod
     def _read(res, logits: torch.Tensor) -> Verdict:
         """The step's one host read of the acceptance result."""
-        both = torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1).tolist()
+        both = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
         return Verdict([row[0] for row in both], [row[1:] for row in both], logits)
-
-    def _draft_dist(self, state, j: int, device: torch.device) -> torch.Tensor:
-        """A greedy draft's distribution is one-hot at its token."""
-        p = state.draft_probs[j]
-        if p is None:
-            p = torch.zeros(self.vocab, device=device)
-            p[state.draft_tokens[j]] = 1.0
-        return p
 
     def _logprobs(
         self, reqs: list[StepRequest], verdict: Verdict
@@ -210,9 +197,7 @@ class MTPDecoder(Decoder):
         device = verdict.logits.device
         flat = verdict.logits.view(-1, verdict.logits.shape[-1])
         chosen, tops = token_logprobs(
-            flat.index_select(0, torch.tensor(rows, device=device)),
-            torch.tensor(tokens, dtype=torch.int64, device=device),
-            nums,
+            flat.index_select(0, to_device(rows, device)), to_device(tokens, device), nums
         )
         at = 0
         for i in want:

@@ -4,17 +4,20 @@ The worker holds narrow handles only: the MTP forward (eager or a graph replay) 
 a ForwardBatch builder over the shared paged pool (the MTP layers are extra layers of it) and
 the request-to-token table. The decoder owns allocation and commits.
 
-Per request it keeps a SpecState (Req.decoder_state): `draft_tokens` d_1..d_K, `draft_probs`
-(the processed draft distribution each was sampled from), and `hidden` (the module's last
-output hidden, which feeds the next application when K > number of MTP layers).
+Per request it keeps a SpecState (Req.decoder_state) between steps: the first draft d_1, the
+processed distribution it was sampled from, and the module's output hidden that feeds the
+next application. Drafts never leave the device: the verify forward reads them as input ids
+and the acceptance rule compares them there.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+from torch import nn
 
 from srt_ascend.decoding.base import StepRequest
 from srt_ascend.layers.sampler import processed_probs, sample_from_probs
@@ -23,6 +26,7 @@ from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.speculative.spec_state import SpecState
+from srt_ascend.utils import to_device
 
 # Seeded requests draw their drafts from streams apart from their target samples: the draft
 # of output position p comes from the stream (seed, DRAFT_SEED_OFFSET + p), so every draft of
@@ -42,6 +46,13 @@ class DraftHandles:
     req_to_token: torch.Tensor  # [rows, max_context] slot table
     vocab_size: int
     eos_ids: list[int]
+
+
+class Drafts(NamedTuple):
+    """One step's drafts, on the device."""
+
+    tokens: torch.Tensor  # [B, K] d_1..d_K
+    probs: torch.Tensor | None  # [B, K, V] what each was drawn from; None: all greedy
 
 
 def state_of(req: StepRequest) -> SpecState:
@@ -116,57 +127,78 @@ class MTPWorker:
         self, reqs, out: torch.Tensor, last_rows: list[int], draft_rows: list[bool]
     ) -> None:
         chosen = [i for i, d in enumerate(draft_rows) if d]
-        if chosen:
-            rows = torch.tensor([last_rows[i] for i in chosen], device=out.device)
-            self._draft_step([reqs[i] for i in chosen], out.index_select(0, rows), first=True)
+        if not chosen:
+            return
+        picked = [reqs[i] for i in chosen]
+        rows = to_device([last_rows[i] for i in chosen], out.device)
+        hidden = out.index_select(0, rows)
+        tokens, probs = self._draft_step(picked, hidden, None)
+        for i, r in enumerate(picked):
+            s = state_of(r)
+            s.token, s.hidden = tokens[i], hidden[i]
+            s.probs = None if probs is None else probs[i]
 
     @torch.inference_mode()
-    def draft_chain(self, reqs: list[StepRequest], loc: torch.Tensor) -> None:
-        """Draft steps 2..K: the module applied again to (its own output, its own token) at
-        positions L-1 .. L+K-3 (L = committed length), writing MTP KV into the verify slots
-        `loc` [B, K+1] allocated for positions L-1 .. L-1+K (overwritten after verify)."""
+    def draft_chain(self, reqs: list[StepRequest], loc: torch.Tensor) -> Drafts:
+        """d_1 from each request's state, then draft steps 2..K: the module applied again to
+        (its own output, its own token) at positions L-1 .. L+K-3 (L = committed length),
+        writing MTP KV into the verify slots `loc` [B, K+1] allocated for positions
+        L-1 .. L-1+K (overwritten after verify). Everything stays on the device."""
         states = [state_of(r) for r in reqs]
+        tokens = [torch.stack([s.token for s in states])]  # [B] per draft position
+        probs = [self._gather_probs(states, tokens[0])]
+        hidden = torch.stack([s.hidden for s in states])
         for j in range(1, self.k):
             fb = self.h.build_forward_batch(
                 ForwardMode.DECODE,
-                [s.draft_tokens[j - 1] for s in states],
+                tokens[-1],
                 [r.req_pool_idx for r in reqs],
                 [r.seq_len - 1 + j for r in reqs],  # KV positions 0 .. L-2+j
                 [1] * len(reqs),
                 loc[:, j - 1],
             )
-            hidden = torch.stack([s.hidden for s in states])
-            out = self.h.forward(fb, hidden, j, self.step_kinds[j])
-            self._draft_step(reqs, out, first=False)
+            hidden = self.h.forward(fb, hidden, j, self.step_kinds[j])
+            token, p = self._draft_step(reqs, hidden, torch.stack(tokens, dim=1))
+            tokens.append(token)
+            probs.append(p)
+        drafts = torch.stack(tokens, dim=1)  # [B, K]
+        if all(p is None for p in probs):
+            return Drafts(drafts, None)
+        one_hot = lambda t: nn.functional.one_hot(t, self.h.vocab_size).to(torch.float32)  # noqa: E731
+        return Drafts(
+            drafts, torch.stack([one_hot(t) if p is None else p for t, p in zip(tokens, probs)], 1)
+        )
 
-    def _draft_step(self, reqs: list[StepRequest], out_hidden: torch.Tensor, first: bool) -> None:
+    def _gather_probs(self, states: Sequence[SpecState], tokens: torch.Tensor):
+        """[B, V] distributions d_1 was drawn from (one-hot for greedy drafts), or None when
+        every d_1 was greedy."""
+        if all(s.probs is None for s in states):
+            return None
+        one_hot = nn.functional.one_hot(tokens, self.h.vocab_size).to(torch.float32)
+        return torch.stack(
+            [one_hot[i] if s.probs is None else s.probs for i, s in enumerate(states)]
+        )
+
+    def _draft_step(
+        self,
+        reqs: list[StepRequest],
+        out_hidden: torch.Tensor,  # [B, D]
+        drafted: torch.Tensor | None,  # [B, j] drafts of this chain so far (None: j = 0)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The next draft of every row [B] and the distribution it came from [B, V] (None
+        when every row drafts greedily), on the device."""
         logits = self.h.compute_logits(out_hidden)[:, : self.h.vocab_size]
-        states = [state_of(r) for r in reqs]
-        if first:
-            for s in states:
-                s.restart()
         if all_plain_greedy(reqs):
-            self._record(states, out_hidden, logits.argmax(dim=-1).tolist(), None)
-            return
-        n_drafted = len(states[0].draft_tokens)  # the same for every row of a step
+            return logits.argmax(dim=-1), None
+        n_drafted = 0 if drafted is None else drafted.shape[1]  # the same for every row
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.h.vocab_size,
             logits.device,
             seed_offsets=[DRAFT_SEED_OFFSET + len(r.output_ids) + n_drafted for r in reqs],
         )
-        extra = [s.draft_tokens for s in states]
-        logits = penalised_logits(logits, reqs, info, self.h.eos_ids, extra)
+        logits = penalised_logits(logits, reqs, info, self.h.eos_ids, drafted)
         if info.is_all_greedy:  # greedy verification needs the draft tokens only
-            probs, tokens = None, logits.argmax(dim=-1).tolist()
-        else:
-            probs = processed_probs(logits, info)  # [B, V]
-            tokens = sample_from_probs(probs, info).tolist()
-        self._record(states, out_hidden, tokens, probs)
-
-    @staticmethod
-    def _record(states: Sequence[SpecState], out_hidden, tokens: list[int], probs) -> None:
-        for i, s in enumerate(states):
-            s.draft_tokens.append(tokens[i])
-            s.draft_probs.append(None if probs is None else probs[i])
-            s.hidden = out_hidden[i]
+            return logits.argmax(dim=-1), None
+        probs = processed_probs(logits, info)  # [B, V]
+        return sample_from_probs(probs, info), probs

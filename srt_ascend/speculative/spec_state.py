@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 
 @dataclass
 class SpecState:
-    """The drafts waiting for the next verify step, and what drafted them."""
+    """The first draft d_1 waiting for the next step, and what drafted it; all on the device
+    (views into the batch that drafted it). Drafts d_2..d_K live only inside a step."""
 
-    draft_tokens: list[int] = field(default_factory=list)  # d_1..d_K
-    # [V] the processed draft distribution each draft was sampled from; None for a greedy
-    # draft (its distribution is one-hot at the token)
-    draft_probs: list[torch.Tensor | None] = field(default_factory=list)
-    hidden: torch.Tensor | None = None  # [D] the MTP module's last output (feeds re-application)
-
-    def restart(self) -> None:
-        """Drops the chain: the next draft is d_1."""
-        self.draft_tokens, self.draft_probs = [], []
+    token: torch.Tensor | None = None  # [] d_1; None: no draft yet
+    # [V] the processed draft distribution d_1 was sampled from; None for a greedy draft (its
+    # distribution is one-hot at the token)
+    probs: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None  # [D] the MTP module's output (feeds re-application)

@@ -45,7 +45,7 @@ class VerifyStrategy(ABC):
     @abstractmethod
     def build(
         self,
-        tokens: Sequence[Sequence[int]],  # [B][K+1]: t_{L-1}, d_1..d_K per request
+        tokens: torch.Tensor,  # [B, K+1]: t_{L-1}, d_1..d_K per request, on the device
         rows: Sequence[int],  # [B] req_to_token rows
         seq_lens: Sequence[int],  # [B] L: committed length per request
         loc: torch.Tensor,  # [B, K+1] slots of positions L-1 .. L-1+K, in req_to_token
@@ -65,7 +65,7 @@ class BatchExpansionVerify(VerifyStrategy):
         k1 = loc.shape[1]
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
-            [t for toks in tokens for t in toks],
+            tokens.reshape(-1),
             [row for row in rows for _ in range(k1)],
             [length + j for length in seq_lens for j in range(k1)],
             [1] * (len(rows) * k1),
@@ -88,7 +88,7 @@ class MultiQueryFiaVerify(VerifyStrategy):
         k1 = loc.shape[1]
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
-            [t for toks in tokens for t in toks],
+            tokens.reshape(-1),
             list(rows),
             [length - 1 + k1 for length in seq_lens],
             [k1] * len(rows),

@@ -57,6 +57,8 @@ from dataclasses import dataclass
 
 import torch
 
+from srt_ascend.utils import to_device
+
 MASK_SIZE = 2048  # side of the compressed causal mask required by sparse_mode 2/3/4
 MAX_QUERY_TOKENS_PER_REQ = 16  # MLA TND: query S per request is 1-16
 MAX_TOTAL_TOKENS = 1 << 20  # TND: T <= 1M
@@ -340,7 +342,11 @@ def _check_sparse(sparse_mode: int, mask: torch.Tensor | None, batch: _Batch, ml
     # The op trusts the caller to pass the upper-triangular pattern; spot-check it here so an
     # inverted or all-zero mask fails on CPU instead of silently differing on NPU. Callers
     # build the mask once and pass it to every layer: check each mask (and version) once.
-    if _CACHE.mask is not mask or _CACHE.mask_version != _version_of(mask):
+    # On a device these value checks would be host syncs: they run where the reference is
+    # the test oracle, on the host.
+    if mask.device.type == "cpu" and (
+        _CACHE.mask is not mask or _CACHE.mask_version != _version_of(mask)
+    ):
         rows = torch.tensor([0, 0, 1, MASK_SIZE - 1, 0, MASK_SIZE - 2], device=mask.device)
         cols = torch.tensor(
             [0, 1, 0, MASK_SIZE - 1, MASK_SIZE - 1, MASK_SIZE - 1], device=mask.device
@@ -475,13 +481,14 @@ class _ChunkPlan:
 
 
 class _LastCall(threading.local):
-    """What the previous call in this thread derived, reused while an equal block table, the
+    """What the previous call in this thread derived, reused while the same block table, the
     same lengths and cache geometry come back (the FIA backend calls once per layer with the
     same metadata), and the mask already spot-checked (same object and, outside inference
     mode, version). Per thread: two engines in one process never see each other's plans."""
 
     def __init__(self) -> None:
-        self.table: torch.Tensor | None = None  # a copy of the table the plans were built from
+        self.table: torch.Tensor | None = None  # the table the plans were built from
+        self.table_version = -1
         self.key: tuple | None = None
         self.plans: list[_ChunkPlan] = []
         self.mask: torch.Tensor | None = None
@@ -515,14 +522,20 @@ def _plans(
         num_heads,
         causal,
     )
-    if _CACHE.key == key and torch.equal(_CACHE.table, block_table):
+    # every layer of a forward passes the same table: identity and version, no value read
+    if (
+        _CACHE.key == key
+        and _CACHE.table is block_table
+        and _CACHE.table_version == _version_of(block_table)
+    ):
         return _CACHE.plans
     plans = [
         _chunk_plan(batch, block_table, lo, hi, num_blocks, block_size, causal)
         for lo, hi in _request_chunks(batch, num_heads)
         if sum(batch.q_lens[lo:hi]) > 0
     ]
-    _CACHE.table, _CACHE.key, _CACHE.plans = block_table.clone(), key, plans
+    _CACHE.table, _CACHE.table_version = block_table, _version_of(block_table)
+    _CACHE.key, _CACHE.plans = key, plans
     return plans
 
 
@@ -546,14 +559,14 @@ def _chunk_plan(
     q_list, kv_list = batch.q_lens[lo:hi], batch.kv_lens[lo:hi]
     max_q, max_kv = max(q_list), max(kv_list)
     t0, t1 = batch.token_span(lo, hi)
-    q_lens = torch.tensor(q_list, device=dev)
-    kv_lens = torch.tensor(kv_list, device=dev)
+    q_lens = to_device(q_list, dev)
+    kv_lens = to_device(kv_list, dev)
     pos = torch.arange(max_kv, device=dev)
     blocks = block_table[lo:hi, : -(-max_kv // block_size)].long()
     if block_size > 1:
         blocks = blocks[:, pos // block_size] * block_size + pos % block_size
     slots = torch.where(pos[None, :] < kv_lens[:, None], blocks, 0)  # [b, max_kv]
-    if slots.numel():
+    if slots.numel() and dev.type == "cpu":  # a value check: host sync on a device
         low, high = torch.aminmax(slots)
         if int(low) < 0 or int(high) >= num_blocks * block_size:
             raise ValueError(
@@ -563,7 +576,7 @@ def _chunk_plan(
     req = slot = None
     if len(set(q_list)) > 1:
         req = torch.repeat_interleave(torch.arange(hi - lo, device=dev), q_lens)  # [t]
-        starts = torch.tensor(batch.q_starts[lo:hi], device=dev) - t0
+        starts = to_device(batch.q_starts[lo:hi], dev) - t0
         slot = torch.arange(t1 - t0, device=dev) - starts[req]
     return _ChunkPlan(t0, t1, max_q, max_kv, slots, blocked, req, slot)
 

@@ -1,0 +1,226 @@
+"""Device discipline of the step path, checked without an accelerator.
+
+Under `FakeTensorMode` the model, its KV pools and the request table live on an accelerator
+that does not exist here (the `lazy` device type: unlike a fake `cuda` device it needs no CUDA
+runtime for in-place ops): every op runs on shapes only, a host tensor meeting a device tensor
+raises `FakeTensorDeviceMismatchError`, and any read of a device value (`.tolist()`, `.item()`,
+`bool(t)`) raises as well. `Strict` also refuses the host syncs fake tensors allow: a blocking
+host-to-device copy (`torch.tensor(x, device=...)`, `.to(device)`) and a host index tensor into
+a device tensor. The only read the step path may make goes through `utils.HOST_READS`, which
+the test answers with zeros and counts. Prefill, the MTP draft pass after it, plain decode, the
+draft chain, both verify layouts and both acceptance rules (greedy and rejection sampling, with
+penalties, seeds and logprobs) run this way.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+
+from srt_ascend.decoding.base import DecoderHandles, create_decoder
+from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.model_executor import model_runner as model_runner_module
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.models import loader
+from srt_ascend.platforms.base import Platform
+from srt_ascend.sampling.sampling_params import SamplingParams
+from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
+from srt_ascend.speculative import mtp_decoder  # noqa: F401  (registers "MTP")
+from srt_ascend.utils import HOST_READS, to_device
+
+DEVICE = torch.device("lazy", 0)
+
+
+class Strict(TorchDispatchMode):
+    """Refuses blocking host-to-device copies and host tensors indexing device tensors.
+    Real host tensors (seeded draws come from real CPU generators) enter as fakes."""
+
+    def __init__(self, fake: FakeTensorMode) -> None:
+        super().__init__()
+        self.fake = fake
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        args, kwargs = tree_map_only(
+            torch.Tensor,
+            lambda t: t if isinstance(t, FakeTensor) else self.fake.from_tensor(t),
+            (args, kwargs),
+        )
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func is torch.ops.aten._to_copy.default:
+            src, dst = args[0].device, kwargs.get("device")
+            if src.type == "cpu" and dst is not None and dst.type != "cpu":
+                assert kwargs.get("non_blocking"), f"blocking host-to-device copy in {func}"
+        elif any(t.device == DEVICE for t in tensors):
+            host = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+            assert not host, f"host tensor {tuple(host[0].shape)} meets the device in {func}"
+        return func(*args, **kwargs)
+
+
+class FakeCuda(Platform):
+    """A CUDA device as FakeTensorMode models it: graphs off, a fixed memory size."""
+
+    name = "cuda"
+    graphs_by_default = False
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @property
+    def device(self) -> torch.device:
+        return DEVICE
+
+    def mem_get_info(self) -> tuple[int, int]:
+        return 1 << 30, 1 << 30
+
+
+def _load_then_place(model_path, dtype, device, load_mtp, config):
+    """The real loader reads the checkpoint on the host (outside the fake mode), then the
+    weights are placed on the fake device the way load_model places them."""
+    with unset_fake_temporarily():
+        model, mtp = loader.load_model(model_path, dtype, "cpu", load_mtp, config)
+    for m in (model, mtp):
+        if m is not None:
+            m.to(device)
+            loader.fuse_weights(m)
+    return model, mtp
+
+
+class Counted:
+    """HOST_READS.read for fake tensors: zeros of the tensor's shape, counted."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, t: torch.Tensor) -> list:
+        self.count += 1
+        return _zeros(list(t.shape))
+
+
+def _zeros(shape: list[int]):
+    return [0 if len(shape) == 1 else _zeros(shape[1:]) for _ in range(shape[0])]
+
+
+class TableKV:
+    """A KVHandle over the runner's request table: slots from a counter (the real KVBook does
+    the same writes through ReqToTokenPool.write; its bookkeeping is host-only)."""
+
+    page_size = 1
+
+    def __init__(self, pool) -> None:
+        self.pool, self.next = pool, 1
+
+    def alloc_running(self, reqs, n):
+        loc = torch.arange(self.next, self.next + n * len(reqs))
+        self.next += n * len(reqs)
+        self.pool.write(
+            [r.req_pool_idx for r in reqs], [r.kv_len for r in reqs], loc, [n] * len(reqs)
+        )
+        for r in reqs:
+            r.alloc_len = r.kv_len + n
+        return reqs, loc
+
+    def free_positions(self, req, lo, hi) -> None:
+        pass
+
+
+def _requests() -> list[Req]:
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=64),
+        SamplingParams(temperature=0.8, top_p=0.9, max_new_tokens=64),
+        SamplingParams(temperature=1.0, top_k=5, seed=7, max_new_tokens=64),
+        SamplingParams(
+            temperature=0.7, repetition_penalty=1.2, frequency_penalty=0.3, min_new_tokens=9
+        ),
+    ]
+    reqs = []
+    for i, p in enumerate(params):
+        p.normalize()
+        reqs.append(
+            Req(
+                f"r{i}",
+                [5 + i, 17, 33, 81 + i, 2],
+                p,
+                return_logprob=i % 2 == 1,
+                top_logprobs_num=3 * (i % 2),
+            )
+        )
+    return reqs
+
+
+def _commit(req, tokens, logprobs=None, tops=None) -> None:
+    req.output_ids.extend(tokens)
+
+
+@pytest.mark.parametrize(
+    "algorithm, verify, k",
+    [("NONE", None, 0), ("MTP", "expand", 1), ("MTP", "expand", 3), ("MTP", "fia", 2)],
+)
+def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k):
+    monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
+    reads = Counted()
+    monkeypatch.setattr(HOST_READS, "read", reads)
+    spec = algorithm == "MTP"
+    args = ServerArgs(
+        model_path=SHIPPED_MODEL,
+        dtype="float32",
+        device="cuda",
+        attention_backend="torch_native",
+        speculative_algorithm=algorithm if spec else None,
+        speculative_num_steps=max(k, 1),
+        speculative_verify=verify,
+        max_running_requests=8,
+        max_total_tokens=512,
+        context_length=128,
+        disable_cuda_graph=True,
+    )
+    args.check()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:  # the checkpoint is read on the host
+        runner = model_runner_module.ModelRunner(args, FakeCuda())
+        assert next(runner.model.parameters()).device == DEVICE
+        with Strict(fake):
+            _run_steps(runner, args, reads)
+
+
+def _run_steps(runner, args, reads: Counted) -> None:
+    if True:
+        decoder = create_decoder(
+            args, DecoderHandles(runner, TableKV(runner.req_to_token_pool), _commit, [1])
+        )
+        reqs = _requests()
+        rows = runner.req_to_token_pool.alloc(len(reqs))
+        for r, row in zip(reqs, rows):
+            r.req_pool_idx = row
+        # prefill: one EXTEND forward, first tokens, the MTP pass that drafts d_1
+        lens = [len(r.origin_input_ids) for r in reqs]
+        kv = decoder.h.kv
+        _, loc = kv.alloc_running(reqs, lens[0])
+        fb = runner.build_forward_batch(
+            ForwardMode.EXTEND,
+            [t for r in reqs for t in r.origin_input_ids],
+            rows,
+            lens,
+            lens,
+            loc,
+        )
+        hidden = runner.forward(fb)
+        for r, n in zip(reqs, lens):
+            r.kv_len = n
+        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
+        decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
+        decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs))
+        # decode steps: exactly one read each, plus one when some request returns logprobs
+        for _ in range(3):
+            before = reads.count
+            stepped = decoder.step(reqs)
+            assert stepped == reqs
+            assert reads.count - before == 2
+        for r in reqs:
+            r.return_logprob = False
+        before = reads.count
+        decoder.step(reqs)
+        assert reads.count - before == 1
