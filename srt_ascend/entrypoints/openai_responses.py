@@ -15,7 +15,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -74,7 +74,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = "default"
-    input: str | list[InputMessage]
+    input: str | Annotated[list[InputMessage], Field(min_length=1)]
     instructions: str | None = None
     previous_response_id: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
