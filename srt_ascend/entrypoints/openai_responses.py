@@ -89,9 +89,12 @@ class ResponsesRequest(BaseModel):
     metadata: dict | None = None
     user: str | None = None
     tool_choice: Literal["none", "auto"] = "auto"
-    tools: list[dict] = Field(default_factory=list, max_length=0)  # no tool calling here
+    tools: list[dict] | None = None
     parallel_tool_calls: bool = True
     cache_salt: str | None = None
+
+    def unsupported(self) -> str | None:
+        return "tools" if self.tools else None  # no tool calling here
 
     def messages(self) -> list[dict]:
         if isinstance(self.input, str):

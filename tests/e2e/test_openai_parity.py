@@ -289,6 +289,9 @@ def test_responses_create_stream_retrieve_and_follow_up(srv):
         client.responses.create(input="x", previous_response_id="resp_missing", **call)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve("resp_missing")
+    tool = {"type": "function", "name": "f", "parameters": {}}
+    with pytest.raises(openai.BadRequestError, match="tools is not supported"):
+        client.responses.create(input="x", tools=[tool], **call)
 
 
 def test_score_is_the_label_probability(srv, tokenizer):
