@@ -44,6 +44,9 @@ class ServerArgs:
     num_threads: int | None = None
     cpu_small_gemm: str = "auto"
     stream_interval: int = 1
+    decode_log_interval: int = 40  # decode steps between two "Decode batch." log lines
+    enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
+    enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
     # speculative decoding
     speculative_algorithm: str | None = None
@@ -120,6 +123,8 @@ class ServerArgs:
             raise ValueError("--kv-invariant-check must be log or fatal")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        if self.decode_log_interval < 1:
+            raise ValueError("--decode-log-interval must be >= 1")
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("--context-length must be >= 2")
         if self.page_size is not None and self.page_size < 1:
@@ -306,6 +311,22 @@ class ServerArgs:
             "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
         )
         a("--stream-interval", type=int, default=1, help="stream every N tokens")
+        a(
+            "--decode-log-interval",
+            type=int,
+            default=d["decode_log_interval"].default,
+            help="log SGLang's 'Decode batch.' line every N decode steps",
+        )
+        a(
+            "--enable-metrics",
+            action="store_true",
+            help="accepted for SGLang's scripts: /metrics is always served",
+        )
+        a(
+            "--enable-cache-report",
+            action="store_true",
+            help="accepted for SGLang's scripts: usage always reports cached tokens",
+        )
         a(
             "--kv-invariant-check",
             default="log",

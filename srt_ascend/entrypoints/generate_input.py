@@ -2,7 +2,8 @@
 
 Contract (SGLang's): exactly one of `text` / `input_ids`, each a single prompt or a batch;
 per-request fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
-`top_logprobs_num`) are one value for all or a list with one per prompt. Top-level keys this
+`top_logprobs_num`, `extra_key` / `cache_salt`) are one value for all or a list with one per
+prompt. Top-level keys this
 server does not know are ignored, as SGLang ignores them; SGLang features it does not implement
 (images, LoRA, ...) are refused when set. Unknown sampling parameters are refused (SGLang
 rejects them too). Every error is a RequestError (HTTP 400) raised before anything runs.
@@ -58,18 +59,36 @@ class GenerateItem:
     return_logprob: bool
     logprob_start_len: int | None
     top_logprobs_num: int | None
+    extra_key: str | None
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_opt_str(x: Any) -> bool:
+    return x is None or isinstance(x, str)
+
+
 def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(_is_int(t) for t in x)
 
 
-def clean_sampling_params(sp: Any) -> dict:
-    """SGLang's sampling-parameter dict -> the keys SamplingParams knows; nulls dropped."""
+def refuse_unsupported_fields(body: dict) -> None:
+    """RequestError naming the first SGLang request feature in `body` this server lacks."""
+    for key in UNSUPPORTED_FIELDS:
+        if body.get(key) not in (None, False, [], {}, ""):
+            raise RequestError(f"{key} is not supported by this server")
+
+
+def extra_key(cache_salt: str | None, key: str | None) -> str | None:
+    """SGLang's radix-cache key of a request: cache_salt and extra_key concatenated."""
+    return (cache_salt or "") + (key or "") or None
+
+
+def clean_sampling_params(sp: Any, prefix: str = "sampling_params.") -> dict:
+    """SGLang's sampling-parameter dict -> the keys SamplingParams knows; nulls dropped. The
+    OpenAI routes map their fields to this dict and check it here too (prefix "")."""
     if sp is None:
         return {}
     if not isinstance(sp, dict):
@@ -81,7 +100,7 @@ def clean_sampling_params(sp: Any) -> dict:
         if key in UNSUPPORTED_SAMPLING:
             if value in ({}, [], "", False):
                 continue
-            raise RequestError(f"sampling_params.{key} is not supported by this server")
+            raise RequestError(f"{prefix}{key} is not supported by this server")
         out[RENAMED_SAMPLING.get(key, key)] = value
     return out
 
@@ -95,6 +114,7 @@ class GenerateReqInput:
     return_logprob: list[bool]
     logprob_start_len: list
     top_logprobs_num: list
+    extra_key: list
     stream: bool
     return_text_in_logprobs: bool
 
@@ -102,9 +122,7 @@ class GenerateReqInput:
     def from_json(cls, body: Any) -> GenerateReqInput:
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
-        for key in UNSUPPORTED_FIELDS:
-            if body.get(key) not in (None, False, [], {}, ""):
-                raise RequestError(f"{key} is not supported by this server")
+        refuse_unsupported_fields(body)
         prompts, single = _prompts(body.get("text"), body.get("input_ids"))
         n = len(prompts)
         stream = body.get("stream", False)
@@ -119,7 +137,7 @@ class GenerateReqInput:
             prompts=prompts,
             is_single=single,
             sampling_params=[clean_sampling_params(x) for x in sp],
-            rid=_per_item(body, "rid", n, lambda v: v is None or isinstance(v, str), "a string"),
+            rid=_per_item(body, "rid", n, _is_opt_str, "a string"),
             return_logprob=[
                 bool(x)
                 for x in _per_item(
@@ -136,6 +154,13 @@ class GenerateReqInput:
             top_logprobs_num=_per_item(
                 body, "top_logprobs_num", n, lambda v: v is None or _is_int(v), "an integer"
             ),
+            extra_key=[
+                extra_key(salt, key)
+                for salt, key in zip(
+                    _per_item(body, "cache_salt", n, _is_opt_str, "a string"),
+                    _per_item(body, "extra_key", n, _is_opt_str, "a string"),
+                )
+            ],
             stream=stream,
             return_text_in_logprobs=text_lp,
         )
@@ -151,6 +176,7 @@ class GenerateReqInput:
                 return_logprob=self.return_logprob[i],
                 logprob_start_len=self.logprob_start_len[i],
                 top_logprobs_num=self.top_logprobs_num[i],
+                extra_key=self.extra_key[i],
             )
             for i, p in enumerate(self.prompts)
         ]
@@ -238,6 +264,8 @@ class GenerateRequest(BaseModel):
         | list[Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]]
         | None
     ) = None
+    extra_key: _one_or_list(str) = None
+    cache_salt: _one_or_list(str) = None  # joins extra_key: prefixes are shared within one key
     stream: bool = False
     return_text_in_logprobs: bool = False
 

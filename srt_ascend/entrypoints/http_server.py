@@ -33,10 +33,11 @@ from srt_ascend.entrypoints.http_utils import (
     is_json_type,
     json_body_spec,
     openai_error_response,
+    parse_body,
     read_json,
     sse,
 )
-from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes, parse_body
+from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes
 from srt_ascend.entrypoints.serving import ClientDisconnected, Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.server_args import ServerArgs
@@ -129,6 +130,7 @@ async def generate(request: Request):
             return_logprob=it.return_logprob,
             logprob_start_len=it.logprob_start_len,
             top_logprobs_num=it.top_logprobs_num,
+            extra_key=it.extra_key,
         )
         for it in await obj.items(serving.tm.tokenize_async)
     ]

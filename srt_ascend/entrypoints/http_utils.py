@@ -9,7 +9,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from srt_ascend.managers.tokenizer_manager import RequestError
 
@@ -62,6 +62,7 @@ def openai_error_body(message: str, status_code: int = 400) -> dict:
 
 _ERROR_TYPES = {
     401: "AuthenticationError",
+    404: "NotFoundError",
     405: "MethodNotAllowed",
     413: "RequestTooLarge",
     415: "UnsupportedMediaType",
@@ -71,6 +72,30 @@ _ERROR_TYPES = {
 
 def openai_error_response(message: str, status_code: int = 400) -> ORJSONResponse:
     return ORJSONResponse(openai_error_body(message, status_code), status_code=status_code)
+
+
+def parse_body(model: type[BaseModel], body: Any) -> Any:
+    """Validated request model; RequestError naming the first bad field otherwise. A
+    top-level field the model does not have is refused unless it is null (clients may send
+    nulls for SGLang fields they do not use), as /generate refuses what it does not support."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if model.model_config.get("extra") == "forbid":
+        for key in [k for k in body if k not in model.model_fields]:
+            if body[key] is not None:
+                raise RequestError(f"{key} is not supported by this server")
+            del body[key]
+    try:
+        obj = model.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        raise RequestError(f"{loc}: {err['msg']}") from e
+    unsupported = getattr(obj, "unsupported", None)
+    bad = unsupported() if unsupported is not None else None
+    if bad is not None:
+        raise RequestError(f"{bad} is not supported by this server")
+    return obj
 
 
 def sse(data: Any) -> bytes:

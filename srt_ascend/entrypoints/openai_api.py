@@ -1,9 +1,13 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible routes: /v1/models(/{model}), /v1/completions, /v1/chat/completions
+(the Responses and scoring APIs are in openai_responses.py and openai_score.py).
 
-Each prompt (times `n`) becomes one runtime request. Streaming sends `data: {chunk}` with the
-text delta of one choice, an optional usage chunk (`stream_options.include_usage`) and
-`data: [DONE]`. Errors are SGLang's {"object": "error", "message", "type", "param", "code"}
-(HTTP 400 for a bad request).
+Each prompt (times `n`) becomes one runtime request, built from the same sampling-parameter dict
+and request fields as a /generate body and checked by the same code, so a field is honoured or
+refused (400 naming it) alike on every route. Without `max_tokens` a chat request (and a
+completion with `max_tokens: null`) may generate up to the context length, as in SGLang.
+Streaming sends `data: {chunk}` with the text delta of one choice, an optional usage chunk
+(`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {"object": "error",
+"message", "type", "param", "code"} (HTTP 400 for a bad request, 404 for an unknown model).
 """
 
 from __future__ import annotations
@@ -16,13 +20,19 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ValidationError
 
+from srt_ascend.entrypoints.generate_input import (
+    clean_sampling_params,
+    extra_key,
+    refuse_unsupported_fields,
+)
 from srt_ascend.entrypoints.http_utils import (
     SSE_DONE,
+    HTTPStatusError,
     ORJSONResponse,
     json_body_spec,
     openai_error_body,
+    parse_body,
     read_json,
     sse,
 )
@@ -31,34 +41,18 @@ from srt_ascend.entrypoints.openai_protocol import (
     CompletionRequest,
     OpenAIError,
 )
+from srt_ascend.entrypoints.openai_responses import ResponsesRequest, ResponsesServing
+from srt_ascend.entrypoints.openai_score import ScoreRequest, ScoreServing
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
-OPENAI_BODY_MODELS = [CompletionRequest, ChatCompletionRequest, OpenAIError]
-
-
-def parse_body(model: type[BaseModel], body: Any) -> Any:
-    """Validated request model; RequestError naming the first bad field otherwise. A
-    top-level field the model does not have is refused unless it is null (clients may send
-    nulls for SGLang fields they do not use), as /generate refuses what it does not support."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object")
-    if model.model_config.get("extra") == "forbid":
-        for key in [k for k in body if k not in model.model_fields]:
-            if body[key] is not None:
-                raise RequestError(f"{key} is not supported by this server")
-            del body[key]
-    try:
-        obj = model.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err["loc"]) or "body"
-        raise RequestError(f"{loc}: {err['msg']}") from e
-    unsupported = getattr(obj, "unsupported", None)
-    bad = unsupported() if unsupported is not None else None
-    if bad is not None:
-        raise RequestError(f"{bad} is not supported by this server")
-    return obj
+OPENAI_BODY_MODELS = [
+    CompletionRequest,
+    ChatCompletionRequest,
+    ResponsesRequest,
+    ScoreRequest,
+    OpenAIError,
+]
 
 
 def map_finish(meta: dict) -> tuple[str | None, Any]:
@@ -108,18 +102,26 @@ class OpenAIServing:
 
     # ---- logprobs -----------------------------------------------------------------------------
 
-    def _logprob_items(self, meta: dict, start: int) -> list[tuple[str, float, list]]:
-        toks = meta.get("output_token_logprobs", [])[start:]
-        tops = meta.get("output_top_logprobs", [])[start:] or [[] for _ in toks]
+    def _logprob_items(
+        self, meta: dict, start: int, kind: str = "output"
+    ) -> list[tuple[str, float | None, list]]:
+        """(token text, logprob, [(text, logprob)] top list) of the output tokens from
+        `start`, or of the prompt tokens (kind "input"; the first prompt token has None)."""
+        toks = meta.get(f"{kind}_token_logprobs", [])[start:]
+        tops = meta.get(f"{kind}_top_logprobs", [])[start:] or [[] for _ in toks]
         texts = self.serving.token_texts([t[1] for t in toks])
         items = []
         for (lp, _), text, top in zip(toks, texts, tops):
+            top = top or []
             top_texts = self.serving.token_texts([t[1] for t in top])
             items.append((text, lp, [(tt, t[0]) for tt, t in zip(top_texts, top)]))
         return items
 
-    def completion_logprobs(self, meta: dict, start: int, offset: int) -> dict:
-        items = self._logprob_items(meta, start)
+    def completion_logprobs(self, meta: dict, start: int, offset: int, prompt: bool) -> dict:
+        """OpenAI's completion logprobs of the output tokens from `start`, after the prompt's
+        tokens when `prompt` (echo)."""
+        items = self._logprob_items(meta, 0, "input") if prompt else []
+        items += self._logprob_items(meta, start)
         offsets = []
         for text, _, _ in items:
             offsets.append(offset)
@@ -144,10 +146,24 @@ class OpenAIServing:
 
     # ---- requests -----------------------------------------------------------------------------
 
-    def _requests(self, prompts: list[list[int]], obj, sp: dict, logprobs: int | None):
+    def _requests(
+        self,
+        prompts: list[list[int]],
+        obj,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: bool = False,
+    ):
+        """`n` runtime requests per prompt, checked as /generate checks its body. Without
+        `max_tokens` each may generate up to the context length."""
+        refuse_unsupported_fields(obj.request_fields())
+        sp = clean_sampling_params(obj.sampling_params(max_tokens), prefix="")
+        key = extra_key(obj.cache_salt, obj.extra_key)
         total = len(prompts) * obj.n
         reqs = []
         for ids in prompts:
+            if max_tokens is None:
+                sp = {**sp, "max_new_tokens": self.tm.max_new_tokens_left(len(ids))}
             for _ in range(obj.n):
                 rid = obj.rid if obj.rid is None or total == 1 else f"{obj.rid}-{len(reqs)}"
                 reqs.append(
@@ -156,7 +172,9 @@ class OpenAIServing:
                         sp,
                         rid=rid,
                         return_logprob=logprobs is not None,
+                        logprob_start_len=0 if prompt_logprobs else None,
                         top_logprobs_num=logprobs or 0,
+                        extra_key=key,
                     )
                 )
         self.serving.check_unique_rids(reqs)
@@ -183,12 +201,28 @@ class OpenAIServing:
         return [await self.tm.tokenize_async(t) for t in texts], texts
 
     async def chat_prompt(self, obj: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in obj.messages]
+        return await self.chat_ids(messages, obj.continue_final_message, obj.chat_template_kwargs)
+
+    async def chat_ids(
+        self,
+        messages: list[dict],
+        continue_final: bool = False,
+        template_kwargs: dict | None = None,
+    ) -> list[int]:
+        """The chat template over `messages`, tokenized: with a generation prompt for the
+        assistant's turn, or (continue_final, last message the assistant's) open at the end
+        of that message so the output continues it."""
         if not getattr(self.tm.tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template")
-        messages = [{"role": m.role, "content": m.text()} for m in obj.messages]
+        cont = continue_final and messages[-1]["role"] == "assistant"
         try:
             text = self.tm.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True
+                messages,
+                tokenize=False,
+                add_generation_prompt=not cont,
+                continue_final_message=cont,
+                **(template_kwargs or {}),
             )
         except Exception as e:  # jinja raises its own errors for malformed conversations
             raise RequestError(f"the chat template failed on these messages: {e}") from e
@@ -198,7 +232,8 @@ class OpenAIServing:
         obj = parse_body(CompletionRequest, await read_json(request))
         prompts, prompt_texts = await self._completion_prompts(obj)
         self.serving.admit(len(prompts) * obj.n)
-        reqs = self._requests(prompts, obj, obj.sampling_params(obj.max_tokens), obj.logprobs)
+        with_prompt_lp = obj.echo and obj.logprobs is not None
+        reqs = self._requests(prompts, obj, obj.max_tokens, obj.logprobs, with_prompt_lp)
         rid = f"cmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "text_completion", "model": obj.model}
         echo = [t if obj.echo else "" for t in prompt_texts]
@@ -209,7 +244,9 @@ class OpenAIServing:
             fr, matched = map_finish(meta)
             lp = None
             if obj.logprobs is not None:
-                lp = self.completion_logprobs(meta, lp_start, len(c.sent_text) - len(delta))
+                first = with_prompt_lp and not c.started
+                offset = len(echo[c.index // obj.n]) + len(c.sent_text) - len(delta)
+                lp = self.completion_logprobs(meta, lp_start, 0 if first else offset, first)
             return {
                 "index": c.index,
                 "text": prefix + delta,
@@ -240,7 +277,7 @@ class OpenAIServing:
         ids = await self.chat_prompt(obj)
         self.serving.admit(obj.n)
         logprobs = (obj.top_logprobs or 0) if obj.logprobs else None
-        reqs = self._requests([ids], obj, obj.sampling_params(obj.max_new_tokens), logprobs)
+        reqs = self._requests([ids], obj, obj.max_new_tokens, logprobs)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion", "model": obj.model}
 
@@ -326,26 +363,32 @@ class OpenAIServing:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    def models(self) -> dict:
+    def model_card(self) -> dict:
         name = self.serving.args.model_name
         return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "srt_ascend",
-                    "root": name,
-                    "max_model_len": self.tm.context_len,
-                }
-            ],
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "srt_ascend",
+            "root": name,
+            "max_model_len": self.tm.context_len,
         }
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model: str) -> ORJSONResponse:
+        """GET /v1/models/{model}: the served model's card; 404 for any other name."""
+        card = self.model_card()
+        if model != card["id"]:
+            raise HTTPStatusError(404, f"The model '{model}' does not exist")
+        return ORJSONResponse(card)
 
 
 def add_openai_routes(app: FastAPI, serving: Serving) -> None:
     api = OpenAIServing(serving)
     app.add_api_route("/v1/models", lambda: ORJSONResponse(api.models()), methods=["GET"])
+    app.add_api_route("/v1/models/{model:path}", api.model, methods=["GET"])
     app.add_api_route(
         "/v1/completions",
         api.completions,
@@ -357,4 +400,18 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         api.chat_completions,
         methods=["POST"],
         openapi_extra=json_body_spec(ChatCompletionRequest, OpenAIError),
+    )
+    responses = ResponsesServing(serving, api.chat_ids)
+    app.add_api_route(
+        "/v1/responses",
+        responses.create,
+        methods=["POST"],
+        openapi_extra=json_body_spec(ResponsesRequest, OpenAIError),
+    )
+    app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
+    app.add_api_route(
+        "/v1/score",
+        ScoreServing(serving).score,
+        methods=["POST"],
+        openapi_extra=json_body_spec(ScoreRequest, OpenAIError),
     )

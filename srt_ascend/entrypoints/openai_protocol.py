@@ -1,13 +1,17 @@
 """OpenAI request bodies (the fields SGLang's OpenAI server takes), as pydantic models.
 
-A top-level field this server does not implement is refused (HTTP 400 naming it, as `/generate`
-refuses SGLang features it lacks) unless it is null; wrong types fail validation (HTTP 400).
-`sampling_params()` maps a request onto SGLang sampling parameters. The models also describe
-the request bodies in the served `/openapi.json`.
+A top-level field this server does not know is refused (HTTP 400 naming it) unless it is null;
+wrong types fail validation (HTTP 400). `sampling_params()` maps a request, SGLang's extension
+fields included (`regex`, `json_schema`, `ebnf`, `stop_regex`, `logit_bias`, `response_format`,
+`top_k`, `min_p`, ...), onto the sampling-parameter dict `/generate` takes, and `request_fields()`
+onto its top-level request fields (`lora_path`, `custom_logit_processor`,
+`return_hidden_states`), so each route accepts or refuses a field alike. The models also
+describe the request bodies in the served `/openapi.json`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -45,9 +49,29 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    stop_regex: str | list[str] | None = None
     rid: str | None = None
+    cache_salt: str | None = None
+    extra_key: str | None = None
+    # SGLang request fields, checked as /generate checks them (generate_input.UNSUPPORTED_FIELDS)
+    lora_path: str | list[str | None] | None = None
+    custom_logit_processor: str | None = None
+    return_hidden_states: bool = False
+
+    def request_fields(self) -> dict:
+        """The fields that are top-level request fields on /generate."""
+        return {
+            "lora_path": self.lora_path,
+            "custom_logit_processor": self.custom_logit_processor,
+            "return_hidden_states": self.return_hidden_states,
+        }
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
+        """/generate's sampling_params for this request (nulls dropped)."""
         sp = {
             "max_new_tokens": max_new_tokens,
             "temperature": self.temperature,
@@ -63,7 +87,13 @@ class _SamplingFields(BaseModel):
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
             "no_stop_trim": self.no_stop_trim,
+            "spaces_between_special_tokens": self.spaces_between_special_tokens,
             "seed": self.seed,
+            "regex": self.regex,
+            "json_schema": self.json_schema,
+            "ebnf": self.ebnf,
+            "stop_regex": self.stop_regex,
+            "logit_bias": self.logit_bias,
         }
         return {k: v for k, v in sp.items() if v is not None}
 
@@ -71,16 +101,10 @@ class _SamplingFields(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def unsupported(self) -> str | None:
-        """The name of a set field this server cannot honour, else None."""
-        if self.logit_bias:
-            return "logit_bias"
-        return None
-
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # OpenAI's and SGLang's default; null: up to the context
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
@@ -91,9 +115,7 @@ class CompletionRequest(_SamplingFields):
             return "suffix"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
-        if self.echo and self.logprobs is not None:
-            return "echo with logprobs"
-        return super().unsupported()
+        return None
 
 
 class TextPart(BaseModel):
@@ -116,10 +138,33 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in self.content)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(BaseModel):
+    """OpenAI's response_format; SGLang turns it into a grammar sampling parameter."""
+
     model_config = ConfigDict(extra="allow")
 
-    type: str
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def sampling_params(self) -> dict:
+        """SGLang's mapping: json_object is any JSON object, json_schema its schema, a
+        structural tag the format itself (as JSON strings)."""
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            schema = self.json_schema.schema_ if self.json_schema else None
+            return {"json_schema": json.dumps(schema if schema is not None else {})}
+        if self.type == "structural_tag":
+            return {"structural_tag": json.dumps(self.model_dump(exclude_none=True))}
+        return {}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -132,6 +177,15 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto"] | None = None  # "auto" with no tools is "none"
     parallel_tool_calls: bool | None = None  # meaningful only with tools
     response_format: ResponseFormat | None = None
+    continue_final_message: bool = False  # extend the last (assistant) message, no new turn
+    separate_reasoning: bool = True  # no reasoning parser here: the content is all of it
+    chat_template_kwargs: dict | None = None
+
+    def sampling_params(self, max_new_tokens: int | None) -> dict:
+        sp = super().sampling_params(max_new_tokens)
+        if self.response_format is not None:
+            sp.update(self.response_format.sampling_params())
+        return sp
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -144,9 +198,7 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
-        if self.response_format is not None and self.response_format.type != "text":
-            return f"response_format {self.response_format.type!r}"
-        return super().unsupported()
+        return None
 
 
 class OpenAIError(BaseModel):

@@ -19,6 +19,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # -1: only output logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    extra_key: str | None = None  # cache_salt: requests share cached prefixes only within one
 
 
 @dataclass

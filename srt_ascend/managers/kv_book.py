@@ -90,7 +90,7 @@ class KVBook:
         if req.alloc_len > req.kv_len:
             self.free_positions(req, req.kv_len, req.alloc_len)
         row = self.host[req.req_pool_idx, : req.kv_len].clone()
-        self.tree.cache_finished_req(req.all_ids, row, req.prefix_len, req.last_node)
+        self.tree.cache_finished_req(req.all_ids, row, req.prefix_len, req.last_node, req.extra_key)
         self.req_to_token_pool.free(req.req_pool_idx)
         req.req_pool_idx, req.last_node, req.decoder_state = None, None, None
         req.kv_len = req.alloc_len = req.prefix_len = 0

@@ -40,6 +40,7 @@ class Req:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    extra_key: str | None = None  # the radix cache's salt (cache_salt)
     output_ids: list[int] = field(default_factory=list)
     finished_reason: FinishReason | None = None
     req_pool_idx: int | None = None

@@ -16,7 +16,10 @@ def order_waiting(waiting: list[Req], policy: str, cache: BasePrefixCache) -> li
     """fcfs: arrival order. lpm: longest cached prefix first (ties by arrival)."""
     if policy == "fcfs" or len(waiting) < 2:
         return list(waiting)
-    lens = {id(r): cache.match_prefix(r.all_ids[: r.max_prefix_len()]).prefix_len for r in waiting}
+    lens = {
+        id(r): cache.match_prefix(r.all_ids[: r.max_prefix_len()], r.extra_key).prefix_len
+        for r in waiting
+    }
     return sorted(waiting, key=lambda r: (-lens[id(r)], r.created_time))
 
 

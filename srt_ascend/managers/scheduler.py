@@ -16,6 +16,7 @@ import torch
 
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
 from srt_ascend.decoding import DecoderHandles, create_decoder
+from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
     AbortReq,
     FlushCacheReq,
@@ -68,6 +69,7 @@ class Scheduler:
         self.num_retractions = 0
         self.total_cached_tokens = 0
         self.total_prompt_tokens = 0
+        self.batch_log = BatchLog(server_args.decode_log_interval, server_args.spec_enabled)
         self._outputs: list[ReqOutput] = []  # filled by commits during a step
         self._stop = threading.Event()
 
@@ -150,6 +152,7 @@ class Scheduler:
             m.logprob_start_len,
             m.top_logprobs_num,
             m.stream,
+            m.extra_key,
         )
         limit = self.runner.context_len
         if len(req.origin_input_ids) >= limit:
@@ -206,11 +209,19 @@ class Scheduler:
             return None
         admitted = {id(r) for r in plan.reqs}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
+        self.batch_log.prefill(
+            len(plan.reqs),
+            sum(plan.extend_lens),
+            sum(r.kv_len for r in plan.reqs if r is not self.chunked_req),
+            self._pool_usage(),
+            len(self.running),
+            len(self.waiting),
+        )
         return ScheduleBatch(plan.reqs, ForwardMode.EXTEND, plan.extend_lens, plan.chunked)
 
     def _admit(self, req: Req, adder: PrefillAdder) -> bool:
         """Matches the prefix, locks it, and asks the adder; undoes everything on refusal."""
-        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len()])
+        match = self.tree.match_prefix(req.all_ids[: req.max_prefix_len()], req.extra_key)
         # Locking makes the matched nodes unevictable: the adder's budget shrinks with them.
         adder.available += self.tree.inc_lock_ref(match.last_node)
         can_chunk = self.chunked_req is None and not adder.plan.chunked
@@ -293,19 +304,30 @@ class Scheduler:
 
     def _cache_chunk(self, req: Req) -> None:
         row = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
-        res = self.tree.cache_unfinished_req(req.all_ids, row, req.prefix_len, req.last_node)
+        res = self.tree.cache_unfinished_req(
+            req.all_ids, row, req.prefix_len, req.last_node, req.extra_key
+        )
         self.req_to_token_pool.write([req.req_pool_idx], [0], res.device_indices, [res.prefix_len])
         req.prefix_len, req.last_node = res.prefix_len, res.last_node
 
     # ---- decode -----------------------------------------------------------------------------
 
     def _run_decode(self) -> None:
+        before = {id(r): len(r.output_ids) for r in self.running}
         stepped = self.decoder.step(self.running)
+        new_tokens = sum(len(r.output_ids) - before[id(r)] for r in stepped)
+        self.batch_log.decode(len(stepped), new_tokens, self._pool_usage(), len(self.waiting))
         for r in stepped:
             if r.finished:
                 self.kv.release(r)
         self.running = [r for r in stepped if not r.finished]
         self._flush_outputs()
+
+    def _pool_usage(self) -> PoolUsage:
+        """KV tokens held by requests (SGLang's #token: neither free nor evictable cache)."""
+        total = self.runner.max_total_tokens
+        free = self.allocator.available_size() + self.tree.evictable_size()
+        return PoolUsage(total - free, total)
 
     def _retract(self, victim: Req, staying: list[Req]) -> None:
         """KVBook's callback when a step's allocation does not fit: sends the most recently

@@ -161,8 +161,11 @@ class TokenizerManager:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         stream: bool = False,
+        extra_key: str | None = None,
     ) -> TokenizedGenerateReq:
-        """Validates one request; raises RequestError with a user-facing message."""
+        """Validates one request; raises RequestError with a user-facing message. As in
+        SGLang, the prompt plus max_new_tokens must stay below the context length (nothing is
+        clamped); `extra_key` (cache_salt) keeps its cached prefixes apart from other keys'."""
         try:
             params = SamplingParams.from_dict(sampling_params or {})
             params.verify(self.runner.vocab_size)
@@ -188,8 +191,15 @@ class TokenizerManager:
             )
             if start >= len(input_ids):
                 raise RequestError("logprob_start_len must be smaller than the input length")
-        max_new = params.max_new_tokens
-        params.max_new_tokens = min(max_new, self.context_len - len(input_ids))
+        total = len(input_ids) + params.max_new_tokens
+        if total >= self.context_len:
+            raise RequestError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {total} tokens: "
+                f"{len(input_ids)} tokens from the input messages and "
+                f"{params.max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
         return TokenizedGenerateReq(
             rid=rid or uuid.uuid4().hex,
             input_ids=list(input_ids),
@@ -198,7 +208,13 @@ class TokenizerManager:
             logprob_start_len=start,
             top_logprobs_num=top_logprobs_num or 0,
             stream=stream,
+            extra_key=extra_key,
         )
+
+    def max_new_tokens_left(self, num_input_tokens: int) -> int:
+        """The longest output a prompt of this length can have (SGLang's default when a chat
+        or completion request leaves max_tokens unset: generate up to the context length)."""
+        return max(self.context_len - 1 - num_input_tokens, 0)
 
     async def generate_one(self, req: TokenizedGenerateReq) -> AsyncIterator[dict]:
         """Submits one request and yields response dicts: one per step when streaming,

@@ -13,6 +13,8 @@ Request-level contract (shared by every cache):
   returns the request's new prefix, moving the lock; ``cache_finished_req`` hands everything
   over, frees the rest and drops the lock. After it the request owns no KV slots. Aborts and
   retractions use ``cache_finished_req`` too.
+* ``extra_key`` (SGLang's, from a request's ``cache_salt``): sequences with different keys
+  never share cached KV; ``None`` is a key of its own (the unsalted tree).
 * When idle (no request holds slots or locks):
   ``allocator.available_size() + cache.total_size() == allocator.size``.
 """
@@ -84,11 +86,14 @@ class BasePrefixCache(ABC):
     """Interface of a KV prefix cache; see the module docstring for the ownership contract."""
 
     @abstractmethod
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
-        """Longest cached prefix of ``token_ids``. Does not lock; changes only LRU times."""
+    def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` under ``extra_key``. Does not lock; changes
+        only LRU times."""
 
     @abstractmethod
-    def insert(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+    def insert(
+        self, token_ids: list[int], kv_indices: torch.Tensor, extra_key: str | None = None
+    ) -> int:
         """Store ``kv_indices`` [n] as the KV of the first n positions of ``token_ids``.
 
         Ownership of all n slots passes to the cache, except that the first ``r`` positions
@@ -98,7 +103,12 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def cache_finished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> None:
         """Hand a finished (or aborted) request's KV to the cache and release its lock.
 
@@ -108,7 +118,12 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def cache_unfinished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> MatchResult:
         """Cache a running request's computed KV (chunked prefill) and move its lock.
 

@@ -21,26 +21,38 @@ class ChunkCache(BasePrefixCache):
         # Stand-in node returned as ``last_node``; locking it is a no-op.
         self.root_node = TreeNode(lock_ref=1)
 
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> MatchResult:
         """Always the empty prefix."""
         return MatchResult(
             device_indices=torch.empty(0, dtype=torch.int64, device=self.device),
             last_node=self.root_node,
         )
 
-    def insert(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+    def insert(
+        self, token_ids: list[int], kv_indices: torch.Tensor, extra_key: str | None = None
+    ) -> int:
         """Takes ownership of ``kv_indices`` by freeing them at once; nothing was cached."""
         self.allocator.free(kv_indices)
         return 0
 
     def cache_finished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> None:
         """Free all of the request's slots (every one of them is the request's own)."""
         self.allocator.free(kv_indices)
 
     def cache_unfinished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> MatchResult:
         """Keep everything with the request: returns its own indices unchanged, no lock."""
         return MatchResult(device_indices=kv_indices, last_node=self.root_node)

@@ -8,6 +8,10 @@ next token matches too. A sequence of n tokens therefore has n-1 keys, ``match_p
 over those pairs, and the request-level calls need ``token_ids`` one longer than the keyed KV
 (positions without a pair are treated like an unaligned tail: not cached).
 
+Salts. A request's ``extra_key`` (its ``cache_salt``) replaces the key of position 0 by
+``(SALT, extra_key, key)``, so the salt seeds the tree below the root: sequences with different
+salts diverge at their first key and never share a node, while one salt shares as usual.
+
 Pages. With ``page_size > 1`` only whole pages are matched and inserted, children are keyed by
 the tuple of their first page's keys, and nodes split only at page boundaries, so every node's
 slots are whole pages that the tree can free on its own.
@@ -33,6 +37,8 @@ from srt_ascend.mem_cache.base_prefix_cache import (
 )
 from srt_ascend.mem_cache.chunk_cache import ChunkCache
 
+_SALT = "salt"  # tags a salted first key (a str never equals a token id or a token pair)
+
 __all__ = ["BasePrefixCache", "ChunkCache", "MatchResult", "RadixCache", "TreeNode"]
 
 
@@ -56,11 +62,16 @@ class RadixCache(BasePrefixCache):
         return self.allocator.page_size
 
     # ------------------------------------------------------------------ keys
-    def _keys(self, token_ids: list[int]) -> list[Any]:
-        """Per-position keys: tokens, or (token, next token) pairs in bigram mode."""
+    def _keys(self, token_ids: list[int], extra_key: str | None = None) -> list[Any]:
+        """Per-position keys: tokens, or (token, next token) pairs in bigram mode; with an
+        ``extra_key`` the first one is salted."""
         if self.bigram_keys:
-            return list(zip(token_ids[:-1], token_ids[1:], strict=True))
-        return list(token_ids)
+            keys: list[Any] = list(zip(token_ids[:-1], token_ids[1:], strict=True))
+        else:
+            keys = list(token_ids)
+        if extra_key is not None and keys:
+            keys[0] = (_SALT, extra_key, keys[0])
+        return keys
 
     def _align(self, n: int) -> int:
         return n - n % self.page_size
@@ -149,7 +160,7 @@ class RadixCache(BasePrefixCache):
         return self._protected_size
 
     # ------------------------------------------------------------------ match / insert
-    def match_prefix(self, token_ids: list[int]) -> MatchResult:
+    def match_prefix(self, token_ids: list[int], extra_key: str | None = None) -> MatchResult:
         """Longest cached whole-page prefix of ``token_ids``.
 
         Returns the slots of the matched positions (owned by the tree) and the deepest node
@@ -157,7 +168,7 @@ class RadixCache(BasePrefixCache):
         caller must ``inc_lock_ref(result.last_node)`` before any eviction can run.
         Refreshes the LRU time of the matched path.
         """
-        keys = self._keys(token_ids)
+        keys = self._keys(token_ids, extra_key)
         return self._match_keys(keys[: self._align(len(keys))])
 
     def _walk(self, key: list[Any], now: int) -> tuple[TreeNode, list[torch.Tensor]]:
@@ -204,7 +215,9 @@ class RadixCache(BasePrefixCache):
         upper.children[self._child_key(child.key)] = child
         return upper
 
-    def insert(self, token_ids: list[int], kv_indices: torch.Tensor) -> int:
+    def insert(
+        self, token_ids: list[int], kv_indices: torch.Tensor, extra_key: str | None = None
+    ) -> int:
         """Insert positions ``0 .. len(kv_indices)-1``; returns how many were already cached.
 
         ``len(kv_indices)`` must be a multiple of page_size and every position needs a key
@@ -212,7 +225,7 @@ class RadixCache(BasePrefixCache):
         slots past the returned length; the caller frees its own slots before it.
         """
         n = kv_indices.numel()
-        keys = self._keys(token_ids)
+        keys = self._keys(token_ids, extra_key)
         if n % self.page_size or len(keys) < n:
             raise ValueError(f"insert needs whole pages with keys: {n=}, keys={len(keys)}")
         return self._insert_keys(keys[:n], kv_indices.reshape(-1))
@@ -234,13 +247,17 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ request-level
     def _insert_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        extra_key: str | None,
     ) -> tuple[list[Any], int]:
         """Insert a request's cacheable part and free its duplicate slots.
 
         Returns the inserted keys and their count (the page-aligned keyed length).
         """
-        keys = self._keys(token_ids)
+        keys = self._keys(token_ids, extra_key)
         aligned = self._align(min(len(keys), kv_indices.numel()))
         if not prefix_len <= aligned or prefix_len % self.page_size:
             raise ValueError(f"prefix_len {prefix_len} inconsistent with cacheable {aligned}")
@@ -253,26 +270,36 @@ class RadixCache(BasePrefixCache):
         return keys, aligned
 
     def cache_finished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> None:
         """Insert the whole-page keyed part, free duplicates and the tail, release the lock.
 
         After the call the tree owns positions ``0 .. aligned-1`` and the rest of
         ``kv_indices`` is back in the allocator; the request owns no KV slots.
         """
-        _, aligned = self._insert_req(token_ids, kv_indices, prefix_len)
+        _, aligned = self._insert_req(token_ids, kv_indices, prefix_len, extra_key)
         self.allocator.free(kv_indices[aligned:])
         self.dec_lock_ref(last_node)
 
     def cache_unfinished_req(
-        self, token_ids: list[int], kv_indices: torch.Tensor, prefix_len: int, last_node: TreeNode
+        self,
+        token_ids: list[int],
+        kv_indices: torch.Tensor,
+        prefix_len: int,
+        last_node: TreeNode,
+        extra_key: str | None = None,
     ) -> MatchResult:
         """Insert what is computed so far and move the lock to the new deepest node.
 
         Returns the tree's slots for positions ``0 .. m-1`` (m = whole-page keyed length),
         which replace the request's own; ``kv_indices[m:]`` stay owned by the request.
         """
-        keys, aligned = self._insert_req(token_ids, kv_indices, prefix_len)
+        keys, aligned = self._insert_req(token_ids, kv_indices, prefix_len, extra_key)
         result = self._match_keys(keys)
         if result.prefix_len != aligned:
             raise RuntimeError(f"re-match found {result.prefix_len} of {aligned} inserted tokens")

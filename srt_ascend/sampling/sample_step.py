@@ -70,7 +70,8 @@ def penalised_logits(
         p = r.sampling_params
         if len(r.output_ids) + n_extra < p.min_new_tokens:
             rows.append(i)
-            stops.append(sorted(set(eos_ids) | set(p.stop_token_ids or [])))
+            ids = set(eos_ids) | set(p.stop_token_ids or [])
+            stops.append(sorted(t for t in ids if 0 <= t < logits.shape[-1]))  # OOV never match
     if rows:
         logits = mask_stop_tokens(logits, rows, stops)
     return logits

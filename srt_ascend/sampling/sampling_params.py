@@ -117,7 +117,7 @@ class SamplingParams:
         """
         self._verify_types()
         self._verify_sampling_ranges()
-        self._verify_lengths_and_stops(vocab_size)
+        self._verify_lengths_and_stops()
 
     def _verify_types(self) -> None:
         for name in _INT_FIELDS:
@@ -173,7 +173,7 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
 
-    def _verify_lengths_and_stops(self, vocab_size: int) -> None:
+    def _verify_lengths_and_stops(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -184,8 +184,4 @@ class SamplingParams:
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty.")
-        for token_id in self.stop_token_ids or []:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"stop_token_ids must be in [0, {vocab_size - 1}], got {token_id}."
-                )
+        # stop_token_ids outside [0, vocab_size) are accepted, as SGLang does: they never match.

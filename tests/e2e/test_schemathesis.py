@@ -38,13 +38,16 @@ def _cap(body):
     for key in ("max_tokens", "max_completion_tokens"):
         if key in body or "prompt" in body or "messages" in body:
             body[key] = MAX_TOKENS
+    if "input" in body or "max_output_tokens" in body:
+        body["max_output_tokens"] = MAX_TOKENS
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
 
 
 def test_openapi_describes_the_request_bodies(server):
     doc = server.get("/openapi.json").json()
-    for path in ("/generate", "/v1/completions", "/v1/chat/completions", "/abort_request"):
+    paths = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/score")
+    for path in (*paths, "/abort_request"):
         op = doc["paths"][path]["post"]
         ref = op["requestBody"]["content"]["application/json"]["schema"]["$ref"]
         assert ref.rsplit("/", 1)[1] in doc["components"]["schemas"]

@@ -22,6 +22,7 @@ def sglang_mtp_server(sglang_python, tmp_path_factory):
     cmd += ["--dtype", "float32", "--num-threads", "1", "--speculative-num-steps", "2"]
     cmd += ["--tp-size", "1"]  # an SGLang flag srt_ascend does not support: reported, not fatal
     cmd += ["--cpu-small-gemm", "off"]  # srt_ascend-only: taken out before SGLang parses
+    cmd += ["--enable-metrics", "--enable-cache-report", "--decode-log-interval", "7"]
     with serving_process(cmd, f"http://127.0.0.1:{port}", log_path) as server:
         yield server
 
@@ -40,7 +41,9 @@ def test_sglang_launcher_serves_mtp(sglang_mtp_server):
     log = sglang_mtp_server.log()
     lines = [line for line in log.splitlines() if "does not support these SGLang flags" in line]
     assert len(lines) == 1 and "--tp-size" in lines[0], log
-    assert sglang_mtp_server.get("/server_info").json()["cpu_small_gemm"] == "off"
+    assert "--enable-metrics" not in lines[0] and "--decode-log-interval" not in lines[0]
+    info = sglang_mtp_server.get("/server_info").json()
+    assert info["cpu_small_gemm"] == "off" and info["decode_log_interval"] == 7
 
 
 def test_sglang_launcher_device_npu_is_one_line_exit_2(sglang_python):

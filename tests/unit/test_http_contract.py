@@ -4,6 +4,7 @@ in step with the validators, Content-Type matching and the new server flags."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -14,9 +15,10 @@ from srt_ascend.entrypoints.generate_input import (
     GenerateReqInput,
     GenerateRequest,
     SamplingParamsBody,
+    clean_sampling_params,
+    refuse_unsupported_fields,
 )
-from srt_ascend.entrypoints.http_utils import is_json_type
-from srt_ascend.entrypoints.openai_api import parse_body
+from srt_ascend.entrypoints.http_utils import is_json_type, parse_body
 from srt_ascend.entrypoints.openai_protocol import ChatCompletionRequest, CompletionRequest
 from srt_ascend.managers.tokenizer_manager import RequestError
 from srt_ascend.sampling.sampling_params import SamplingParams
@@ -82,15 +84,87 @@ def test_generate_schema_lists_what_the_validator_reads():
 
 def test_openai_routes_refuse_unknown_fields_by_name():
     base = {"model": "m", "prompt": "a"}
-    with pytest.raises(RequestError, match="regex is not supported by this server"):
-        parse_body(CompletionRequest, {**base, "regex": "[a-z]+"})
-    assert parse_body(CompletionRequest, {**base, "regex": None}).prompt == "a"
+    with pytest.raises(RequestError, match="regexp is not supported by this server"):
+        parse_body(CompletionRequest, {**base, "regexp": "[a-z]+"})
+    assert parse_body(CompletionRequest, {**base, "regexp": None}).prompt == "a"
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi", "extra": 1}]}
-    with pytest.raises(RequestError, match="json_schema is not supported"):
-        parse_body(ChatCompletionRequest, {**chat, "json_schema": "{}"})
     assert parse_body(ChatCompletionRequest, {**chat, "tool_choice": "none"}).n == 1
     with pytest.raises(RequestError, match="must be a JSON object"):
         parse_body(CompletionRequest, [1])
+
+
+def _decision(check, *args) -> str:
+    """ "ok", or the message of the RequestError `check(*args)` raises."""
+    try:
+        check(*args)
+    except RequestError as e:
+        return str(e)
+    return "ok"
+
+
+EXTENSIONS = {
+    "regex": "[0-9]+",
+    "json_schema": '{"type": "object"}',
+    "ebnf": 'root ::= "a"',
+    "stop_regex": "[.]",
+    "logit_bias": {"5": -100.0},
+    "top_k": 5,
+    "min_p": 0.1,
+    "repetition_penalty": 1.1,
+    "ignore_eos": True,
+    "no_stop_trim": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "stop_token_ids": [3],
+}
+
+
+@pytest.mark.parametrize("name", list(EXTENSIONS))
+def test_openai_extension_fields_map_to_generate_sampling_params(name):
+    """Each SGLang extension field reaches /generate's sampling-parameter check under its
+    /generate name, so both routes accept or refuse it alike (the 400 names the field)."""
+    value = EXTENSIONS[name]
+    body = parse_body(CompletionRequest, {"model": "m", "prompt": "a", name: value})
+    sp = body.sampling_params(16)
+    assert sp[name] == value
+    native = _decision(clean_sampling_params, {name: value})
+    openai = _decision(clean_sampling_params, sp, "")
+    assert openai == native.replace("sampling_params.", "")
+
+
+@pytest.mark.parametrize(
+    "fmt, schema",
+    [
+        ({"type": "json_object"}, {"type": "object"}),
+        (
+            {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}},
+            {"type": "string"},
+        ),
+        ({"type": "text"}, None),
+    ],
+)
+def test_response_format_becomes_a_grammar(fmt, schema):
+    """SGLang's mapping: json_object -> any JSON object, json_schema -> its schema."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    sp = parse_body(ChatCompletionRequest, {**chat, "response_format": fmt}).sampling_params(4)
+    assert (json.loads(sp["json_schema"]) if "json_schema" in sp else None) == schema
+
+
+def test_min_tokens_and_request_fields_map_like_generate():
+    body = parse_body(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "min_tokens": 3,
+            "lora_path": "adapter",
+        },
+    )
+    assert body.sampling_params(8)["min_new_tokens"] == 3
+    with pytest.raises(RequestError, match="^lora_path is not supported"):
+        refuse_unsupported_fields(body.request_fields())
+    with pytest.raises(RequestError, match="^lora_path is not supported"):
+        GenerateReqInput.from_json({"text": "a", "lora_path": "adapter"})
 
 
 def test_hardening_flags():
@@ -115,3 +189,17 @@ def test_hardening_flags():
     for bad in ({"max_queued_requests": -1}, {"shutdown_timeout": -1}, {"api_key": ""}):
         with pytest.raises(ValueError):
             ServerArgs(**bad)
+
+
+def test_sglang_logging_and_metrics_flags():
+    args = prepare_server_args(
+        ["--decode-log-interval", "5", "--enable-metrics", "--enable-cache-report"]
+    )
+    assert (args.decode_log_interval, args.enable_metrics, args.enable_cache_report) == (
+        5,
+        True,
+        True,
+    )
+    assert ServerArgs().decode_log_interval == 40  # SGLang's default
+    with pytest.raises(ValueError, match="--decode-log-interval"):
+        ServerArgs(decode_log_interval=0).check()

@@ -239,6 +239,26 @@ def test_bigram_keys_need_the_next_token():
     assert cache.match_prefix([1]).prefix_len == 0 and cache.match_prefix([]).prefix_len == 0
 
 
+@pytest.mark.parametrize("page_size, bigram", [(1, False), (1, True), (4, False), (2, True)])
+def test_salted_sequences_share_nothing_across_salts(page_size, bigram):
+    """cache_salt seeds the tree: one salt shares prefixes, different salts (and no salt)
+    never do, whatever the tokens."""
+    alloc = TokenToKVPoolAllocator(size=128, page_size=page_size)
+    cache = RadixCache(alloc, bigram_keys=bigram)
+    tokens = list(range(1, 18))
+    kv = alloc.alloc(16)
+    assert cache.insert(tokens, kv, extra_key="a") == 0
+    assert cache.match_prefix(tokens, "a").device_indices.tolist() == kv.tolist()
+    assert cache.match_prefix(tokens, "b").prefix_len == 0
+    assert cache.match_prefix(tokens).prefix_len == 0
+    assert cache.insert(tokens, alloc.alloc(16), extra_key="b") == 0  # its own copy
+    assert cache.insert(tokens, alloc.alloc(16)) == 0
+    keys = 9 - bigram  # a 9-token prefix has 9 keys, or 8 token pairs
+    assert cache.match_prefix(tokens[:9], "a").prefix_len == keys - keys % page_size
+    cache.check_invariants()
+    assert cache.total_size() == 48
+
+
 def test_reset_frees_to_allocator_and_refuses_with_locks():
     alloc = TokenToKVPoolAllocator(size=16, page_size=2)
     cache = RadixCache(alloc)

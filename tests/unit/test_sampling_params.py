@@ -50,7 +50,6 @@ def test_from_dict_rejects_unknown_fields_by_name() -> None:
         ("n", 2, "n must be 1"),
         ("seed", -1, "seed must be in"),
         ("stop", "", "stop strings must be non-empty"),
-        ("stop_token_ids", [VOCAB], "stop_token_ids must be in"),
         ("max_new_tokens", 1.5, "max_new_tokens must be an integer"),
         ("temperature", "hot", "temperature must be a number"),
         ("ignore_eos", 1, "ignore_eos must be a boolean"),

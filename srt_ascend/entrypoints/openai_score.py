@@ -1,0 +1,103 @@
+"""SGLang's scoring API, `POST /v1/score`: for each item, the probability the model gives each of
+`label_token_ids` as the next token after query + item (item + query with `item_first`).
+
+Each (item, label) pair is one prompt-logprob request: the prompt followed by the label, no
+output token, the logprob of the label's position read back (`max_new_tokens` 0,
+`logprob_start_len` at the label). The pairs of one item share their prefix through the radix
+cache, so each costs one or two recomputed positions. Scores are exp(logprob), or a softmax over
+the labels' logprobs with `apply_softmax` (SGLang's rule).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from srt_ascend.entrypoints.http_utils import ORJSONResponse, parse_body, read_json
+from srt_ascend.entrypoints.serving import Serving, until_disconnected
+from srt_ascend.managers.tokenizer_manager import RequestError
+
+
+class ScoreRequest(BaseModel):
+    """`POST /v1/score` (SGLang's ScoringRequest): query and items both text or both token
+    ids."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = "default"
+    query: str | list[int]
+    items: str | list[str] | list[list[int]]
+    label_token_ids: list[int] = Field(min_length=1)
+    apply_softmax: bool = False
+    item_first: bool = False
+
+
+def label_scores(logprobs: list[float], apply_softmax: bool) -> list[float]:
+    if not apply_softmax:
+        return [math.exp(x) for x in logprobs]
+    top = max(logprobs)
+    weights = [math.exp(x - top) for x in logprobs]
+    return [w / sum(weights) for w in weights]
+
+
+class ScoreServing:
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.tm = serving.tm
+
+    async def _prompts(self, obj: ScoreRequest) -> list[list[int]]:
+        """The token ids of query + item (or item + query) for every item."""
+        items = [obj.items] if isinstance(obj.items, str) else obj.items
+        if not items:
+            raise RequestError("items must not be empty")
+        if isinstance(obj.query, str) != all(isinstance(x, str) for x in items):
+            raise RequestError("query and items must both be text or both token ids")
+        if isinstance(obj.query, str):
+            texts = [x + obj.query if obj.item_first else obj.query + x for x in items]
+            return [await self.tm.tokenize_async(t) for t in texts]
+        prompts = [x + obj.query if obj.item_first else obj.query + x for x in items]
+        for ids in prompts:
+            self.tm.validate_input_ids(ids)
+        return prompts
+
+    async def score(self, request: Request) -> ORJSONResponse:
+        obj = parse_body(ScoreRequest, await read_json(request))
+        prompts = await self._prompts(obj)
+        labels = obj.label_token_ids
+        vocab = self.tm.runner.vocab_size
+        if any(not 0 <= t < vocab for t in labels):
+            raise RequestError(f"label_token_ids must be integers in [0, {vocab})")
+        self.serving.admit(len(prompts) * len(labels))
+        reqs = [
+            self.serving.make_request(
+                ids + [label],
+                {"max_new_tokens": 0},
+                return_logprob=True,
+                logprob_start_len=len(ids),
+            )
+            for ids in prompts
+            for label in labels
+        ]
+        self.serving.check_unique_rids(reqs)
+        outs = await until_disconnected(request, self.serving.run_all(reqs))
+        logprobs = [o["meta_info"]["input_token_logprobs"][-1][0] for o in outs]
+        n = len(labels)
+        scores = [
+            label_scores(logprobs[i * n : (i + 1) * n], obj.apply_softmax)
+            for i in range(len(prompts))
+        ]
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        return ORJSONResponse(
+            {
+                "object": "scoring",
+                "model": obj.model,
+                "scores": scores,
+                "usage": {
+                    "prompt_tokens": prompt_tokens,
+                    "completion_tokens": 0,
+                    "total_tokens": prompt_tokens,
+                },
+            }
+        )
