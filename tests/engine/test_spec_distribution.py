@@ -19,7 +19,7 @@ import torch
 from srt_ascend import Engine
 
 PROMPT = "def parse(self, text):\n    "
-N_TOKENS, TOP_K, SAMPLES = 3, 3, 360
+N_TOKENS, TOP_K, SAMPLES = 3, 3, 240
 SAMPLE = {"max_new_tokens": N_TOKENS, "temperature": 1.0, "top_k": TOP_K, "ignore_eos": True}
 
 
