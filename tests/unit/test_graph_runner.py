@@ -119,11 +119,14 @@ def make_runner(
 
 class Requests:
     """Three requests with prompts of different lengths, prefilled eagerly (main model and
-    MTP layers), each owning its own pages for `cap` positions."""
+    MTP layers), each owning its own pages for `cap` positions. Without `prefill`, the
+    prompts' KV is random latents instead (replay == eager holds for any KV)."""
 
-    def __init__(self, runner: ModelRunner, lens=(5, 11, 8), cap: int = 32, seed: int = 0):
+    def __init__(
+        self, runner: ModelRunner, lens=(5, 11, 8), cap: int = 32, seed: int = 0, prefill=True
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.runner, self.lens = runner, list(lens)
+        self.runner, self.lens, self.gen = runner, list(lens), g
         self.rows = runner.req_to_token_pool.alloc(len(lens))
         self.slots = []
         for row in self.rows:
@@ -132,11 +135,17 @@ class Requests:
             self.slots.append(slots)
         ids = torch.randint(3, runner.vocab_size, (sum(lens),), generator=g)
         loc = torch.cat([s[:n] for s, n in zip(self.slots, lens)])
+        if not prefill:
+            pool = runner.kv_pool
+            for layer in range(runner.num_layers):
+                c_kv = torch.randn(len(loc), pool.kv_lora_rank, generator=g)
+                k_pe = torch.randn(len(loc), pool.qk_rope_head_dim, generator=g)
+                pool.set_mla_kv_buffer(layer, loc, c_kv, k_pe)
+            return
         fb = runner.build_forward_batch(ForwardMode.EXTEND, ids, self.rows, lens, lens, loc)
         hidden = runner.forward(fb)
         fb = runner.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, self.rows, lens, lens, loc)
         runner.forward_mtp(fb, hidden, 0)
-        self.gen = g
 
     def batch(self, kind: str, q_lens=None):
         """The ForwardBatch a kind replays, for the requests' next positions."""
