@@ -2,11 +2,12 @@
 decode graph vs eager launches, at batch 1 / 8 / 32 and KV 512 / 4096 (DeepSeek-V3 shapes:
 128 heads, kv_lora_rank 512, rope 64, bf16).
 
-    python benchmark/kernels.py            # CUDA: side-by-side timings
+    python benchmark/kernels.py            # CUDA: kernels vs references, then timings
     python benchmark/kernels.py --check    # CPU: a tiny interpreter correctness pass
 
 On CPU the kernels run only under Triton's interpreter, so there are no timings to take:
 the script checks the kernels against the references and says that timings need a GPU.
+`benchmark/device_check.py` runs `check` and `bench_cuda` as part of the device check.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ def cuda_time(fn, iters=50) -> float:
     return start.elapsed_time(end) / iters * 1e3  # us
 
 
-def bench_cuda() -> None:
+def bench_cuda() -> list[dict]:
+    """Per (batch, KV length): Triton vs torch-native math, the HBM floor, graph vs eager (us)."""
     from srt_ascend.layers.ops import mla_attention_triton as tri
     from srt_ascend.layers.ops.mla_attention import plan_kv_splits
 
-    print("batch  kv    triton_us  torch_us  ratio  hbm_floor_us  graph_us  graph_vs_eager")
+    rows = []
     for batch in (1, 8, 32):
         for kv in (512, 4096):
             args = make_decode(batch, kv, "cuda", torch.bfloat16)
@@ -66,38 +68,60 @@ def bench_cuda() -> None:
                 return torch.bmm(s, kvs[..., :R]).to(args[0].dtype)
 
             t_tri, t_torch = cuda_time(tri_fn), cuda_time(torch_fn)
-            floor = batch * kv * (R + P) * 2 / 4.8e12 * 1e6  # H200 HBM 4.8 TB/s
             graph = torch.cuda.CUDAGraph()
             tri_fn()
             with torch.cuda.graph(graph):
                 tri_fn()
-            t_graph = cuda_time(graph.replay)
-            print(f"{batch:5d} {kv:5d} {t_tri:10.1f} {t_torch:9.1f} {t_torch / t_tri:6.2f} "
-                  f"{floor:13.1f} {t_graph:9.1f} {t_tri / t_graph:14.2f}")  # fmt: skip
+            rows.append({
+                "batch": batch, "kv": kv, "triton_us": t_tri, "torch_us": t_torch,
+                "hbm_floor_us": batch * kv * (R + P) * 2 / 4.8e12 * 1e6,  # H200 HBM 4.8 TB/s
+                "graph_us": cuda_time(graph.replay),
+            })  # fmt: skip
+    return rows
 
 
-def check_cpu() -> None:
-    os.environ["TRITON_INTERPRET"] = "1"
+def check(device: str) -> list[dict]:
+    """The decode kernel against its reference on `device`: small fp32 shapes (on CPU under
+    Triton's interpreter, which must be chosen before the kernel module is first imported),
+    and on CUDA also DeepSeek-V3's shapes in bf16 with split KV."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
     from srt_ascend.layers.ops import mla_attention_triton as tri
     from srt_ascend.layers.ops.mla_attention import mla_attention_reference
 
-    for batch, kv in ((1, 100), (3, 40)):
-        args = make_decode(batch, kv, "cpu", torch.float32, h=4, r=32, p=8)
-        out = tri.mla_attention(*args, max_q_len=1, num_kv_splits=2)
-        err = (out - mla_attention_reference(*args)).abs().max().item()
-        print(f"interpreter check batch {batch} kv {kv}: max abs err {err:.2e}")
-        assert err < 1e-5
-    print("timings need a CUDA GPU: run `python benchmark/kernels.py` there")
+    cases = [(1, 100, torch.float32, dict(h=4, r=32, p=8), 2, 1e-5)]
+    cases += [(3, 40, torch.float32, dict(h=4, r=32, p=8), 1, 1e-5)]
+    if device == "cuda":
+        cases += [(8, 3000, torch.bfloat16, {}, 8, 2e-2)]
+    rows = []
+    for batch, kv, dtype, shape, splits, tol in cases:
+        args = make_decode(batch, kv, device, dtype, **shape)
+        out = tri.mla_attention(*args, max_q_len=1, num_kv_splits=splits)
+        err = (out.float() - mla_attention_reference(*args).float()).abs().max().item()
+        name = f"decode b{batch} kv{kv} {str(dtype)[6:]} splits {splits}"
+        rows.append({"case": name, "max_abs_err": err, "ok": err < tol})
+    return rows
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--check", action="store_true", help="CPU interpreter check only")
     a = parser.parse_args()
-    if a.check or not torch.cuda.is_available():
-        check_cpu()
+    device = "cpu" if a.check or not torch.cuda.is_available() else "cuda"
+    checks = check(device)
+    for row in checks:
+        print(
+            f"{row['case']}: max abs err {row['max_abs_err']:.2e} {'ok' if row['ok'] else 'FAIL'}"
+        )
+    if device == "cpu":
+        print("timings need a CUDA GPU: run `python benchmark/kernels.py` there")
     else:
-        bench_cuda()
+        print("batch  kv    triton_us  torch_us  ratio  hbm_floor_us  graph_us  graph_vs_eager")
+        for r in bench_cuda():
+            print(f"{r['batch']:5d} {r['kv']:5d} {r['triton_us']:10.1f} {r['torch_us']:9.1f} "
+                  f"{r['torch_us'] / r['triton_us']:6.2f} {r['hbm_floor_us']:13.1f} "
+                  f"{r['graph_us']:9.1f} {r['triton_us'] / r['graph_us']:14.2f}")  # fmt: skip
+    return 0 if all(r["ok"] for r in checks) else 1
 
 
 if __name__ == "__main__":

@@ -418,6 +418,7 @@ class Scheduler:
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
+            "graph_kv_window_replays": dict(graphs.window_replays) if graphs else {},
             **self.decoder.stats(),
         }
 

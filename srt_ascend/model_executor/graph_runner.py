@@ -5,6 +5,13 @@ largest bucket; buckets are captured largest first and share one memory pool. A 
 the batch into the buffers, pads it to the bucket (padding rows: KV length 0, padding slot 0),
 replays, and slices the real rows back out. Prefill stays eager.
 
+A replayed step costs what its live KV needs (DESIGN section 8). Kinds whose attention backend
+gathers the whole static KV window (torch_native) are also captured per KV window: powers of
+two from 64 up to half the req_to_token width, then the width itself, and a replay takes the
+smallest window that holds the batch's longest row. Backends whose op reads the lengths on the
+device (triton) or takes them from the host per replay (FIA) walk only the live KV, so one
+graph per batch bucket, over the full width, serves every length.
+
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion);
@@ -41,6 +48,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32)
+MIN_KV_WINDOW = 64
 
 
 def graph_buckets(requested: Sequence[int] | None, max_bs: int) -> list[int]:
@@ -50,6 +58,19 @@ def graph_buckets(requested: Sequence[int] | None, max_bs: int) -> list[int]:
         return sorted({b for b in requested if b <= max_bs} or {max_bs})
     sizes = {b for b in DEFAULT_BUCKETS if b <= max_bs} | set(range(48, max_bs + 1, 16))
     return sorted(sizes | {max_bs})
+
+
+def kv_windows(width: int, smallest: int = MIN_KV_WINDOW) -> list[int]:
+    """KV windows a kind that gathers its whole window is captured for: the powers of two from
+    `smallest` up to half of `width` (the req_to_token row), then `width`, so each window at
+    most doubles the one before it and none nearly repeats the full width; just [width] when
+    `width` < 2 * `smallest` (one window: the cost of the full context at every length)."""
+    windows = []
+    w = smallest
+    while 2 * w <= width:
+        windows.append(w)
+        w *= 2
+    return [*windows, width]
 
 
 def fia_spare_slots(bucket: int, k: int) -> int:
@@ -146,6 +167,7 @@ class GraphRunner:
         dtype: torch.dtype,
         buckets: Sequence[int],
         kinds: Sequence[GraphKind],
+        smallest_kv_window: int = MIN_KV_WINDOW,
     ) -> None:
         self.platform = platform
         self.eager_forward = eager_forward
@@ -153,12 +175,14 @@ class GraphRunner:
         self.buckets = sorted(buckets)
         self.kinds = self._capturable({k.name: k for k in kinds})
         self.static_kv_len = req_to_token_pool.req_to_token.shape[1]
+        self.windows = kv_windows(self.static_kv_len, smallest_kv_window)
         max_bs = self.buckets[-1]
         max_tokens = max(k.tokens_per_req for k in self.kinds.values()) * max_bs
         max_rows = max(self._num_rows(k, max_bs) for k in self.kinds.values())
         self.buf = _Buffers(max_tokens, max_rows, hidden_size, dtype, platform.device)
-        self.graphs: dict[tuple[str, int], _Captured] = {}
+        self.graphs: dict[tuple[str, int, int], _Captured] = {}  # (kind, bucket, KV window)
         self.replays: Counter[str] = Counter()  # per kind, reported in the internal state
+        self.window_replays: Counter[int] = Counter()  # per KV window, likewise
         self.pool = self.platform.graph_pool_handle()
         self.stream = self.platform.new_stream()
 
@@ -185,22 +209,32 @@ class GraphRunner:
         spare = fia_spare_slots(bs, kind.tokens_per_req - 1) if kind.host_lengths else 0
         return bs * kind.rows_per_req + spare
 
+    def kind_windows(self, kind: GraphKind) -> list[int]:
+        """The KV windows `kind` is captured for: one (the full width) unless its backend's
+        cost grows with the window."""
+        return self.windows if kind.backend.reads_whole_kv_window else [self.static_kv_len]
+
+    def graphs_per_kind(self) -> dict[str, int]:
+        return dict(Counter(name for name, _, _ in self.graphs))
+
     # capture ---------------------------------------------------------------------------
     @torch.inference_mode()
     def capture(self) -> None:
         self.platform.synchronize()  # static buffers were zeroed on the default stream
         for bs in reversed(self.buckets):  # largest first: later graphs fit in its pool
             for kind in self.kinds.values():
-                self.graphs[kind.name, bs] = self._capture_one(kind, bs)
+                for window in reversed(self.kind_windows(kind)):
+                    self.graphs[kind.name, bs, window] = self._capture_one(kind, bs, window)
         self.platform.synchronize()
         logger.info(
-            "captured %d graphs (%s) for batch sizes %s",
+            "captured %d graphs (%s) for batch sizes %s, KV windows %s",
             len(self.graphs),
-            ", ".join(self.kinds),
+            ", ".join(f"{name}: {n}" for name, n in self.graphs_per_kind().items()),
             self.buckets,
+            self.windows,
         )
 
-    def _static_batch(self, kind: GraphKind, bs: int) -> ForwardBatch:
+    def _static_batch(self, kind: GraphKind, bs: int, window: int) -> ForwardBatch:
         b = self.buf
         n_tok = bs * kind.tokens_per_req
         n_rows = self._num_rows(kind, bs)
@@ -222,11 +256,11 @@ class GraphRunner:
             req_to_token_pool=self.req_to_token_pool,
             token_to_kv_pool=self.kv_pool,
             attn_backend=kind.backend,
-            static_kv_len=self.static_kv_len,
+            static_kv_len=window,
         )
 
-    def _capture_one(self, kind: GraphKind, bs: int) -> _Captured:
-        fb = self._static_batch(kind, bs)
+    def _capture_one(self, kind: GraphKind, bs: int, window: int) -> _Captured:
+        fb = self._static_batch(kind, bs, window)
         hidden = self.buf.hidden[: fb.num_tokens] if kind.mtp_layer is not None else None
 
         def body() -> torch.Tensor:
@@ -254,6 +288,11 @@ class GraphRunner:
             return None
         return next(b for b in self.buckets if b >= reqs)
 
+    def _window(self, kind: GraphKind, fb: ForwardBatch) -> int:
+        """The smallest captured KV window of `kind` that holds the batch's longest row."""
+        longest = max(fb.seq_lens_cpu, default=0)
+        return next(w for w in self.kind_windows(kind) if w >= longest)
+
     def can_run(self, fb: ForwardBatch, kind: GraphKind) -> bool:
         return kind.name in self.kinds and self._bucket(kind, fb) is not None
 
@@ -275,7 +314,8 @@ class GraphRunner:
         bucket = self._bucket(kind, fb) if kind.name in self.kinds else None
         if bucket is None:
             return None
-        g = self.graphs[kind.name, bucket]
+        window = self._window(kind, fb)
+        g = self.graphs[kind.name, bucket, window]
         n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
         for dst, src, n, total in (
             (b.input_ids, fb.input_ids, n_tok, g.num_tokens),
@@ -304,4 +344,5 @@ class GraphRunner:
             }
         g.graph.replay(host)
         self.replays[kind.name] += 1
+        self.window_replays[window] += 1
         return g.out[:n_tok].clone()

@@ -15,7 +15,12 @@ from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.forward_batch import ForwardBatch
-from srt_ascend.model_executor.graph_runner import GraphKind, GraphRunner, graph_buckets
+from srt_ascend.model_executor.graph_runner import (
+    MIN_KV_WINDOW,
+    GraphKind,
+    GraphRunner,
+    graph_buckets,
+)
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
@@ -86,9 +91,13 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(server_args.attention_backend)
         self.graph_runner: GraphRunner | None = None
 
-    def capture_graphs(self, kinds: list[GraphKind]) -> None:
-        """Captures `kinds` per batch-size bucket, where graphs are on (`--disable-cuda-graph`,
-        `--enable-cpu-graph`, the platform's default); otherwise does nothing."""
+    def capture_graphs(
+        self, kinds: list[GraphKind], smallest_kv_window: int = MIN_KV_WINDOW
+    ) -> None:
+        """Captures `kinds` per batch-size bucket (and per KV window from `smallest_kv_window`
+        for kinds whose attention gathers the whole window), where graphs are on
+        (`--disable-cuda-graph`, `--enable-cpu-graph`, the platform's default); otherwise
+        does nothing."""
         args = self.server_args
         if not args.graphs_enabled(self.platform) or not kinds:
             return
@@ -103,6 +112,7 @@ class ModelRunner:
                 args.cuda_graph_bs, min(args.cuda_graph_max_bs, args.max_running_requests)
             ),
             kinds,
+            smallest_kv_window,
         )
         self.graph_runner.capture()
 

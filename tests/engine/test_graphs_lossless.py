@@ -1,14 +1,17 @@
 """The lossless invariant with graphs on: greedy outputs (float32, shipped checkpoint) are
 token-identical to eager decoding without speculation, for plain decode and for MTP with
 either verify path, while batches move between captured buckets and eager (too large)
-batches. On CPU the graphs are eager replays over the graph runner's static buffers."""
+batches, and while the KV window a torch_native graph gathers changes with the batch's longest
+row (windows 64, 128, 256, then the whole 529-wide row; the prompts run 11..122 tokens plus 16
+new ones). On CPU the graphs are eager replays over the graph runner's static buffers."""
 
 from __future__ import annotations
 
 import pytest
 from lossless import assert_same_greedy, run
 
-# 12 running requests: full batches run eagerly (> 8), shrinking ones replay buckets 1-8.
+# 12 running requests: full batches run eagerly (> 8), shrinking ones replay buckets 1-8;
+# plain decode runs 8 at most, so every step replays and its batches cross KV windows.
 GRAPHS = {
     "enable_cpu_graph": True,
     "cuda_graph_bs": (1, 2, 4, 8),
@@ -16,28 +19,33 @@ GRAPHS = {
     "max_running_requests": 12,
 }
 SPEC = {"speculative_algorithm": "MTP"}
-CONFIGS = {
-    "decode": ({}, {"decode"}),
+CONFIGS = {  # name: (server args, kinds that must replay, KV windows that must be replayed)
+    "decode": ({"max_running_requests": 8}, {"decode"}, {64, 128}),
     "mtp-k1-expand": (
         {**SPEC, "speculative_verify": "expand"},
         {"verify_expand", "draft_extend"},
+        set(),
     ),
     "mtp-k2-fia": (
         {**SPEC, "speculative_num_steps": 2},
         {"verify_fia", "draft_extend", "draft_step0"},
+        set(),
     ),
     "mtp-k3-fia-page4-chunked": (
         {**SPEC, "speculative_num_steps": 3, "page_size": 4, "chunked_prefill_size": 64},
         {"verify_fia", "draft_extend", "draft_step0"},
+        set(),
     ),
 }
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_with_graphs(model_path, baseline, name):
-    extra, kinds = CONFIGS[name]
-    outs, state = run(model_path, **GRAPHS, **extra)
+    extra, kinds, windows = CONFIGS[name]
+    outs, state = run(model_path, **{**GRAPHS, **extra})
     assert_same_greedy(name, outs, baseline)
     replays = state["graph_replays"]
     assert state["graph_batch_sizes"] == [1, 2, 4, 8]
     assert kinds <= {k for k, n in replays.items() if n > 0}, replays
+    replayed = state["graph_kv_window_replays"]
+    assert windows <= {w for w, n in replayed.items() if n > 0}, replayed

@@ -13,9 +13,11 @@ from srt_ascend.decoding import DecoderHandles
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import (
+    MIN_KV_WINDOW,
     fia_padded_query_lens,
     fia_spare_slots,
     graph_buckets,
+    kv_windows,
 )
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms import get_platform
@@ -64,6 +66,13 @@ def test_fia_padding_rule_holds_for_random_mixes():
         assert all(0 <= q <= MAX_QUERY_TOKENS_PER_REQ for q in lens)
 
 
+def test_kv_windows_double_up_to_the_full_width():
+    assert kv_windows(4096 + 17) == [64, 128, 256, 512, 1024, 2048, 4113]
+    assert kv_windows(529) == [64, 128, 256, 529]
+    assert kv_windows(127) == [127]  # no window nearly repeats the full width
+    assert kv_windows(4113, smallest=4113) == [4113]  # one window: the full context
+
+
 @pytest.mark.parametrize(
     ("q_lens", "slots", "total", "message"),
     [
@@ -82,9 +91,12 @@ def test_fia_padding_rejects_what_cannot_fit(q_lens, slots, total, message):
 K = 3
 
 
-def make_runner(path: str, verify: str, page_size: int = 1) -> ModelRunner:
+def make_runner(
+    path: str, verify: str, page_size: int = 1, smallest_kv_window: int = MIN_KV_WINDOW
+) -> ModelRunner:
     """A runner with the graphs the MTP decoder captures (the decoder's kinds are reachable
-    as `runner.kinds`)."""
+    as `runner.kinds`). Its req_to_token rows are 48 + 17 wide: with the default smallest KV
+    window (64) every kind has one window."""
     args = ServerArgs(
         model_path=path,
         dtype="float32",
@@ -100,18 +112,21 @@ def make_runner(path: str, verify: str, page_size: int = 1) -> ModelRunner:
     )
     runner = ModelRunner(args, get_platform("cpu"))
     decoder = MTPDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
-    runner.capture_graphs(decoder.graph_kinds())
+    runner.capture_graphs(decoder.graph_kinds(), smallest_kv_window)
     runner.kinds = {kind.name: kind for kind in decoder.graph_kinds()}
     return runner
 
 
 class Requests:
     """Three requests with prompts of different lengths, prefilled eagerly (main model and
-    MTP layers), each owning its own pages for `cap` positions."""
+    MTP layers), each owning its own pages for `cap` positions. Without `prefill`, the
+    prompts' KV is random latents instead (replay == eager holds for any KV)."""
 
-    def __init__(self, runner: ModelRunner, lens=(5, 11, 8), cap: int = 32, seed: int = 0):
+    def __init__(
+        self, runner: ModelRunner, lens=(5, 11, 8), cap: int = 32, seed: int = 0, prefill=True
+    ):
         g = torch.Generator().manual_seed(seed)
-        self.runner, self.lens = runner, list(lens)
+        self.runner, self.lens, self.gen = runner, list(lens), g
         self.rows = runner.req_to_token_pool.alloc(len(lens))
         self.slots = []
         for row in self.rows:
@@ -120,11 +135,17 @@ class Requests:
             self.slots.append(slots)
         ids = torch.randint(3, runner.vocab_size, (sum(lens),), generator=g)
         loc = torch.cat([s[:n] for s, n in zip(self.slots, lens)])
+        if not prefill:
+            pool = runner.kv_pool
+            for layer in range(runner.num_layers):
+                c_kv = torch.randn(len(loc), pool.kv_lora_rank, generator=g)
+                k_pe = torch.randn(len(loc), pool.qk_rope_head_dim, generator=g)
+                pool.set_mla_kv_buffer(layer, loc, c_kv, k_pe)
+            return
         fb = runner.build_forward_batch(ForwardMode.EXTEND, ids, self.rows, lens, lens, loc)
         hidden = runner.forward(fb)
         fb = runner.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, self.rows, lens, lens, loc)
         runner.forward_mtp(fb, hidden, 0)
-        self.gen = g
 
     def batch(self, kind: str, q_lens=None):
         """The ForwardBatch a kind replays, for the requests' next positions."""
@@ -194,7 +215,7 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
         # Same replay with garbage in every padding row (ids, positions, hidden, KV lengths,
         # request rows): real rows are bit-identical, and no KV outside slot 0 and the real
         # tokens' slots changes.
-        g = gr.graphs[name, 4]
+        g = gr.graphs[name, 4, gr.static_kv_len]
         kv = [runner.kv_pool.get_key_buffer(i).clone() for i in range(runner.num_layers)]
         b, n_tok, n_rows = gr.buf, fb.num_tokens, fb.batch_size
         b.input_ids[n_tok : g.num_tokens].random_(3, runner.vocab_size, generator=reqs.gen)
@@ -214,6 +235,52 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
         for s in reqs.slots:
             runner.allocator.free(s)
         runner.req_to_token_pool.free(reqs.rows)
+
+
+def test_replay_gathers_only_the_window_its_longest_row_needs(tiny_mtp_factory):
+    """torch_native kinds are captured per KV window (16, 32, then the whole 65-wide row): a
+    replay takes the smallest window that holds its longest row, gathers only that window, and
+    equals eager on both sides of each window edge; FIA (host lengths) keeps one window."""
+    runner = make_runner(tiny_mtp_factory(num_mtp=2).path, "fia", smallest_kv_window=16)
+    gr = runner.graph_runner
+    assert gr.windows == [16, 32, 65]
+    assert gr.graphs_per_kind() == {
+        "decode": 6,
+        "verify_fia": 2,
+        "draft_extend": 6,
+        "draft_step1": 6,
+    }
+    cases = [  # (prompt lengths, decode's window, draft_extend's window: 1+K more positions)
+        ((5, 15, 8), 16, 32),
+        ((5, 16, 8), 32, 32),
+        ((29, 9), 32, 65),
+        ((60, 40, 2), 65, 65),
+    ]
+    for lens, decode_window, extend_window in cases:
+        reqs = Requests(runner, lens=lens, cap=64)
+        try:
+            for kind, layer, window in (
+                ("decode", None, decode_window),
+                ("draft_extend", 0, extend_window),
+                ("verify_fia", None, gr.static_kv_len),
+            ):
+                fb = reqs.batch(kind)
+                hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, generator=reqs.gen)
+                hidden = hidden if layer is not None else None
+                graph_kind = reqs.kind(kind)
+                before = gr.window_replays[window]
+                replayed = gr.replay(fb, graph_kind, hidden)
+                assert gr.window_replays[window] == before + 1, (lens, kind)
+                bucket = 4 if len(lens) > 2 else 2
+                meta = gr.graphs[graph_kind.name, bucket, window].fb.attn_metadata
+                if kind != "verify_fia":
+                    assert meta.kv_slots.shape[1] == window  # the KV gathered per layer
+                eager = runner.forward_eager(fb, layer, hidden)
+                torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
+        finally:
+            for s in reqs.slots:
+                runner.allocator.free(s)
+            runner.req_to_token_pool.free(reqs.rows)
 
 
 def test_batches_a_graph_cannot_hold_run_eagerly(runners):

@@ -35,6 +35,11 @@ class AttentionBackend(ABC):
     supports_static_shapes: bool = False
     # Whether it hands host-side lists to its op (refreshed at each graph replay).
     uses_host_lengths: bool = False
+    # Whether, under static shapes, its work grows with the static KV window rather than with
+    # the rows' live KV lengths (it gathers the whole window): the graph runner then captures
+    # per KV-window bucket too. An op that reads the lengths on the device, or takes them from
+    # the host per replay, walks only the live KV: one capture per batch bucket serves all.
+    reads_whole_kv_window: bool = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-batch index tensors once, before the layers run (optional)."""

@@ -63,6 +63,7 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
 @register_attention_backend("torch_native")
 class TorchNativeMLABackend(AttentionBackend):
     supports_static_shapes = True
+    reads_whole_kv_window = True  # gathers [B, static_kv_len] slots per layer
 
     def __init__(self, **_: object) -> None:
         pass
