@@ -8,7 +8,8 @@ token at position L-1+j, whose logits predict position L+j):
   request's req_to_token row with seq_len L, L+1, ..., L+K; only 1-query decode attention,
   through the runner's attention backend;
 - fia (vllm-ascend's approach): one row of K+1 query tokens per request through the FIA
-  backend (TND, sparse_mode 3), at most 16 tokens per request.
+  backend (TND, sparse_mode 3), at most 16 tokens per request; where the runner's backend
+  runs multi-query rows itself (triton on CUDA), through it, so the layout is captured too.
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ class BatchExpansionVerify(VerifyStrategy):
 @VERIFY_STRATEGIES.register("fia")
 class MultiQueryFiaVerify(VerifyStrategy):
     def _backend(self, runner):
+        if runner.attn_backend.serves_multi_query_verify:  # e.g. triton on CUDA
+            return runner.attn_backend
         import srt_ascend.layers.attention.fia_backend  # noqa: F401  (registers "fia")
 
         return create_attention_backend("fia")

@@ -40,6 +40,9 @@ class AttentionBackend(ABC):
     # per KV-window bucket too. An op that reads the lengths on the device, or takes them from
     # the host per replay, walks only the live KV: one capture per batch bucket serves all.
     reads_whole_kv_window: bool = False
+    # Whether it runs the multi-query verify layout (1+K causal query tokens per row) itself,
+    # capturable: then that layout needs no FIA op on this device.
+    serves_multi_query_verify: bool = False
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-batch index tensors once, before the layers run (optional)."""

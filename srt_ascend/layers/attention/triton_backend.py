@@ -33,6 +33,7 @@ class TritonMetadata:
 @register_attention_backend("triton")
 class TritonMLABackend(AttentionBackend):
     supports_static_shapes = True
+    serves_multi_query_verify = True
 
     def __init__(self, **_: object) -> None:
         from srt_ascend.layers.ops import kv_cache_triton, mla_attention_triton
