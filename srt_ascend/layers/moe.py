@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, linear
 from srt_ascend.layers.weight_stack import WeightStack
 
@@ -152,7 +153,12 @@ class RoutedExperts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config) -> None:
+    """Under tensor parallelism every rank holds every expert, with its share of each
+    expert's intermediate rows (gate/up column-parallel, down row-parallel; the shared expert
+    the same way); the router is replicated, so every rank routes alike. The output is a
+    partial sum that the caller all-reduces (one all-reduce for routed + shared)."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.gate = TopkRouter(
             config.hidden_size,
@@ -163,11 +169,10 @@ class DeepseekMoE(nn.Module):
             bool(config.norm_topk_prob),
             float(config.routed_scaling_factor),
         )
-        self.experts = RoutedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        )
+        inter = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
+        self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, inter)
         self.shared_experts = (
-            DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            DenseMLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
             else None
         )
