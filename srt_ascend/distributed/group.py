@@ -98,6 +98,13 @@ class TPGroup:
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
 
+    def barrier(self) -> None:
+        """Returns once every rank has reached it."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.cpu_group)
+
     def destroy(self) -> None:
         if self.size > 1:
             import torch.distributed as dist

@@ -49,7 +49,8 @@ def dist_init_of(args: ServerArgs) -> DistInit:
 def build_scheduler(
     args: ServerArgs, platform: Platform, tokenizer, emit, tp: TPGroup = SINGLE
 ) -> Scheduler:
-    """One rank's model, KV pools, graphs and scheduler, built in the thread that runs them.
+    """One rank's model, KV pools, graphs and scheduler, built in the thread that runs them;
+    returns once every rank has built its own (so the server listens only when all can run).
     Seeds torch with --random-seed (the same on every rank: unseeded sampling draws alike)."""
     import torch
 
@@ -64,7 +65,9 @@ def build_scheduler(
     eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     if tokenizer.eos_token_id is not None:
         eos_ids.append(tokenizer.eos_token_id)
-    return Scheduler(args, runner, StopChecker(tokenizer, eos_ids), emit)
+    scheduler = Scheduler(args, runner, StopChecker(tokenizer, eos_ids), emit)
+    tp.barrier()
+    return scheduler
 
 
 def fail_fast(message: str) -> None:
