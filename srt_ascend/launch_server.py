@@ -71,7 +71,7 @@ def resolve_device_settings(server_args: ServerArgs, device_type: str) -> Server
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         fail(f"cannot load the model from {args.model_path!r}: {e}")
         raise
-    problem = tp_shape_problem(cfg, args.tp_size)
+    problem = tp_shape_problem(cfg, args.tp_size, args.ep_size > 1)
     if problem:
         fail(problem)
     try:

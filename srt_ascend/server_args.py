@@ -47,6 +47,7 @@ class ServerArgs:
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
     # parallelism
     tp_size: int = 1
+    ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
     dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
     nnodes: int = 1
     node_rank: int = 0
@@ -175,6 +176,11 @@ class ServerArgs:
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
             raise ValueError("--tp-size must be >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are partitioned "
+                f"over the tensor-parallel ranks, got {self.ep_size}"
+            )
         if self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"--nnodes ({self.nnodes}) must be >= 1 and divide --tp-size ({self.tp_size})"
@@ -343,6 +349,16 @@ class ServerArgs:
             default=1,
             help="tensor-parallel ranks: one scheduler/model process each (attention heads, "
             "MLP and expert intermediate rows, vocabulary split across them)",
+        )
+        a(
+            "--ep-size",
+            "--expert-parallel-size",
+            dest="ep_size",
+            type=int,
+            default=1,
+            help="expert parallelism: 1, or --tp-size to partition the routed experts over "
+            "the tensor-parallel ranks (each holds whole experts; the shared expert is "
+            "replicated) instead of splitting every expert's intermediate rows",
         )
         a(
             "--dist-init-addr",

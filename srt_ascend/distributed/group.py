@@ -44,6 +44,9 @@ class DistInit:
 class TPGroup:
     rank: int = 0
     size: int = 1
+    # --ep-size = --tp-size: each rank holds E / size whole routed experts (expert
+    # parallelism) instead of every expert's share of intermediate rows.
+    expert_parallel: bool = False
     device_group: Any = None  # torch.distributed ProcessGroup for tensors
     cpu_group: Any = None  # gloo ProcessGroup for Python objects
     # Collectives run by this rank since start: name -> [calls, bytes sent in]. Counted on the
@@ -116,7 +119,9 @@ class TPGroup:
 SINGLE = TPGroup()
 
 
-def init_tp_group(dist_init: DistInit, local_rank: int, backend: str) -> TPGroup:
+def init_tp_group(
+    dist_init: DistInit, local_rank: int, backend: str, expert_parallel: bool = False
+) -> TPGroup:
     """Joins the group as this node's `local_rank` (blocks until every rank has joined)."""
     import torch.distributed as dist
 
@@ -126,4 +131,4 @@ def init_tp_group(dist_init: DistInit, local_rank: int, backend: str) -> TPGroup
     )
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    return TPGroup(rank, dist_init.world_size, world, cpu_group)
+    return TPGroup(rank, dist_init.world_size, expert_parallel, world, cpu_group)

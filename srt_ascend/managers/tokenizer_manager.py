@@ -88,7 +88,8 @@ class TokenizerManager:
         there is one), then model load, KV pools, graph capture."""
         tp = SINGLE
         if self.dist_init is not None:
-            tp = init_tp_group(self.dist_init, 0, self.platform.dist_backend)
+            ep = self.args.ep_size > 1
+            tp = init_tp_group(self.dist_init, 0, self.platform.dist_backend, ep)
         return build_scheduler(self.args, self.platform, self.tokenizer, self._on_outputs, tp)
 
     # ---- scheduler -> asyncio -----------------------------------------------------------------

@@ -149,7 +149,7 @@ def run_rank(args: ServerArgs, dist_init: DistInit, local_rank: int, parent_pid:
         platform = get_platform(args.device)
         platform.set_device(local_rank)
         args = args.for_device(platform.name)
-        tp = init_tp_group(dist_init, local_rank, platform.dist_backend)
+        tp = init_tp_group(dist_init, local_rank, platform.dist_backend, args.ep_size > 1)
         scheduler = build_scheduler(args, platform, load_tokenizer(args.tokenizer), _drop, tp)
         scheduler.run_forever()
     except BaseException:  # noqa: BLE001 - reported, then the process ends with code 1

@@ -6,7 +6,9 @@ and are skipped. Block-FP8 weights (`weight` float8_e4m3fn + `weight_scale_inv`)
 dequantised on load. A missing, unexpected or mis-shaped tensor is an error naming it.
 
 Under tensor parallelism each rank builds its shard of the model and keeps its slice of each
-split tensor (`TP_SPLITS`); everything else is loaded whole on every rank.
+split tensor (`TP_SPLITS`); everything else is loaded whole on every rank. Under expert
+parallelism a rank loads its own routed experts whole, skips the others', and loads the shared
+expert whole.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _IGNORED = re.compile(
     r"(rotary_emb\.inv_freq|\.weight_scale_inv|\.input_scale|\.activation_scale)$"
 )
 
+_MOE_EXPERT = re.compile(r"\.mlp\.(experts|shared_experts)\.")  # whole under expert parallelism
 # Checkpoint tensors tensor parallelism splits, and the dim a rank takes its 1/tp slice of.
 TP_SPLITS = (
     (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$"), 0),  # attention heads' rows
@@ -42,22 +45,25 @@ TP_SPLITS = (
 )
 
 
-def tp_shape_problem(config, tp_size: int) -> str | None:
+def tp_shape_problem(config, tp_size: int, expert_parallel: bool = False) -> str | None:
     """Why the model cannot be split over `tp_size` ranks (a size that does not divide), or
     None."""
     sizes = {
         "num_attention_heads": config.num_attention_heads,
         "intermediate_size": config.intermediate_size,
-        "moe_intermediate_size": config.moe_intermediate_size,
         "vocab_size": config.vocab_size,
     }
+    if expert_parallel:
+        sizes["n_routed_experts"] = config.n_routed_experts
+    else:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
     bad = [f"{k} {v}" for k, v in sizes.items() if v % tp_size]
     return f"--tp-size {tp_size} does not divide the model's {', '.join(bad)}" if bad else None
 
 
 def tp_slice(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` (the whole tensor when it is replicated)."""
-    if tp.size == 1:
+    if tp.size == 1 or (tp.expert_parallel and _MOE_EXPERT.search(name)):
         return tensor
     for pattern, dim in TP_SPLITS:
         if pattern.search(name):
@@ -179,16 +185,25 @@ class WeightLoader:
 
     def _expand(self, name: str, t: torch.Tensor):
         """Stacked expert tensors expand into the checkpoint's per-expert names."""
+        first = self.tp.rank * t.shape[0] if self.tp.expert_parallel else 0  # model's ids
         if name.endswith(".experts.w13"):
             base, inter = name[: -len(".w13")], t.shape[1] // 2
             for e in range(t.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
-                yield f"{base}.{e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
+                yield f"{base}.{first + e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
+                yield f"{base}.{first + e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
         elif name.endswith(".experts.w2"):
             for e in range(t.shape[0]):
-                yield f"{name[: -len('.w2')]}.{e}.down_proj.weight", _Target(t, (e,))
+                yield f"{name[: -len('.w2')]}.{first + e}.down_proj.weight", _Target(t, (e,))
         else:
             yield name, _Target(t)
+
+    def _other_ranks_expert(self, name: str) -> bool:
+        """A routed expert another rank holds (expert parallelism)."""
+        m = _EXPERT.match(name)
+        if not (self.tp.expert_parallel and self.tp.size > 1 and m):
+            return False
+        n = self.model.config.n_routed_experts // self.tp.size
+        return int(m.group(2)) // n != self.tp.rank
 
     def _is_shared_copy(self, name: str) -> bool:
         m = _LAYER.match(name)
@@ -206,6 +221,8 @@ class WeightLoader:
             if self.mtp is None and m and int(m.group(1)) >= self.num_layers:
                 continue  # MTP weights present but speculative decoding off
             target = self.pending.pop(name, None)
+            if target is None and self._other_ranks_expert(name):
+                continue
             if target is None:
                 raise CheckpointError(f"unexpected tensor in checkpoint: {name}")
             dst = target.tensor[target.index] if target.index else target.tensor

@@ -1,6 +1,7 @@
 """`--tp-size 2` on CPU (gloo): two scheduler/model processes give token for token the float32
 greedy outputs of one process, with MTP off and with K = 2 drafts verified both ways, the
-radix cache on; and killing a rank ends the server with an error line within seconds."""
+radix cache on; so does `--ep-size 2` (experts partitioned, in the main model and the MTP
+block) with K = 2 FIA; and killing a rank ends the server with an error line within seconds."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ CONFIGS = {
     "plain": (),
     "mtp-expand": (*MTP, "--speculative-verify", "expand"),
     "mtp-fia": (*MTP, "--speculative-verify", "fia"),
+    "ep-mtp-fia": ("--ep-size", "2", *MTP, "--speculative-verify", "fia"),
 }
 
 
@@ -49,7 +51,8 @@ def test_tp2_greedy_equals_one_process(server, tp_server):
     assert _generate(tp_server)[0] == expected
     again, cached = _generate(tp_server)
     assert again == expected and min(cached) > 0  # the second round hit the radix cache
-    assert tp_server.get("/server_info").json()["tp_size"] == 2
+    info = tp_server.get("/server_info").json()
+    assert info["tp_size"] == 2 and info["ep_size"] in (1, 2)
 
 
 @pytest.mark.parametrize("tp_server", ["mtp-fia"], indirect=True)
