@@ -55,8 +55,8 @@ def test_tp2_greedy_equals_one_process(server, tp_server):
     assert info["tp_size"] == 2 and info["ep_size"] in (1, 2)
 
 
-@pytest.mark.parametrize("tp_server", ["mtp-fia"], indirect=True)
 def test_killing_a_rank_stops_the_server_with_an_error(tp_server):
+    """Runs after each config's parity test, on the same server (which it ends)."""
     pid = int(re.search(r"started tensor-parallel rank 1 \(pid (\d+)\)", tp_server.log())[1])
     start = time.monotonic()
     os.kill(pid, signal.SIGKILL)
