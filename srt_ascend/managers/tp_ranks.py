@@ -92,14 +92,14 @@ class RankProcesses:
         first = 1 if dist_init.node_rank == 0 else 0  # rank 0 is the serving process
         self.procs = []
         for local_rank in range(first, dist_init.ranks_per_node):
+            rank = dist_init.rank_of(local_rank)
             p = ctx.Process(
                 target=run_rank,
                 args=(args, dist_init, local_rank, os.getpid()),
-                name=f"srt-tp-rank-{dist_init.rank_of(local_rank)}",
+                name=f"srt-tp-rank-{rank}",
                 daemon=True,
             )
             p.start()
-            rank = dist_init.rank_of(local_rank)
             logger.info("started tensor-parallel rank %d (pid %d)", rank, p.pid)
             self.procs.append(p)
         self.stopping = False
