@@ -1,7 +1,8 @@
 """`--tp-size 2` on CPU (gloo): two scheduler/model processes give token for token the float32
 greedy outputs of one process, with MTP off and with K = 2 drafts verified both ways, the
 radix cache on; so does `--ep-size 2` (experts partitioned, in the main model and the MTP
-block) with K = 2 FIA; and killing a rank ends the server with an error line within seconds."""
+block) with K = 2 FIA; a client that leaves mid-stream is aborted on every rank; and killing
+a rank ends the server with an error line within seconds."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import subprocess
 import time
 
 import pytest
+import requests
 from conftest import running_server
 
 # Shared prefixes, sent twice: the second round is served from the radix cache.
@@ -53,6 +55,25 @@ def test_tp2_greedy_equals_one_process(server, tp_server):
     assert again == expected and min(cached) > 0  # the second round hit the radix cache
     info = tp_server.get("/server_info").json()
     assert info["tp_size"] == 2 and info["ep_size"] in (1, 2)
+
+
+def test_client_leaving_mid_stream_is_aborted_on_every_rank(server, tp_server):
+    """The abort reaches every rank at the same step: the server goes idle, and the ranks
+    still agree afterwards (they would hang or diverge otherwise)."""
+    body = {
+        "text": PROMPTS[0],
+        "stream": True,
+        "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+    }
+    with requests.post(tp_server.url + "/generate", json=body, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        next(line for line in r.iter_lines() if line.startswith(b"data: "))
+    state = tp_server.wait_idle()
+    assert (
+        state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+        == (state["max_total_num_tokens"])
+    )
+    assert _generate(tp_server)[0] == _generate(server)[0]
 
 
 def test_killing_a_rank_stops_the_server_with_an_error(tp_server):
