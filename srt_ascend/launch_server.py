@@ -59,7 +59,7 @@ def resolve_device_settings(server_args: ServerArgs, device_type: str) -> Server
         UnsupportedOnDevice,
         resolve_attention_plan,
     )
-    from srt_ascend.models.loader import load_config
+    from srt_ascend.models.loader import load_config, tp_shape_problem
 
     try:
         args = server_args.for_device(device_type)
@@ -71,10 +71,13 @@ def resolve_device_settings(server_args: ServerArgs, device_type: str) -> Server
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         fail(f"cannot load the model from {args.model_path!r}: {e}")
         raise
+    problem = tp_shape_problem(cfg, args.tp_size, args.ep_size > 1)
+    if problem:
+        fail(problem)
     try:
         plan = resolve_attention_plan(
             device_type,
-            cfg.num_attention_heads,
+            cfg.num_attention_heads // args.tp_size,
             cfg.kv_lora_rank,
             cfg.qk_rope_head_dim,
             args.page_size,
@@ -196,12 +199,24 @@ def main(argv: list[str] | None = None) -> None:
     run(prepare_server_args(argv))
 
 
+def serve_ranks_only(server_args: ServerArgs) -> None:
+    """A node other than node 0 (--node-rank > 0) serves no HTTP: it runs its share of the
+    tensor-parallel ranks until node 0's leader stops them."""
+    from srt_ascend.managers.tp_ranks import RankProcesses, dist_init_of, fail_fast
+
+    logger.info("node %d of %d: running ranks only", server_args.node_rank, server_args.nnodes)
+    RankProcesses(server_args, dist_init_of(server_args), fail_fast).wait()
+
+
 def run(server_args: ServerArgs) -> None:
     """Runs the server for already-parsed settings until it is stopped (also used by the
     SGLang launcher plugin, `srt_ascend.sglang_plugin`)."""
     configure_logging(server_args)
     device_type = check_device(server_args.device)  # before anything is loaded or logged
     server_args = resolve_device_settings(server_args, device_type)
+    if server_args.node_rank > 0:
+        serve_ranks_only(server_args)
+        return
     check_port(server_args.host, server_args.port)
     tokenizer_manager = build_tokenizer_manager(server_args)
     import uvicorn

@@ -48,6 +48,12 @@ class ServerArgs:
     enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
     enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
+    # parallelism
+    tp_size: int = 1
+    ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
+    dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
+    nnodes: int = 1
+    node_rank: int = 0
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -168,8 +174,30 @@ class ServerArgs:
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
             raise ValueError("--cuda-graph-bs sizes must be >= 1")
+        self._check_parallel()
         if self.spec_enabled:
             self._check_speculative()
+
+    def _check_parallel(self) -> None:
+        if self.tp_size < 1:
+            raise ValueError("--tp-size must be >= 1")
+        if self.ep_size not in (1, self.tp_size):
+            raise ValueError(
+                f"--ep-size must be 1 or --tp-size ({self.tp_size}): experts are partitioned "
+                f"over the tensor-parallel ranks, got {self.ep_size}"
+            )
+        if self.nnodes < 1 or self.tp_size % self.nnodes:
+            raise ValueError(
+                f"--nnodes ({self.nnodes}) must be >= 1 and divide --tp-size ({self.tp_size})"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm != "MTP":
@@ -333,6 +361,40 @@ class ServerArgs:
             choices=["log", "fatal"],
             help="when the scheduler goes idle it checks that every KV slot and request row is "
             "free or owned by the prefix cache; log a mismatch, or stop the scheduler (tests)",
+        )
+        a(
+            "--tp-size",
+            "--tensor-parallel-size",
+            dest="tp_size",
+            type=int,
+            default=1,
+            help="tensor-parallel ranks: one scheduler/model process each (attention heads, "
+            "MLP and expert intermediate rows, vocabulary split across them)",
+        )
+        a(
+            "--ep-size",
+            "--expert-parallel-size",
+            dest="ep_size",
+            type=int,
+            default=1,
+            help="expert parallelism: 1, or --tp-size to partition the routed experts over "
+            "the tensor-parallel ranks (each holds whole experts; the shared expert is "
+            "replicated) instead of splitting every expert's intermediate rows",
+        )
+        a(
+            "--dist-init-addr",
+            "--nccl-init-addr",
+            dest="dist_init_addr",
+            default=None,
+            help="HOST:PORT where the ranks meet (torch.distributed TCP rendezvous on node 0; "
+            "default: a free port on 127.0.0.1, one node only)",
+        )
+        a("--nnodes", type=int, default=1, help="nodes the --tp-size ranks are spread over")
+        a(
+            "--node-rank",
+            type=int,
+            default=0,
+            help="this node's index (0: the node that serves HTTP; others run ranks only)",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, linear
 from srt_ascend.layers.weight_stack import WeightStack
 
@@ -82,11 +83,23 @@ class RoutedExperts(nn.Module):
     The loader maps checkpoint names `experts.{e}.gate_proj/up_proj/down_proj` into these rows.
     The dense path also takes the stacks explicitly (`stacks`): DeepseekMoE passes them with
     the shared expert appended as an extra row once it is fused (`fuse_weights`).
+
+    Under expert parallelism a rank holds the E experts `first_expert` .. first_expert + E - 1
+    of the model's; the routing ids stay the model's, and a token's assignments to other
+    ranks' experts contribute nothing here (the caller's all-reduce adds them).
     """
 
-    def __init__(self, n_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        first_expert: int = 0,
+        partitioned: bool = False,
+    ) -> None:
         super().__init__()
         self.n_experts, self.intermediate_size = n_experts, intermediate_size
+        self.first_expert, self.partitioned = first_expert, partitioned
         self.w13 = nn.Parameter(torch.empty(n_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden_size, intermediate_size))
 
@@ -106,6 +119,14 @@ class RoutedExperts(nn.Module):
             return self.forward_dense(x, topk_weights, topk_ids)
         return self.forward_sparse(x, topk_weights, topk_ids)
 
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The model's expert ids as rows of this rank's stack, n_experts for another
+        rank's expert (the ids themselves without expert parallelism)."""
+        if not self.partitioned:
+            return topk_ids
+        local = topk_ids - self.first_expert
+        return local.masked_fill((local < 0) | (local >= self.n_experts), self.n_experts)
+
     @staticmethod
     def use_dense(assignments: int, rows: int, static_shapes: bool) -> bool:
         """The dispatch rule of `forward` for this many (token, expert) pairs over `rows`."""
@@ -117,16 +138,18 @@ class RoutedExperts(nn.Module):
         """Token copies are sorted by expert, each expert runs once over its contiguous slice,
         and the results are put back in (token, k) order and summed: no scatter-add."""
         t, k = topk_ids.shape
-        flat_ids = topk_ids.flatten()  # [T*k]
+        flat_ids = self.local_ids(topk_ids).flatten()  # [T*k]; other ranks' experts sort last
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        counts = torch.bincount(flat_ids, minlength=self.n_experts + 1).tolist()
         xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
         outs, start = [], 0
-        for e, n in enumerate(counts):
+        for e, n in enumerate(counts[: self.n_experts]):
             if n:
                 gate, up = linear(xs[start : start + n], self.w13[e]).chunk(2, dim=-1)
                 outs.append(linear(F.silu(gate) * up, self.w2[e]))
                 start += n
+        if counts[-1] or not outs:  # assignments to other ranks' experts add nothing here
+            outs.append(x.new_zeros(counts[-1], x.shape[-1]))
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
         return unsorted.view(t, k, -1).sum(1).to(x.dtype)
@@ -143,8 +166,9 @@ class RoutedExperts(nn.Module):
         unchosen experts): no routing-dependent shapes or host syncs."""
         w13, w2 = stacks or (self.w13, self.w2)
         n, t, inter = w13.shape[0], x.shape[0], self.intermediate_size
-        weights = torch.zeros(t, n, device=x.device)
-        weights.scatter_(1, topk_ids, topk_weights.float())  # [T, E] float32, as sparse
+        weights = torch.zeros(t, n + 1, device=x.device)  # column n: other ranks' experts
+        weights.scatter_(1, self.local_ids(topk_ids), topk_weights.float())
+        weights = weights[:, :n]  # [T, E] float32, as sparse
         gate_up = linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
@@ -152,7 +176,19 @@ class RoutedExperts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    def __init__(self, config) -> None:
+    """Under tensor parallelism every rank holds every expert, with its share of each
+    expert's intermediate rows (gate/up column-parallel, down row-parallel; the shared expert
+    the same way); the router is replicated, so every rank routes alike. The output is a
+    partial sum that the caller all-reduces (one all-reduce for routed + shared).
+
+    Under expert parallelism (`tp.expert_parallel`) rank r holds routed experts
+    r * E/tp .. (r + 1) * E/tp - 1 whole, and the shared expert whole (replicated). Every rank
+    has every token (attention is tensor-parallel), so dispatch needs no communication: a
+    rank runs its experts over the tokens routed to them; the combine is the caller's
+    all-reduce (a reduce-scatter + all-gather), to which the leader alone adds the shared
+    expert's output."""
+
+    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.gate = TopkRouter(
             config.hidden_size,
@@ -163,11 +199,17 @@ class DeepseekMoE(nn.Module):
             bool(config.norm_topk_prob),
             float(config.routed_scaling_factor),
         )
-        self.experts = RoutedExperts(
-            config.n_routed_experts, config.hidden_size, config.moe_intermediate_size
-        )
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            inter = config.moe_intermediate_size
+            n = tp.shard(config.n_routed_experts, "n_routed_experts")
+            self.experts = RoutedExperts(n, config.hidden_size, inter, tp.rank * n, True)
+        else:
+            inter = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
+            self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, inter)
+        self.runs_shared = tp.is_leader or not self.expert_parallel
         self.shared_experts = (
-            DenseMLP(config.hidden_size, config.moe_intermediate_size * config.n_shared_experts)
+            DenseMLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
             else None
         )
@@ -184,7 +226,7 @@ class DeepseekMoE(nn.Module):
         if shared is None:
             return
         inter = experts.intermediate_size
-        if shared.gate_proj.weight.shape[0] != inter:
+        if shared.gate_proj.weight.shape[0] != inter or self.expert_parallel:
             shared.fuse_weights()
             return
         w13, w2 = experts.w13, experts.w2
@@ -223,6 +265,6 @@ class DeepseekMoE(nn.Module):
             out = self.experts.forward_sparse(flat, weights, ids)
         else:
             out = self.experts(flat, weights, ids, static_shapes)
-        if self.shared_experts is not None:
+        if self.shared_experts is not None and self.runs_shared:
             out = out + self.shared_experts(flat)
         return out.view(shape)

@@ -29,7 +29,8 @@ class AbortReq:
 
 @dataclass
 class FlushCacheReq:
-    reply: Future = field(default_factory=Future)  # -> bool (False while requests run)
+    # -> bool (False while requests run); None on the ranks that follow a tensor-parallel leader
+    reply: Future | None = field(default_factory=Future)
 
 
 @dataclass

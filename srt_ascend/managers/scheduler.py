@@ -2,10 +2,15 @@
 
 Runs in its own thread. Talks to the API layer only through io_struct messages: requests come
 in through `submit`, per-step ReqOutputs go out through the `emit` callback.
+
+Under tensor parallelism every rank runs one Scheduler; only the leader's (rank 0) gets
+messages through `submit`, and at the top of each loop it broadcasts those it took (`_receive`),
+so every rank handles the same messages at the same point and then runs the same step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -47,6 +52,7 @@ class Scheduler:
     ) -> None:
         self.args = server_args
         self.runner = runner
+        self.tp = runner.tp
         self.stop_checker = stop_checker
         self.emit = emit  # Callable[[list[ReqOutput]], None], called from the scheduler thread
         self.allocator = runner.allocator
@@ -83,11 +89,14 @@ class Scheduler:
         self.inbox.put(None)
 
     def run_forever(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox(block=not self.has_work())
+        """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
+        Under tensor parallelism a failed step raises: the ranks would no longer agree."""
+        while self._receive(block=not self.has_work()):
             try:
                 worked = self.step()
             except Exception:  # a bug must not kill the server: fail the step's requests
+                if self.tp.size > 1:
+                    raise
                 logger.exception("scheduler step failed; aborting its requests")
                 self._fail_in_flight("internal error in the scheduler step (see server log)")
                 worked = True
@@ -121,17 +130,32 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.chunked_req)
 
-    def _drain_inbox(self, block: bool) -> None:
+    def _receive(self, block: bool) -> bool:
+        """Handles the messages that arrived (waiting up to 0.5 s for one when `block`);
+        False once the scheduler is stopped. The leader of a tensor-parallel group broadcasts
+        them, and whether it stops, to the other ranks, which take theirs from it (idle, the
+        leader still broadcasts every 0.5 s: the other ranks wait in that broadcast)."""
+        msgs = self._take_inbox(block) if self.tp.is_leader else []
+        if self.tp.size > 1:
+            stop, wire = self.tp.broadcast_object((self._stop.is_set(), _wire_form(msgs)))
+            if not self.tp.is_leader:
+                msgs = wire
+            if stop:
+                self._stop.set()
+        for msg in msgs:
+            self.handle(msg)
+        return not self._stop.is_set()
+
+    def _take_inbox(self, block: bool) -> list:
+        msgs = []
         try:
             msg = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while msg is not None:
-            self.handle(msg)
-            try:
+            while True:
+                if msg is not None:  # None: `stop`'s wake-up
+                    msgs.append(msg)
                 msg = self.inbox.get_nowait()
-            except queue.Empty:
-                return
+        except queue.Empty:
+            return msgs
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
@@ -139,7 +163,9 @@ class Scheduler:
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid)
         elif isinstance(msg, FlushCacheReq):
-            msg.reply.set_result(self.flush_cache())
+            flushed = self.flush_cache()
+            if msg.reply is not None:
+                msg.reply.set_result(flushed)
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
 
@@ -449,9 +475,24 @@ class Scheduler:
             self.emit(outputs)
 
 
-def start_scheduler_thread(build: Callable[[], Scheduler]) -> tuple[Scheduler, threading.Thread]:
+def _wire_form(msgs: list) -> list:
+    """The messages the other ranks of a tensor-parallel group need, without the leader's
+    reply futures: state queries have no effect to repeat, a cache flush does."""
+    wire = []
+    for msg in msgs:
+        if isinstance(msg, FlushCacheReq):
+            wire.append(dataclasses.replace(msg, reply=None))
+        elif not isinstance(msg, GetInternalStateReq):
+            wire.append(msg)
+    return wire
+
+
+def start_scheduler_thread(
+    build: Callable[[], Scheduler], on_crash: Callable[[str], None] | None = None
+) -> tuple[Scheduler, threading.Thread]:
     """Builds the scheduler (model load, pools, graphs) inside its own thread and runs it there;
-    returns it once built, or raises what building raised.
+    returns it once built, or raises what building raised. `on_crash(message)` is called if
+    the loop itself raises (a tensor-parallel leader: the server cannot go on).
 
     All tensor work then happens in one thread. On CPU this matters: a second thread with its
     own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
@@ -466,7 +507,13 @@ def start_scheduler_thread(build: Callable[[], Scheduler]) -> tuple[Scheduler, t
             built.set_exception(e)
             return
         built.set_result(scheduler)
-        scheduler.run_forever()
+        try:
+            scheduler.run_forever()
+        except BaseException as e:
+            if on_crash is None:
+                raise
+            logger.exception("the scheduler of tensor-parallel rank 0 failed")
+            on_crash(f"tensor-parallel rank 0 stopped: {type(e).__name__}: {e}")
 
     t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()

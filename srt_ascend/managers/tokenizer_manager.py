@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from srt_ascend.distributed import SINGLE, init_tp_group
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
     MAX_TOP_LOGPROBS,
@@ -25,8 +26,13 @@ from srt_ascend.managers.io_struct import (
     TokenizedGenerateReq,
 )
 from srt_ascend.managers.scheduler import Scheduler, start_scheduler_thread
-from srt_ascend.managers.stop_checker import StopChecker
-from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.managers.tp_ranks import (
+    RankProcesses,
+    build_scheduler,
+    dist_init_of,
+    fail_fast,
+    load_tokenizer,
+)
 from srt_ascend.platforms import get_platform
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.server_args import ServerArgs
@@ -57,12 +63,6 @@ class ReqState:
     finished: bool = False
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
 class TokenizerManager:
     def __init__(self, server_args: ServerArgs) -> None:
         self.platform = get_platform(server_args.device)
@@ -70,7 +70,12 @@ class TokenizerManager:
         self.tokenizer = load_tokenizer(server_args.tokenizer)
         self.states: dict[str, ReqState] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler)
+        # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
+        self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
+        self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
+        self.scheduler, self.thread = start_scheduler_thread(
+            self._build_scheduler, on_crash=fail_fast if self.ranks else None
+        )
         self.runner = self.scheduler.runner
         self.context_len = self.runner.context_len
         # Tokenization runs here, off the event loop; texts that cannot fit are refused first.
@@ -79,19 +84,13 @@ class TokenizerManager:
         self.draining = False  # set at shutdown: new requests are refused (503)
 
     def _build_scheduler(self) -> Scheduler:
-        """Runs in the scheduler thread: model load, KV pools, graph capture."""
-        import torch
-
-        args = self.args
-        if args.num_threads:
-            torch.set_num_threads(args.num_threads)
-        torch.manual_seed(args.random_seed)
-        runner = ModelRunner(args, self.platform)
-        eos = runner.config.eos_token_id
-        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
-        if self.tokenizer.eos_token_id is not None:
-            eos_ids.append(self.tokenizer.eos_token_id)
-        return Scheduler(args, runner, StopChecker(self.tokenizer, eos_ids), self._on_outputs)
+        """Runs in the scheduler thread: joins the tensor-parallel group as rank 0 (when
+        there is one), then model load, KV pools, graph capture."""
+        tp = SINGLE
+        if self.dist_init is not None:
+            ep = self.args.ep_size > 1
+            tp = init_tp_group(self.dist_init, 0, self.platform.dist_backend, ep)
+        return build_scheduler(self.args, self.platform, self.tokenizer, self._on_outputs, tp)
 
     # ---- scheduler -> asyncio -----------------------------------------------------------------
 
@@ -297,8 +296,13 @@ class TokenizerManager:
         return await self._ask(GetInternalStateReq())
 
     def shutdown(self) -> None:
+        if self.ranks is not None:
+            self.ranks.stopping = True  # their exits from here on are the stop, not a fault
         self.scheduler.stop()
         self.thread.join(timeout=10)
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.runner.tp.destroy()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
 

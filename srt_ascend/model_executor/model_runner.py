@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
@@ -40,12 +41,17 @@ def resolve_dtype(name: str, config) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, platform: Platform) -> None:
+    """`tp`: the tensor-parallel group; this runner holds the rank's shard of the weights and
+    a full latent KV pool (MLA's latent is shared by every head, so it cannot be split by
+    heads), and every rank must run the same forwards in the same order."""
+
+    def __init__(self, server_args: ServerArgs, platform: Platform, tp: TPGroup = SINGLE) -> None:
         import srt_ascend.layers.attention  # noqa: F401  (registers the portable backends)
 
         server_args = server_args.for_device(platform.name)  # no-op when already resolved
         self.server_args = server_args
         self.platform = platform
+        self.tp = tp
         self.device = platform.device
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config)
@@ -56,6 +62,7 @@ class ModelRunner:
             device=self.device,
             load_mtp=server_args.spec_enabled,
             config=self.config,
+            tp=tp,
         )
         self.model.eval()
         if self.mtp is not None:
@@ -78,7 +85,7 @@ class ModelRunner:
         # the flags ask for what it cannot run); the MTP decoder verifies by `plan.verify`.
         self.attention_plan = resolve_attention_plan(
             platform.name,
-            self.config.num_attention_heads,
+            self.config.num_attention_heads // server_args.tp_size,
             self.config.kv_lora_rank,
             self.config.qk_rope_head_dim,
             server_args.page_size,

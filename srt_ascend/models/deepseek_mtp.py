@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.linear import Linear
 from srt_ascend.models.deepseek_v3 import DecoderLayer
@@ -29,13 +30,16 @@ class SharedHead(nn.Module):
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    """Under tensor parallelism the block is sharded as the main model's layers are; the
+    norms and eh_proj are replicated."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         d, eps = config.hidden_size, config.rms_norm_eps
         self.enorm = RMSNorm(d, eps)
         self.hnorm = RMSNorm(d, eps)
         self.eh_proj = Linear(2 * d, d, bias=False)
-        self.block = DecoderLayer(config, layer_id)
+        self.block = DecoderLayer(config, layer_id, tp)
         self.shared_head = SharedHead(d, eps)
 
     def forward(self, embeds, hidden, positions, forward_batch: ForwardBatch | None):
@@ -48,7 +52,9 @@ class MTPLayer(nn.Module):
 class DeepseekV3ModelMTP(nn.Module):
     """All MTP layers of a checkpoint. Owns no embedding/head: they are the main model's."""
 
-    def __init__(self, config, embed_tokens: nn.Embedding, lm_head: nn.Linear) -> None:
+    def __init__(
+        self, config, embed_tokens: nn.Embedding, lm_head: nn.Linear, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
         n = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
         if n < 1:
@@ -56,7 +62,7 @@ class DeepseekV3ModelMTP(nn.Module):
         self.num_layers = n
         self.first_layer_id = config.num_hidden_layers
         self.layers = nn.ModuleList(
-            MTPLayer(config, config.num_hidden_layers + i) for i in range(n)
+            MTPLayer(config, config.num_hidden_layers + i, tp) for i in range(n)
         )
         # Shared, not owned: keep them out of this module's parameters/state_dict.
         self._shared = (embed_tokens, lm_head)

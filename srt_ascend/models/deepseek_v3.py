@@ -15,10 +15,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.linear import Linear, bmm, linear
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
+from srt_ascend.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from srt_ascend.layers.weight_stack import WeightStack
 
 if TYPE_CHECKING:
@@ -38,10 +40,16 @@ def rope_params_of(config) -> dict:
 
 
 class MLAAttention(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    """Under tensor parallelism a rank owns num_attention_heads / tp heads: q_b_proj (or
+    q_proj) and kv_b_proj hold those heads' rows (column-parallel), o_proj those heads'
+    input columns (row-parallel: its output is a partial sum, all-reduced by DecoderLayer).
+    The latent projections q_a_proj, kv_a_proj_with_mqa and their norms are replicated, and
+    so is the latent KV cache, which every head reads."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
+        self.num_heads = tp.shard(config.num_attention_heads, "num_attention_heads")
         self.q_lora_rank = config.q_lora_rank
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_nope_head_dim = config.qk_nope_head_dim
@@ -50,6 +58,8 @@ class MLAAttention(nn.Module):
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         hidden, h = config.hidden_size, self.num_heads
         bias = bool(getattr(config, "attention_bias", False))
+        if bias and tp.size > 1:  # o_proj's bias would be summed tp times
+            raise ValueError("attention_bias models are not supported with --tp-size > 1")
         if self.q_lora_rank is None:
             self.q_proj = Linear(hidden, h * self.qk_head_dim, bias=False)
         else:
@@ -153,14 +163,20 @@ class MLAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_id: int) -> None:
+    """Under tensor parallelism attention and MLP each return a partial sum (row-parallel
+    o_proj; down projections over this rank's share of the intermediate rows): one
+    all-reduce after each, before the residual add."""
+
+    def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = MLAAttention(config, layer_id)
+        self.tp = tp
+        self.self_attn = MLAAttention(config, layer_id, tp)
         self.is_moe = bool(layer_id >= config.first_k_dense_replace and config.n_routed_experts)
         if self.is_moe:
-            self.mlp: nn.Module = DeepseekMoE(config)
+            self.mlp: nn.Module = DeepseekMoE(config, tp)
         else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size)
+            inter = tp.shard(config.intermediate_size, "intermediate_size")
+            self.mlp = DenseMLP(config.hidden_size, inter)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -172,13 +188,13 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, forward_batch: ForwardBatch | None):
         h = self.input_layernorm(x)
         if forward_batch is None:
-            x = x + self.self_attn.forward_dense(positions, h)
+            x = x + self.tp.all_reduce(self.self_attn.forward_dense(positions, h))
         else:
-            x = x + self.self_attn(positions, h, forward_batch)
+            x = x + self.tp.all_reduce(self.self_attn(positions, h, forward_batch))
         h = self.post_attention_layernorm(x)
         if self.is_moe and forward_batch is not None and _routing_free(forward_batch, x):
-            return x + self.mlp(h, static_shapes=True)  # no routing-sized shapes
-        return x + self.mlp(h)
+            return x + self.tp.all_reduce(self.mlp(h, static_shapes=True))  # no routing shapes
+        return x + self.tp.all_reduce(self.mlp(h))
 
 
 def _routing_free(fb: ForwardBatch, x: torch.Tensor) -> bool:
@@ -189,11 +205,11 @@ def _routing_free(fb: ForwardBatch, x: torch.Tensor) -> bool:
 
 
 class DeepseekV3Model(nn.Module):
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -207,13 +223,14 @@ class DeepseekV3Model(nn.Module):
 
 class DeepseekV3ForCausalLM(nn.Module):
     """Main model. `forward` takes flattened tokens [T] with a ForwardBatch (runtime) or
-    [B, S] tokens with forward_batch=None (dense causal, used by training and references)."""
+    [B, S] tokens with forward_batch=None (dense causal, used by training and references).
+    `tp`: the tensor-parallel group this rank's shard belongs to (one rank: the whole model)."""
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = DeepseekV3Model(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = DeepseekV3Model(config, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -4,6 +4,11 @@ Checkpoint names are DeepSeek-V3's own. MTP layers sit at `model.layers.{L + i}`
 L = num_hidden_layers; their `embed_tokens` / `shared_head.head` copies are the main model's
 and are skipped. Block-FP8 weights (`weight` float8_e4m3fn + `weight_scale_inv`) are
 dequantised on load. A missing, unexpected or mis-shaped tensor is an error naming it.
+
+Under tensor parallelism each rank builds its shard of the model and keeps its slice of each
+split tensor (`TP_SPLITS`); everything else is loaded whole on every rank. Under expert
+parallelism a rank loads its own routed experts whole, skips the others', and loads the shared
+expert whole.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
 from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM
 
@@ -27,6 +33,42 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)
 _IGNORED = re.compile(
     r"(rotary_emb\.inv_freq|\.weight_scale_inv|\.input_scale|\.activation_scale)$"
 )
+
+_MOE_EXPERT = re.compile(r"\.mlp\.(experts|shared_experts)\.")  # whole under expert parallelism
+# Checkpoint tensors tensor parallelism splits, and the dim a rank takes its 1/tp slice of.
+TP_SPLITS = (
+    (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$"), 0),  # attention heads' rows
+    (re.compile(r"\.o_proj\.weight$"), 1),  # attention heads' columns (row-parallel)
+    (re.compile(r"\.(gate_proj|up_proj)\.weight$"), 0),  # dense, shared, routed experts
+    (re.compile(r"\.down_proj\.weight$"), 1),
+    (re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$"), 0),  # vocabulary rows
+)
+
+
+def tp_shape_problem(config, tp_size: int, expert_parallel: bool = False) -> str | None:
+    """Why the model cannot be split over `tp_size` ranks (a size that does not divide), or
+    None."""
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+    if expert_parallel:
+        sizes["n_routed_experts"] = config.n_routed_experts
+    else:
+        sizes["moe_intermediate_size"] = config.moe_intermediate_size
+    bad = [f"{k} {v}" for k, v in sizes.items() if v % tp_size]
+    return f"--tp-size {tp_size} does not divide the model's {', '.join(bad)}" if bad else None
+
+
+def tp_slice(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `name` (the whole tensor when it is replicated)."""
+    if tp.size == 1 or (tp.expert_parallel and _MOE_EXPERT.search(name)):
+        return tensor
+    for pattern, dim in TP_SPLITS:
+        if pattern.search(name):
+            return tensor.chunk(tp.size, dim)[tp.rank]
+    return tensor
 
 
 class CheckpointError(ValueError):
@@ -119,8 +161,13 @@ class _Target:
 class WeightLoader:
     """Maps checkpoint names onto a DeepseekV3ForCausalLM (+ optional DeepseekV3ModelMTP)."""
 
-    def __init__(self, model: DeepseekV3ForCausalLM, mtp: DeepseekV3ModelMTP | None) -> None:
-        self.model, self.mtp = model, mtp
+    def __init__(
+        self,
+        model: DeepseekV3ForCausalLM,
+        mtp: DeepseekV3ModelMTP | None,
+        tp: TPGroup = SINGLE,
+    ) -> None:
+        self.model, self.mtp, self.tp = model, mtp, tp
         self.num_layers = model.config.num_hidden_layers
         self.num_mtp = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
         self.pending: dict[str, _Target] = {}
@@ -138,16 +185,25 @@ class WeightLoader:
 
     def _expand(self, name: str, t: torch.Tensor):
         """Stacked expert tensors expand into the checkpoint's per-expert names."""
+        first = self.tp.rank * t.shape[0] if self.tp.expert_parallel else 0  # model's ids
         if name.endswith(".experts.w13"):
             base, inter = name[: -len(".w13")], t.shape[1] // 2
             for e in range(t.shape[0]):
-                yield f"{base}.{e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
-                yield f"{base}.{e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
+                yield f"{base}.{first + e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
+                yield f"{base}.{first + e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
         elif name.endswith(".experts.w2"):
             for e in range(t.shape[0]):
-                yield f"{name[: -len('.w2')]}.{e}.down_proj.weight", _Target(t, (e,))
+                yield f"{name[: -len('.w2')]}.{first + e}.down_proj.weight", _Target(t, (e,))
         else:
             yield name, _Target(t)
+
+    def _other_ranks_expert(self, name: str) -> bool:
+        """A routed expert another rank holds (expert parallelism)."""
+        m = _EXPERT.match(name)
+        if not (self.tp.expert_parallel and self.tp.size > 1 and m):
+            return False
+        n = self.model.config.n_routed_experts // self.tp.size
+        return int(m.group(2)) // n != self.tp.rank
 
     def _is_shared_copy(self, name: str) -> bool:
         m = _LAYER.match(name)
@@ -165,9 +221,12 @@ class WeightLoader:
             if self.mtp is None and m and int(m.group(1)) >= self.num_layers:
                 continue  # MTP weights present but speculative decoding off
             target = self.pending.pop(name, None)
+            if target is None and self._other_ranks_expert(name):
+                continue
             if target is None:
                 raise CheckpointError(f"unexpected tensor in checkpoint: {name}")
             dst = target.tensor[target.index] if target.index else target.tensor
+            tensor = tp_slice(name, tensor, self.tp)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise CheckpointError(
                     f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
@@ -187,15 +246,17 @@ def load_model(
     device: str | torch.device = "cpu",
     load_mtp: bool = True,
     config=None,
+    tp: TPGroup = SINGLE,
 ) -> tuple[DeepseekV3ForCausalLM, DeepseekV3ModelMTP | None]:
-    """Builds the main model (and the MTP module when load_mtp), fills them from disk and
-    stacks the weights one matmul can read together (`fuse_weights`: serving layout).
+    """Builds the main model (and the MTP module when load_mtp), this rank's shard of them
+    under tensor parallelism `tp`, fills them from disk and stacks the weights one matmul can
+    read together (`fuse_weights`: serving layout).
 
     Router biases stay float32 (as DeepSeek keeps them); everything else is cast to `dtype`.
     """
     config = config or load_config(model_path)
     with torch.device("meta"):
-        model = DeepseekV3ForCausalLM(config)
+        model = DeepseekV3ForCausalLM(config, tp)
     model = model.to_empty(device="cpu")
     if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -204,11 +265,12 @@ def load_model(
         if not int(getattr(config, "num_nextn_predict_layers", 0) or 0):
             raise CheckpointError(f"{model_path}: checkpoint has no MTP layers")
         with torch.device("meta"):
-            mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head)
+            mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head, tp)
         mtp = mtp.to_empty(device="cpu")
         mtp._shared = (model.model.embed_tokens, model.lm_head)
     _reset_rotary(model, mtp, config)
-    WeightLoader(model, mtp).load(iter_checkpoint(shard_files(model_path), fp8_block_size(config)))
+    items = iter_checkpoint(shard_files(model_path), fp8_block_size(config))
+    WeightLoader(model, mtp, tp).load(items)
     for m in (model, mtp):
         if m is not None:
             _cast(m, dtype, device)

@@ -19,6 +19,9 @@ class AcceleratorPlatform(Platform):
 
         return getattr(torch, self.name)
 
+    def set_device(self, index: int) -> None:
+        self.module.set_device(index)
+
     def synchronize(self) -> None:
         self.module.synchronize()
 

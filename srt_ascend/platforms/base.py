@@ -62,6 +62,10 @@ class EagerReplayGraph(DeviceGraph):
 class Platform(ABC):
     name: str
     graphs_by_default = True  # capture decode/verify/draft forwards unless disabled
+    dist_backend = "gloo"  # torch.distributed backend of the tensor collectives
+
+    def set_device(self, index: int) -> None:  # noqa: B027 - one CPU device
+        """Makes device `index` of this type the one `device` names (a rank's own device)."""
 
     def small_gemm_macs(self, setting: str) -> int | None:
         """Multiply-adds up to which half-precision matmuls skip oneDNN (`layers.linear`) for

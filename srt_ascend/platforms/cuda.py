@@ -25,6 +25,7 @@ class CudaGraph(DeviceGraph):
 class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
     graph_class = CudaGraph
+    dist_backend = "nccl"
 
     @staticmethod
     def is_available() -> bool:

@@ -45,6 +45,7 @@ class AclGraph(DeviceGraph):
 class NpuPlatform(AcceleratorPlatform):
     name = "npu"
     graph_class = AclGraph
+    dist_backend = "hccl"
 
     @staticmethod
     def is_available() -> bool:

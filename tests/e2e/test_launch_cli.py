@@ -47,6 +47,23 @@ def test_bad_graph_sizes_exit_2(launch_cli):
     assert error_lines(proc) == [PREFIX + "--cuda-graph-bs sizes must be >= 1"]
 
 
+def test_nnodes_without_dist_init_addr_exit_2(launch_cli):
+    proc = launch_cli("--tp-size", "2", "--nnodes", "2")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        PREFIX + "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)"
+    ]
+
+
+def test_tp_size_that_does_not_split_the_model_exit_2(launch_cli, e2e_model):
+    proc = launch_cli("--model-path", e2e_model, "--device", "cpu", "--tp-size", "3")
+    assert proc.returncode == 2
+    lines = error_lines(proc)
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith(PREFIX + "--tp-size 3 does not divide the model's "), lines
+    assert "num_attention_heads 8" in lines[0]
+
+
 def test_missing_model_path_exit_2(launch_cli, tmp_path):
     proc = launch_cli("--model-path", str(tmp_path / "nope"))
     assert proc.returncode == 2
@@ -93,6 +110,10 @@ def test_help_documents_flags(launch_cli):
         "--page-size",
         "--disable-radix-cache",
         "--schedule-policy",
+        "--tp-size",
+        "--dist-init-addr",
+        "--nnodes",
+        "--node-rank",
         "--log-level",
         "--speculative-algorithm",
         "--disable-cuda-graph",

@@ -3,6 +3,7 @@ SGLang's plugin entry points (srt_ascend.sglang_plugin); runs in the sglang inte
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -20,7 +21,7 @@ def sglang_mtp_server(sglang_python, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("sglang_launcher") / "server.log"
     cmd = _launch(sglang_python, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port))
     cmd += ["--dtype", "float32", "--num-threads", "1", "--speculative-num-steps", "2"]
-    cmd += ["--tp-size", "1"]  # an SGLang flag srt_ascend does not support: reported, not fatal
+    cmd += ["--disable-overlap-schedule"]  # an SGLang flag srt_ascend lacks: reported, not fatal
     cmd += ["--cpu-small-gemm", "off"]  # srt_ascend-only: taken out before SGLang parses
     cmd += ["--enable-metrics", "--enable-cache-report", "--decode-log-interval", "7"]
     with serving_process(cmd, f"http://127.0.0.1:{port}", log_path) as server:
@@ -40,7 +41,7 @@ def test_sglang_launcher_serves_mtp(sglang_mtp_server):
     assert "spec_accept_length" in meta, meta
     log = sglang_mtp_server.log()
     lines = [line for line in log.splitlines() if "does not support these SGLang flags" in line]
-    assert len(lines) == 1 and "--tp-size" in lines[0], log
+    assert len(lines) == 1 and "--disable-overlap-schedule" in lines[0], log
     assert "--enable-metrics" not in lines[0] and "--decode-log-interval" not in lines[0]
     info = sglang_mtp_server.get("/server_info").json()
     assert info["cpu_small_gemm"] == "off" and info["decode_log_interval"] == 7
@@ -79,3 +80,26 @@ def test_sglang_launcher_without_mtp_is_untouched(sglang_python):
     assert proc.returncode == 0, proc.stderr
     assert "prepare_server_args" not in proc.stdout, proc.stdout
     assert "torch_npu" not in proc.stdout
+
+
+def test_sglang_parallelism_flags_pass_through(sglang_python):
+    """--tp-size, --dist-init-addr, --nnodes and --node-rank reach srt_ascend's ServerArgs."""
+    argv = "--tp-size 4 --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 1".split()
+    code = (
+        "import sys, json; from srt_ascend.sglang_plugin import translate;"
+        "kwargs, unsupported = translate(sys.argv[1:]);"
+        "print(json.dumps([kwargs, unsupported]))"
+    )
+    proc = subprocess.run(
+        [sglang_python, "-c", code, "--model-path", E2E_MODEL, *argv],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert unsupported == []
+    assert (kwargs["tp_size"], kwargs["dist_init_addr"]) == (4, "10.0.0.1:5000")
+    assert (kwargs["nnodes"], kwargs["node_rank"]) == (2, 1)

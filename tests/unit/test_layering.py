@@ -17,6 +17,10 @@ FORBIDDEN = {
         "entrypoints", "managers", "decoding", "speculative", "model_executor", "models",
         "layers", "mem_cache", "sampling",
     },
+    "distributed": {
+        "entrypoints", "managers", "decoding", "speculative", "model_executor", "models",
+        "layers", "mem_cache", "sampling",
+    },
     "mem_cache": {"entrypoints", "managers", "decoding", "speculative", "models"},
     "sampling": {"entrypoints", "managers", "decoding", "speculative", "models"},
     "layers": {"entrypoints", "managers", "decoding", "speculative"},

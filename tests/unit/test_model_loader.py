@@ -9,7 +9,14 @@ import shutil
 import pytest
 import torch
 
-from srt_ascend.models.loader import CheckpointError, dequant_block_fp8, load_config, load_model
+from srt_ascend.distributed import TPGroup
+from srt_ascend.models.loader import (
+    CheckpointError,
+    dequant_block_fp8,
+    load_config,
+    load_model,
+    tp_slice,
+)
 from srt_ascend.tools import train_tiny
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -335,3 +342,40 @@ def test_train_tiny_checkpoint_round_trip(checkpoint_io, tmp_path, dtype):
         h = model2(ids, torch.arange(8))
         draft = mtp2.compute_logits(mtp2(ids[:, 1:], h[:, :-1], torch.arange(7)))
     assert torch.isfinite(draft).all() and draft.shape == (1, 7, 256)
+
+
+@pytest.mark.parametrize(
+    "name, dim",
+    [
+        ("model.layers.0.self_attn.q_b_proj.weight", 0),
+        ("model.layers.0.self_attn.kv_b_proj.weight", 0),
+        ("model.layers.0.self_attn.o_proj.weight", 1),
+        ("model.layers.0.mlp.up_proj.weight", 0),
+        ("model.layers.1.mlp.experts.3.gate_proj.weight", 0),
+        ("model.layers.1.mlp.shared_experts.down_proj.weight", 1),
+        ("model.layers.4.self_attn.o_proj.weight", 1),  # the MTP block too
+        ("model.embed_tokens.weight", 0),
+        ("lm_head.weight", 0),
+    ],
+)
+def test_tp_slices_tile_split_tensors(name, dim):
+    t = torch.randn(4, 6)
+    parts = [tp_slice(name, t, TPGroup(rank=r, size=2)) for r in (0, 1)]
+    assert parts[0].shape[dim] == t.shape[dim] // 2
+    assert torch.equal(torch.cat(parts, dim), t)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+        "model.layers.0.self_attn.kv_a_layernorm.weight",
+        "model.layers.1.mlp.gate.weight",  # the router
+        "model.layers.4.eh_proj.weight",
+        "model.norm.weight",
+    ],
+)
+def test_tp_replicates_the_rest(name):
+    t = torch.randn(4, 6)
+    assert tp_slice(name, t, TPGroup(rank=1, size=2)) is t

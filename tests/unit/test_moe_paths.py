@@ -44,3 +44,33 @@ def test_dispatch(experts, monkeypatch):
         experts(*routing(t))
     experts(*routing(17), static_shapes=True)
     assert used == ["sparse", "dense", "dense", "sparse", "dense"]
+
+
+def rank_share(experts: RoutedExperts, rank: int, size: int) -> RoutedExperts:
+    """Expert parallelism's share of `experts` on `rank` of `size` (whole experts)."""
+    n = experts.n_experts // size
+    part = RoutedExperts(n, 32, 24, first_expert=rank * n, partitioned=True)
+    with torch.no_grad():
+        part.w13.copy_(experts.w13[rank * n : (rank + 1) * n])
+        part.w2.copy_(experts.w2[rank * n : (rank + 1) * n])
+    return part.eval()
+
+
+@pytest.mark.parametrize("path", ["forward_dense", "forward_sparse"])
+@pytest.mark.parametrize("t", [1, 3, 16])
+@torch.inference_mode()
+def test_expert_parallel_shares_sum_to_the_whole(experts, path, t):
+    """Each rank runs its own experts over the tokens routed to them (nothing for the rest);
+    the all-reduce of the shares is the full layer's output."""
+    x, w, ids = routing(t, seed=t)
+    shares = [getattr(rank_share(experts, r, 2), path)(x, w, ids) for r in (0, 1)]
+    whole = getattr(experts, path)(x, w, ids)
+    torch.testing.assert_close(shares[0] + shares[1], whole, rtol=1e-5, atol=1e-6)
+
+
+@torch.inference_mode()
+def test_expert_parallel_rank_without_routed_tokens_gives_zeros(experts):
+    x, w, _ = routing(4)
+    ids = torch.tensor([[0, 1]] * 4)  # only rank 0's experts
+    assert not rank_share(experts, 1, 2).forward_sparse(x, w, ids).any()
+    assert not rank_share(experts, 1, 2).forward_dense(x, w, ids).any()
