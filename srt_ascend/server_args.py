@@ -45,6 +45,8 @@ class ServerArgs:
     cpu_small_gemm: str = "auto"
     stream_interval: int = 1
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
+    # constrained generation
+    constrained_json_disable_any_whitespace: bool = False
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -312,6 +314,12 @@ class ServerArgs:
             choices=["log", "fatal"],
             help="when the scheduler goes idle it checks that every KV slot and request row is "
             "free or owned by the prefix cache; log a mismatch, or stop the scheduler (tests)",
+        )
+        a(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="JSON-schema outputs are compact (no whitespace between JSON tokens) instead "
+            "of allowing any whitespace there",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -34,10 +34,6 @@ UNSUPPORTED_FIELDS = (
 # SGLang sampling parameters without an implementation here: refused when set.
 UNSUPPORTED_SAMPLING = (
     "stop_regex",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
     "custom_params",
     "beam_width",
     "watermark",
@@ -213,6 +209,12 @@ class SamplingParamsBody(BaseModel):
     n: int | None = Field(1, ge=1, le=1)
     seed: int | None = None
     sampling_seed: int | None = None  # SGLang's name for seed
+    # constrained generation, at most one: a JSON schema (as a JSON string), a regular
+    # expression, an EBNF grammar (xgrammar's GBNF dialect), or an xgrammar structural tag
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     stream_interval: int | None = None  # ignored: a server-wide setting here
 
 

@@ -133,6 +133,7 @@ async def generate(request: Request):
         for it in await obj.items(serving.tm.tokenize_async)
     ]
     serving.check_unique_rids(reqs)
+    await serving.attach_grammars(reqs)
     if obj.stream:
         return StreamingResponse(
             _stream_generate(serving, obj, reqs), media_type="text/event-stream"

@@ -58,6 +58,12 @@ class Serving:
         if len(set(rids)) != len(rids):
             raise RequestError("request ids in one batch must be distinct")
 
+    async def attach_grammars(self, reqs: list[TokenizedGenerateReq]) -> None:
+        """Compiles the requests' grammars (cached, off the event loop): RequestError (400)
+        with xgrammar's message for one that does not compile, before anything runs or
+        streams."""
+        await asyncio.gather(*(self.tm.attach_grammar(r) for r in reqs))
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (SGLang's text in logprob entries)."""
         return [self.tm.tokenizer.decode([i]) for i in ids]

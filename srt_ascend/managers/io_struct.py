@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from srt_ascend.constrained import CompiledGrammar
 from srt_ascend.sampling.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num cap on every route (OpenAI's limit)
@@ -19,6 +20,7 @@ class TokenizedGenerateReq:
     logprob_start_len: int = -1  # -1: only output logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Stop conditions: EOS / stop_token_ids, stop strings, max_new_tokens, context length."""
+"""Stop conditions: EOS / stop_token_ids, stop strings, a terminated grammar, max_new_tokens,
+context length."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ class StopChecker:
         """Called after each committed token; returns why the request is done, if it is."""
         p = req.sampling_params
         last = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated:  # nothing may follow
+            return FinishReason("stop", matched=last)
         if len(req.output_ids) >= p.min_new_tokens:
             if not p.ignore_eos and last in self.eos_ids:
                 return FinishReason("stop", matched=last)

@@ -1,5 +1,5 @@
 """Turns rows of logits into next tokens for a list of requests: penalties, min-new-tokens
-masking, sampling with per-request settings, and the logprobs SGLang reports.
+masking, grammar masks, sampling with per-request settings, and the logprobs SGLang reports.
 
 The one place below both decoders (plain and speculative): the target logits of a verify
 position and the logits of a plain decode step go through the same `penalised_logits`, and
@@ -14,6 +14,7 @@ from typing import Protocol
 
 import torch
 
+from srt_ascend.constrained import Grammar, apply_token_bitmask, fill_grammar_bitmask
 from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
 from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
@@ -30,6 +31,7 @@ class SamplingRequest(Protocol):
     output_ids: list[int]
     return_logprob: bool
     top_logprobs_num: int
+    grammar: Grammar | None  # advanced over output_ids
 
 
 @dataclass
@@ -46,7 +48,9 @@ def penalised_logits(
     eos_ids: list[int],
     extra: Sequence[Sequence[int]] | None = None,  # tokens each row generated past output_ids
 ) -> torch.Tensor:
-    """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask."""
+    """Applies repetition/frequency/presence penalties, the min_new_tokens stop mask, and each
+    grammar's token mask (the grammar's state after output_ids + extra). A grammar decides
+    itself when its output may end: its request gets no min_new_tokens stop mask."""
     extra = extra or [[] for _ in reqs]
     vocab = logits.shape[-1]
     if info.need_penalties:
@@ -60,21 +64,25 @@ def penalised_logits(
     rows, stops = [], []
     for i, (r, more) in enumerate(zip(reqs, extra)):
         p = r.sampling_params
-        if len(r.output_ids) + len(more) < p.min_new_tokens:
+        if len(r.output_ids) + len(more) < p.min_new_tokens and r.grammar is None:
             rows.append(i)
             stops.append(sorted(set(eos_ids) | set(p.stop_token_ids or [])))
     if rows:
         logits = mask_stop_tokens(logits, rows, stops)
+    bitmask = fill_grammar_bitmask([r.grammar for r in reqs], extra, vocab)
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     return logits
 
 
 def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
-    """Every request decodes by argmax with nothing to apply to its logits: no penalties, and
-    min_new_tokens already reached (so no stop mask, now or for later draft positions). Such
-    batches skip the sampling-settings tensors (argmax of the raw logits is the same rule)."""
+    """Every request decodes by argmax with nothing to apply to its logits: no penalties, no
+    grammar, and min_new_tokens already reached (so no stop mask, now or for later draft
+    positions). Such batches skip the sampling-settings tensors (argmax of the raw logits is
+    the same rule)."""
     for r in reqs:
         p = r.sampling_params
-        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens:
+        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens or r.grammar is not None:
             return False
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
             return False

@@ -26,6 +26,8 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
+# Grammar parameters (SGLang's names), in the order SGLang checks them.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _BOOL_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
@@ -59,6 +61,11 @@ class SamplingParams:
     n: int = 1
     seed: int | None = None
     no_stop_trim: bool = False
+    # Constrained generation (at most one): the output must match this grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -80,6 +87,15 @@ class SamplingParams:
                 f"Supported: {', '.join(sorted(known))}."
             )
         return cls(**{k: v for k, v in d.items() if v is not None})
+
+    @property
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """(kind, source) of the grammar the output must follow, or None."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +134,7 @@ class SamplingParams:
         self._verify_types()
         self._verify_sampling_ranges()
         self._verify_lengths_and_stops(vocab_size)
+        self._verify_grammar()
 
     def _verify_types(self) -> None:
         for name in _INT_FIELDS:
@@ -145,6 +162,17 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    def _verify_grammar(self) -> None:
+        """At most one grammar, given as a string (whether it compiles is checked apart)."""
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string, got {getattr(self, kind)!r}.")
+        if len(given) > 1:
+            raise ValueError(
+                f"Only one of {', '.join(GRAMMAR_KINDS)} can be set, got {', '.join(given)}."
+            )
 
     def _verify_sampling_ranges(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:

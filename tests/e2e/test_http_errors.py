@@ -47,9 +47,37 @@ NATIVE_CASES = {
         {"text": "a", "sampling_params": {"max_tokens": 3}},
         "Unknown sampling parameter(s): max_tokens",
     ),
-    "unsupported-regex": (
-        {"text": "a", "sampling_params": {"regex": "[0-9]+"}},
-        "sampling_params.regex is not supported",
+    "unsupported-stop-regex": (
+        {"text": "a", "sampling_params": {"stop_regex": "[0-9]+"}},
+        "sampling_params.stop_regex is not supported",
+    ),
+    "malformed-regex": (
+        {"text": "a", "sampling_params": {"regex": "(a|b"}},
+        "invalid regex: Regex parsing error at position 5: The parenthesis is not closed.",
+    ),
+    "malformed-json-schema": (
+        {"text": "a", "sampling_params": {"json_schema": "{not json"}},
+        "invalid json_schema: Failed to parse JSON",
+    ),
+    "unsupported-json-schema": (
+        {"text": "a", "sampling_params": {"json_schema": '{"type": "foo"}'}},
+        'invalid json_schema: Unsupported type "foo"',
+    ),
+    "malformed-ebnf": (
+        {"text": "a", "sampling_params": {"ebnf": "root ::= "}},
+        "invalid ebnf: EBNF parser error",
+    ),
+    "malformed-grammar-streamed": (
+        {"text": ["a", "b"], "sampling_params": {"regex": "[a-"}, "stream": True},
+        "invalid regex",
+    ),
+    "two-grammars": (
+        {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+        "Only one of json_schema, regex, ebnf, structural_tag can be set",
+    ),
+    "grammar-not-a-string": (
+        {"text": "a", "sampling_params": {"json_schema": {"type": "object"}}},
+        "json_schema must be a string",
     ),
     "stream-wrong-type": ({"text": "a", "stream": "yes"}, "stream must be a boolean"),
     "batch-length-mismatch": (

@@ -1,10 +1,11 @@
 """SGLang's native HTTP API against the real server: /generate (single, batch, input_ids,
-streaming, logprobs, rid), info endpoints, flush, health, abort and metrics."""
+streaming, logprobs, rid, grammars), info endpoints, flush, health, abort and metrics."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -86,6 +87,48 @@ def test_generate_stream_is_cumulative(server):
     assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * 7
     assert chunks[-1]["text"] == final["text"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+CALL_REGEX = r"[a-z_]{1,8}\((n|[0-9]{1,2})\)"
+GRAMMARS = {
+    "regex": CALL_REGEX,
+    "json_schema": json.dumps(
+        {
+            "type": "object",
+            "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "maximum": 9}},
+            "required": ["ok", "n"],
+            "additionalProperties": False,
+        }
+    ),
+    "ebnf": 'root ::= "yes" | "no" | "maybe"',
+}
+
+
+def test_generate_under_grammars(server):
+    """Each grammar kind in one batch beside an unconstrained request; streamed alike."""
+    kinds = list(GRAMMARS)
+    params = [{"max_new_tokens": 48, "temperature": 0, k: GRAMMARS[k]} for k in kinds]
+    body = {"text": [PROMPT] * 4, "sampling_params": [*params, GREEDY]}
+    outs = server.post("/generate", json=body).json()
+    texts = dict(zip(kinds, (o["text"] for o in outs)))
+    assert re.fullmatch(CALL_REGEX, texts["regex"]), texts
+    value = json.loads(texts["json_schema"])
+    assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool) and value["n"] <= 9
+    assert texts["ebnf"] in ("yes", "no", "maybe")
+    for o in outs[:3]:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+    assert (
+        outs[3]["output_ids"]
+        == server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()[
+            "output_ids"
+        ]
+    )
+    r = server.post("/generate", json={**body, "stream": True}, stream=True)
+    finals = {}
+    for c in sse_events(r)[:-1]:
+        if c["meta_info"]["finish_reason"] is not None:
+            finals[c["index"]] = c["text"]
+    assert [finals[i] for i in range(4)] == [o["text"] for o in outs]
 
 
 def test_generate_stream_batch_has_index(server):
