@@ -33,12 +33,10 @@ UNSUPPORTED_FIELDS = (
 )
 # SGLang sampling parameters without an implementation here: refused when set.
 UNSUPPORTED_SAMPLING = (
-    "stop_regex",
     "custom_params",
     "beam_width",
     "watermark",
     "choice",
-    "logit_bias",
 )
 IGNORED_SAMPLING = ("stream_interval",)  # a server-wide setting here
 RENAMED_SAMPLING = {"sampling_seed": "seed"}
@@ -202,6 +200,8 @@ class SamplingParamsBody(BaseModel):
     repetition_penalty: float | None = Field(1.0, gt=0, le=2)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> added to its logit
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True

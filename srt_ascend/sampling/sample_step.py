@@ -16,7 +16,7 @@ import torch
 
 from srt_ascend.constrained import Grammar, apply_token_bitmask, fill_grammar_bitmask
 from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
-from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
+from srt_ascend.sampling.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 
@@ -48,9 +48,10 @@ def penalised_logits(
     eos_ids: list[int],
     extra: Sequence[Sequence[int]] | None = None,  # tokens each row generated past output_ids
 ) -> torch.Tensor:
-    """Applies repetition/frequency/presence penalties, the min_new_tokens stop mask, and each
-    grammar's token mask (the grammar's state after output_ids + extra). A grammar decides
-    itself when its output may end: its request gets no min_new_tokens stop mask."""
+    """Applies repetition/frequency/presence penalties, logit biases, the min_new_tokens stop
+    mask, and each grammar's token mask (the grammar's state after output_ids + extra). A
+    grammar decides itself when its output may end: its request gets no min_new_tokens stop
+    mask."""
     extra = extra or [[] for _ in reqs]
     vocab = logits.shape[-1]
     if info.need_penalties:
@@ -61,6 +62,10 @@ def penalised_logits(
             counts[i].index_add_(0, out, torch.ones_like(out))
             prompt[i, torch.tensor(r.origin_input_ids, device=logits.device)] = True
         logits = apply_penalties(logits, info, counts, prompt)
+    biased = [i for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
+    if biased:
+        biases = [reqs[i].sampling_params.logit_bias for i in biased]
+        logits = apply_logit_bias(logits, biased, biases)
     rows, stops = [], []
     for i, (r, more) in enumerate(zip(reqs, extra)):
         p = r.sampling_params
@@ -77,12 +82,14 @@ def penalised_logits(
 
 def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
     """Every request decodes by argmax with nothing to apply to its logits: no penalties, no
-    grammar, and min_new_tokens already reached (so no stop mask, now or for later draft
-    positions). Such batches skip the sampling-settings tensors (argmax of the raw logits is
-    the same rule)."""
+    logit bias, no grammar, and min_new_tokens already reached (so no stop mask, now or for
+    later draft positions). Such batches skip the sampling-settings tensors (argmax of the raw
+    logits is the same rule)."""
     for r in reqs:
         p = r.sampling_params
         if not p.is_greedy or len(r.output_ids) < p.min_new_tokens or r.grammar is not None:
+            return False
+        if p.logit_bias:
             return False
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
             return False

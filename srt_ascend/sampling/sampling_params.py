@@ -8,6 +8,7 @@ calls `normalize()` (canonical forms: stop as a list, greedy as top_k == 1) and 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -55,6 +56,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # stop once the output's tail matches one
+    # token id (a string, as JSON keys are) -> added to its logit; ints after normalize()
+    logit_bias: dict[str, float] | dict[int, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -105,18 +109,16 @@ class SamplingParams:
     def normalize(self) -> SamplingParams:
         """Rewrite fields into canonical form, in place; idempotent; returns self.
 
-        - `stop` becomes a list of strings ([] when unset); `stop_token_ids` a de-duplicated
-          list of ints ([] when unset).
+        - `stop` and `stop_regex` become lists of strings ([] when unset); `stop_token_ids` a
+          de-duplicated list of ints ([] when unset); `logit_bias` a dict of int token ids
+          ({} when unset).
         - temperature in [0, 1e-6) becomes greedy: top_k = 1, temperature = 1.0 (SGLang's rule,
           so the sampler never divides by zero).
         - top_k == -1 becomes TOP_K_ALL (no cut).
         """
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
+        self.stop = _as_list(self.stop)
+        self.stop_regex = _as_list(self.stop_regex)
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         ids = self.stop_token_ids or []
         self.stop_token_ids = list(dict.fromkeys(ids))
         if 0.0 <= self.temperature < SAMPLING_EPS:
@@ -148,11 +150,13 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None and not (
-            isinstance(stops, list) and all(isinstance(s, str) for s in stops)
-        ):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            stops = [value] if isinstance(value, str) else value
+            if stops is not None and not (
+                isinstance(stops, list) and all(isinstance(s, str) for s in stops)
+            ):
+                raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
         ids = self.stop_token_ids
         if ids is not None and not (
             isinstance(ids, list)
@@ -217,3 +221,37 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids must be in [0, {vocab_size - 1}], got {token_id}."
                 )
+        for pattern in _as_list(self.stop_regex):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}.") from e
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_logit_bias(self, vocab_size: int) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {bias!r}.")
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                token_id = -1
+            if isinstance(key, bool) or not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"logit_bias keys must be token ids in [0, {vocab_size - 1}], got {key!r}."
+                )
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"logit_bias values must be finite numbers, got {value!r}.")
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)

@@ -47,9 +47,21 @@ NATIVE_CASES = {
         {"text": "a", "sampling_params": {"max_tokens": 3}},
         "Unknown sampling parameter(s): max_tokens",
     ),
-    "unsupported-stop-regex": (
-        {"text": "a", "sampling_params": {"stop_regex": "[0-9]+"}},
-        "sampling_params.stop_regex is not supported",
+    "unsupported-custom-params": (
+        {"text": "a", "sampling_params": {"custom_params": {"k": 1}}},
+        "sampling_params.custom_params is not supported",
+    ),
+    "malformed-stop-regex": (
+        {"text": "a", "sampling_params": {"stop_regex": ["ok", "(x"]}},
+        "stop_regex '(x' is not a valid regex",
+    ),
+    "logit-bias-out-of-vocab": (
+        {"text": "a", "sampling_params": {"logit_bias": {"99999999": 5}}},
+        "logit_bias keys must be token ids in",
+    ),
+    "logit-bias-not-a-number": (
+        {"text": "a", "sampling_params": {"logit_bias": {"5": "high"}}},
+        "logit_bias values must be finite numbers",
     ),
     "malformed-regex": (
         {"text": "a", "sampling_params": {"regex": "(a|b"}},
