@@ -51,6 +51,14 @@ NATIVE_CASES = {
         {"text": "a", "sampling_params": {"custom_params": {"k": 1}}},
         "sampling_params.custom_params is not supported",
     ),
+    "parallel-samples-differ": (
+        {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]},
+        "sampling_params.n must be the same for every prompt",
+    ),
+    "parallel-samples-zero": (
+        {"text": "a", "sampling_params": {"n": 0}},
+        "sampling_params.n must be an integer >= 1",
+    ),
     "malformed-stop-regex": (
         {"text": "a", "sampling_params": {"stop_regex": ["ok", "(x"]}},
         "stop_regex '(x' is not a valid regex",

@@ -70,6 +70,33 @@ def test_generate_batch(server, tokenizer):
     assert [o["output_ids"] for o in ids] == [o["output_ids"][:2] for o in outs]
 
 
+def test_parallel_samples_share_the_prompt(server, tokenizer):
+    """sampling_params.n: n samples per prompt, prompt-major, in a list even for one prompt;
+    every sample finds the prompt in the radix cache."""
+    prompts = ["import collections\nimport itertools\n", "class Queue:\n    def put"]
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 3}
+    body = {"text": prompts, "sampling_params": sampled, "rid": ["p", "q"]}
+    r = server.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert [o["meta_info"]["id"] for o in outs] == ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"]
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    for i, o in enumerate(outs):
+        prompt_len = len(tokenizer.encode(prompts[i // 3]))
+        assert o["meta_info"]["cached_tokens"] >= prompt_len - 2, o["meta_info"]
+    assert len({tuple(o["output_ids"]) for o in outs[:3]}) > 1  # samples, not copies
+    greedy = {**GREEDY, "n": 2}
+    two = server.post("/generate", json={"text": PROMPT, "sampling_params": greedy}).json()
+    one = server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
+    assert [o["output_ids"] for o in two] == [one["output_ids"]] * 2
+    r = server.post(
+        "/generate", json={"text": PROMPT, "sampling_params": greedy, "stream": True}, stream=True
+    )
+    finals = [c for c in sse_events(r)[:-1] if c["meta_info"]["finish_reason"] is not None]
+    assert sorted(c["index"] for c in finals) == [0, 1]
+    assert all(c["output_ids"] == one["output_ids"] for c in finals)
+
+
 def test_generate_stream_is_cumulative(server):
     final = server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
     r = server.post(
