@@ -14,6 +14,8 @@ import xgrammar as xgr
 from srt_ascend.constrained.grammar_backend import CompiledGrammar
 
 _BITS = 32
+# bit b of an int32 word as an int32 value (bit 31 is the sign bit)
+_BIT_VALUES = [1 << b for b in range(_BITS - 1)] + [-(1 << (_BITS - 1))]
 
 
 class Grammar:
@@ -61,8 +63,7 @@ class Grammar:
 def _allow_only(bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> None:
     bitmask[row].zero_()
     for t in tokens:
-        bit = t % _BITS
-        bitmask[row, t // _BITS] |= (1 << bit) if bit < _BITS - 1 else -(1 << bit)  # int32
+        bitmask[row, t // _BITS] |= _BIT_VALUES[t % _BITS]
 
 
 def fill_grammar_bitmask(
@@ -89,6 +90,6 @@ def apply_token_bitmask(
     the same code runs on every device)."""
     vocab = logits.shape[-1]
     words = bitmask.to(logits.device, non_blocking=True)
-    shifts = torch.arange(_BITS, dtype=torch.int32, device=logits.device)
-    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(words.shape[0], -1)[:, :vocab]
-    return logits.masked_fill(allowed == 0, float("-inf"))
+    bits = torch.tensor(_BIT_VALUES, dtype=torch.int32, device=logits.device)
+    allowed = (words.unsqueeze(-1) & bits).view(words.shape[0], -1)[:, :vocab] != 0
+    return torch.where(allowed, logits, float("-inf"))
