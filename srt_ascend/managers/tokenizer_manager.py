@@ -217,7 +217,8 @@ class TokenizerManager:
         if spec is None or req.grammar is not None:
             return
         try:
-            req.grammar = await asyncio.wrap_future(self.grammars.compile(spec))
+            # shielded: a client that leaves must not cancel the compile other requests share
+            req.grammar = await asyncio.shield(asyncio.wrap_future(self.grammars.compile(spec)))
         except GrammarError as e:
             raise RequestError(str(e)) from e
 
