@@ -47,6 +47,7 @@ def penalised_logits(
     info: SamplingBatchInfo,
     eos_ids: list[int],
     extra: Sequence[Sequence[int]] | None = None,  # tokens each row generated past output_ids
+    grammar: bool = True,  # False: the caller applies the grammar masks (verify_logits)
 ) -> torch.Tensor:
     """Applies repetition/frequency/presence penalties, logit biases, the min_new_tokens stop
     mask, and each grammar's token mask (the grammar's state after output_ids + extra). A
@@ -74,10 +75,37 @@ def penalised_logits(
             stops.append(sorted(set(eos_ids) | set(p.stop_token_ids or [])))
     if rows:
         logits = mask_stop_tokens(logits, rows, stops)
-    bitmask = fill_grammar_bitmask([r.grammar for r in reqs], extra, vocab)
+    bitmask = fill_grammar_bitmask([r.grammar for r in reqs], extra, vocab) if grammar else None
     if bitmask is not None:
         logits = apply_token_bitmask(logits, bitmask)
     return logits
+
+
+def verify_logits(
+    logits: torch.Tensor,  # [B, K+1, V] target logits after t_{L-1}, d_1, ..., d_K
+    reqs: Sequence[SamplingRequest],
+    info: SamplingBatchInfo,
+    eos_ids: list[int],
+    drafts: Sequence[Sequence[int]],  # [B][K] each request's draft tokens
+) -> torch.Tensor:  # [B, K+1, V]
+    """`penalised_logits` at every verify position j, as if d_1..d_j had been generated; the
+    grammar masks of all positions are filled and applied at once."""
+    k1 = logits.shape[1]
+    out = torch.stack(
+        [
+            penalised_logits(logits[:, j], reqs, info, eos_ids, [d[:j] for d in drafts], False)
+            for j in range(k1)
+        ],
+        dim=1,
+    )
+    bitmask = fill_grammar_bitmask(
+        [r.grammar for r in reqs for _ in range(k1)],
+        [d[:j] for d in drafts for j in range(k1)],
+        logits.shape[-1],
+    )
+    if bitmask is None:
+        return out
+    return apply_token_bitmask(out.view(-1, out.shape[-1]), bitmask).view(out.shape)
 
 
 def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:

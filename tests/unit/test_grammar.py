@@ -150,3 +150,19 @@ def test_a_grammar_that_allows_nothing_allows_only_stop_tokens(backend):
     g.fill_bitmask(bitmask, 0, [])
     assert allowed(bitmask) == {EOS}
     assert not g.accept(EOS)  # the grammar refuses it: the request ends with an error
+
+
+def test_verify_logits_mask_every_position_at_once(backend, tokenizer):
+    from srt_ascend.sampling.sample_step import verify_logits
+
+    a, d = tid(tokenizer, "a"), tid(tokenizer, "d")
+    reqs = [_Req(SamplingParams(repetition_penalty=1.2), None), _Req(SamplingParams(), None)]
+    reqs[0].grammar = Grammar(backend.compile(("regex", "(a|b|c)d?")).result())
+    info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], VOCAB, "cpu")
+    logits = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(0))
+    drafts = [[a, d], [d, a]]
+    got = verify_logits(logits, reqs, info, [EOS], drafts)
+    for j in range(3):
+        want = penalised_logits(logits[:, j], reqs, info, [EOS], [x[:j] for x in drafts])
+        assert torch.equal(got[:, j], want)
+    assert allowed_row(got[0, 2]) == {EOS}
