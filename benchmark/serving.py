@@ -90,7 +90,11 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     raise RuntimeError("server did not become healthy")
 
 
-def bench(py: str, url: str, model: str, a, concurrency: int | None) -> dict:
+def bench(
+    py: str, url: str, model: str, a, concurrency: int | None, extra_body: dict | None = None
+) -> dict:
+    """One bench_serving run; `extra_body` is merged into every request body (bench_serving's
+    --extra-request-body: e.g. sampling_params with a json_schema)."""
     out = tempfile.mktemp(suffix=".jsonl")
     port = url.rsplit(":", 1)[1]
     cmd = [
@@ -120,6 +124,8 @@ def bench(py: str, url: str, model: str, a, concurrency: int | None) -> dict:
     ]
     if concurrency:
         cmd += ["--max-concurrency", str(concurrency)]
+    if extra_body:
+        cmd += ["--extra-request-body", json.dumps(extra_body)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
     with open(out) as f:

@@ -54,6 +54,8 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
     nnodes: int = 1
     node_rank: int = 0
+    # constrained generation
+    constrained_json_disable_any_whitespace: bool = False
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -395,6 +397,12 @@ class ServerArgs:
             type=int,
             default=0,
             help="this node's index (0: the node that serves HTTP; others run ranks only)",
+        )
+        a(
+            "--constrained-json-disable-any-whitespace",
+            action="store_true",
+            help="JSON-schema outputs are compact (no whitespace between JSON tokens) instead "
+            "of allowing any whitespace there",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -3,7 +3,8 @@
 Contract (SGLang's): exactly one of `text` / `input_ids`, each a single prompt or a batch;
 per-request fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
 `top_logprobs_num`, `extra_key` / `cache_salt`) are one value for all or a list with one per
-prompt. Top-level keys this
+prompt. `sampling_params.n` (the same for every prompt) asks for n samples of each prompt: the
+answer is then a list, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]). Top-level keys this
 server does not know are ignored, as SGLang ignores them; SGLang features it does not implement
 (images, LoRA, ...) are refused when set. Unknown sampling parameters are refused (SGLang
 rejects them too). Every error is a RequestError (HTTP 400) raised before anything runs.
@@ -34,16 +35,10 @@ UNSUPPORTED_FIELDS = (
 )
 # SGLang sampling parameters without an implementation here: refused when set.
 UNSUPPORTED_SAMPLING = (
-    "stop_regex",
-    "json_schema",
-    "regex",
-    "ebnf",
-    "structural_tag",
     "custom_params",
     "beam_width",
     "watermark",
     "choice",
-    "logit_bias",
 )
 IGNORED_SAMPLING = ("stream_interval",)  # a server-wide setting here
 RENAMED_SAMPLING = {"sampling_seed": "seed"}
@@ -105,10 +100,22 @@ def clean_sampling_params(sp: Any, prefix: str = "sampling_params.") -> dict:
     return out
 
 
+def _pop_n(sampling_params: list[dict]) -> int:
+    """SGLang's parallel sample count, taken out of the sampling params (each sample is a
+    request of its own, n = 1); it must be the same for every prompt."""
+    ns = {sp.pop("n", 1) for sp in sampling_params}
+    if len(ns) > 1:
+        raise RequestError("sampling_params.n must be the same for every prompt")
+    n = ns.pop()
+    if not _is_int(n) or n < 1:
+        raise RequestError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+    return n
+
+
 @dataclass
 class GenerateReqInput:
     prompts: list  # str or list[int] each
-    is_single: bool
+    is_single: bool  # one prompt and n == 1: the answer is one object, not a list
     sampling_params: list[dict]
     rid: list
     return_logprob: list[bool]
@@ -117,6 +124,7 @@ class GenerateReqInput:
     extra_key: list
     stream: bool
     return_text_in_logprobs: bool
+    n: int = 1  # samples per prompt
 
     @classmethod
     def from_json(cls, body: Any) -> GenerateReqInput:
@@ -133,10 +141,12 @@ class GenerateReqInput:
         sp = _per_item(
             body, "sampling_params", n, lambda v: v is None or isinstance(v, dict), "an object"
         )
+        sampling_params = [clean_sampling_params(x) for x in sp]
+        samples = _pop_n(sampling_params)
         return cls(
             prompts=prompts,
-            is_single=single,
-            sampling_params=[clean_sampling_params(x) for x in sp],
+            is_single=single and samples == 1,
+            sampling_params=sampling_params,
             rid=_per_item(body, "rid", n, _is_opt_str, "a string"),
             return_logprob=[
                 bool(x)
@@ -163,22 +173,25 @@ class GenerateReqInput:
             ],
             stream=stream,
             return_text_in_logprobs=text_lp,
+            n=samples,
         )
 
     async def items(self, tokenize: Callable[[str], Awaitable[list[int]]]) -> list[GenerateItem]:
-        """One item per prompt; text prompts go through `tokenize` (async: off the loop)."""
+        """One item per prompt and sample, prompt-major; text prompts go through `tokenize`
+        (async: off the loop). With n > 1 a given rid becomes rid-0 .. rid-(n-1)."""
         ids = [await tokenize(p) if isinstance(p, str) else p for p in self.prompts]
         return [
             GenerateItem(
                 input_ids=ids[i],
-                sampling_params=self.sampling_params[i],
-                rid=self.rid[i],
+                sampling_params=dict(self.sampling_params[i]),
+                rid=self.rid[i] if self.n == 1 or self.rid[i] is None else f"{self.rid[i]}-{j}",
                 return_logprob=self.return_logprob[i],
                 logprob_start_len=self.logprob_start_len[i],
                 top_logprobs_num=self.top_logprobs_num[i],
                 extra_key=self.extra_key[i],
             )
-            for i, p in enumerate(self.prompts)
+            for i in range(len(self.prompts))
+            for j in range(self.n)
         ]
 
 
@@ -232,13 +245,21 @@ class SamplingParamsBody(BaseModel):
     repetition_penalty: float | None = Field(1.0, gt=0, le=2)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None  # token id -> added to its logit
     ignore_eos: bool | None = False
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
-    n: int | None = Field(1, ge=1, le=1)
+    n: int | None = Field(1, ge=1)  # samples per prompt (the answer is then a list)
     seed: int | None = None
     sampling_seed: int | None = None  # SGLang's name for seed
+    # constrained generation, at most one: a JSON schema (as a JSON string), a regular
+    # expression, an EBNF grammar (xgrammar's GBNF dialect), or an xgrammar structural tag
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
     stream_interval: int | None = None  # ignored: a server-wide setting here
 
 

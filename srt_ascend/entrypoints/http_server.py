@@ -121,7 +121,7 @@ def _serving(request: Request) -> Serving:
 async def generate(request: Request):
     serving = _serving(request)
     obj = GenerateReqInput.from_json(await read_json(request))
-    serving.admit(len(obj.prompts))
+    serving.admit(len(obj.prompts) * obj.n)
     reqs = [
         serving.make_request(
             it.input_ids,
@@ -135,6 +135,9 @@ async def generate(request: Request):
         for it in await obj.items(serving.tm.tokenize_async)
     ]
     serving.check_unique_rids(reqs)
+    await serving.attach_grammars(reqs)
+    if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
+        await until_disconnected(request, serving.cache_prompts(reqs[:: obj.n]))
     if obj.stream:
         return StreamingResponse(
             _stream_generate(serving, obj, reqs), media_type="text/event-stream"

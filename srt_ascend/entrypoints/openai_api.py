@@ -256,6 +256,7 @@ class OpenAIServing:
             }
 
         if obj.stream:
+            await self.serving.attach_grammars(reqs)  # a bad grammar: 400, not a stream
             return self._stream(reqs, head, prompt_tokens, obj.include_usage, choice)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
         choices = []
@@ -297,6 +298,7 @@ class OpenAIServing:
 
         if obj.stream:
             head["object"] = "chat.completion.chunk"
+            await self.serving.attach_grammars(reqs)  # a bad grammar: 400, not a stream
             return self._stream(reqs, head, len(ids), obj.include_usage, chunk_choice)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
         choices = []

@@ -58,6 +58,31 @@ class Serving:
         if len(set(rids)) != len(rids):
             raise RequestError("request ids in one batch must be distinct")
 
+    async def attach_grammars(self, reqs: list[TokenizedGenerateReq]) -> None:
+        """Compiles the requests' grammars (cached, off the event loop): RequestError (400)
+        with xgrammar's message for one that does not compile, before anything runs or
+        streams."""
+        await asyncio.gather(*(self.tm.attach_grammar(r) for r in reqs))
+
+    async def cache_prompts(self, reqs: list[TokenizedGenerateReq]) -> None:
+        """Prefills each request's prompt once (a max_new_tokens=0 request), so that several
+        requests with that prompt (parallel samples) find it in the radix cache and share
+        its KV instead of each computing it (SGLang's way with n > 1). Not counted in the
+        request metrics."""
+
+        async def prefill(req: TokenizedGenerateReq) -> None:
+            async for _ in self.tm.generate_one(req):
+                pass
+
+        prefills = [self.tm.make_request(r.input_ids, {"max_new_tokens": 0}) for r in reqs]
+        tasks = [asyncio.ensure_future(prefill(r)) for r in prefills]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (SGLang's text in logprob entries)."""
         return [self.tm.tokenizer.decode([i]) for i in ids]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from srt_ascend.constrained import CompiledGrammar
 from srt_ascend.sampling.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num cap on every route (OpenAI's limit)
@@ -20,6 +21,7 @@ class TokenizedGenerateReq:
     top_logprobs_num: int = 0
     stream: bool = False
     extra_key: str | None = None  # cache_salt: requests share cached prefixes only within one
+    grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
 
 
 @dataclass

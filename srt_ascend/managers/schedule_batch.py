@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from srt_ascend.constrained import Grammar
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.sampling.sampling_params import SamplingParams
 
@@ -61,6 +62,7 @@ class Req:
     pending_logprobs: list = field(default_factory=list)
     pending_top_logprobs: list = field(default_factory=list)
     retracted: int = 0
+    grammar: Grammar | None = None  # the output's grammar state, advanced at every commit
 
     @property
     def all_ids(self) -> list[int]:

@@ -20,6 +20,7 @@ from concurrent.futures import Future
 import torch
 
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
+from srt_ascend.constrained import Grammar
 from srt_ascend.decoding import DecoderHandles, create_decoder
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
@@ -178,7 +179,8 @@ class Scheduler:
             m.logprob_start_len,
             m.top_logprobs_num,
             m.stream,
-            m.extra_key,
+            extra_key=m.extra_key,
+            grammar=None if m.grammar is None else Grammar(m.grammar),
         )
         limit = self.runner.context_len
         if len(req.origin_input_ids) >= limit:
@@ -380,6 +382,12 @@ class Scheduler:
             if req.return_logprob and logprobs is not None:
                 req.pending_logprobs.append((logprobs[j], t))
                 req.pending_top_logprobs.append(tops[j] if tops else [])
+            if req.grammar is not None and not req.grammar.accept(t):
+                # Masks make this unreachable; a grammar that disagrees must not go silent.
+                req.finished_reason = FinishReason(
+                    "abort", message=f"token {t} does not follow the request's grammar"
+                )
+                break
             reason = self.stop_checker.check(req, self.runner.context_len)
             if reason is not None:
                 req.finished_reason = reason

@@ -1,8 +1,15 @@
-"""Stop conditions: EOS / stop_token_ids, stop strings, max_new_tokens, context length."""
+"""Stop conditions: EOS / stop_token_ids, stop strings and regexes, a terminated grammar,
+max_new_tokens, context length."""
 
 from __future__ import annotations
 
+import re
+
 from srt_ascend.managers.schedule_batch import FinishReason, Req
+
+# stop_regex is searched in the text of the output's last STOP_REGEX_TAIL_TOKENS tokens, so a
+# check costs the same at every length (a match longer than that text is not seen).
+STOP_REGEX_TAIL_TOKENS = 64
 
 
 class StopChecker:
@@ -14,6 +21,8 @@ class StopChecker:
         """Called after each committed token; returns why the request is done, if it is."""
         p = req.sampling_params
         last = req.output_ids[-1]
+        if req.grammar is not None and req.grammar.is_terminated:  # nothing may follow
+            return FinishReason("stop", matched=last)
         if len(req.output_ids) >= p.min_new_tokens:
             if not p.ignore_eos and last in self.eos_ids:
                 return FinishReason("stop", matched=last)
@@ -21,6 +30,10 @@ class StopChecker:
                 return FinishReason("stop", matched=last)
             if p.stop:
                 matched = self._stop_string(req)
+                if matched is not None:
+                    return FinishReason("stop", matched=matched)
+            if p.stop_regex:
+                matched = self._stop_regex(req)
                 if matched is not None:
                     return FinishReason("stop", matched=matched)
         if len(req.output_ids) >= p.max_new_tokens:
@@ -37,4 +50,13 @@ class StopChecker:
         for s in stops:
             if s in tail:
                 return s
+        return None
+
+    def _stop_regex(self, req: Req) -> str | None:
+        """The text matched by the first stop_regex found in the output's tail."""
+        tail = self.tokenizer.decode(req.output_ids[-STOP_REGEX_TAIL_TOKENS:])
+        for pattern in req.sampling_params.stop_regex:
+            m = re.search(pattern, tail)
+            if m is not None:
+                return m.group(0)
         return None

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from srt_ascend.constrained import GrammarBackend, GrammarError
 from srt_ascend.distributed import SINGLE, init_tp_group
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
@@ -81,6 +82,13 @@ class TokenizerManager:
         # Tokenization runs here, off the event loop; texts that cannot fit are refused first.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.max_text_chars = self.context_len * _max_token_chars(self.tokenizer)
+        # Grammars compile in its threads, cached by grammar (see attach_grammar).
+        self.grammars = GrammarBackend(
+            self.tokenizer,
+            self.runner.vocab_size,
+            self.scheduler.stop_checker.eos_ids,
+            json_any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+        )
         self.draining = False  # set at shutdown: new requests are refused (503)
 
     def _build_scheduler(self) -> Scheduler:
@@ -215,10 +223,26 @@ class TokenizerManager:
         or completion request leaves max_tokens unset: generate up to the context length)."""
         return max(self.context_len - 1 - num_input_tokens, 0)
 
+    async def attach_grammar(self, req: TokenizedGenerateReq) -> None:
+        """Compiles the request's grammar (regex, json_schema, ...) off the event loop and the
+        scheduler thread, or takes it from the cache, into `req.grammar`; RequestError with
+        xgrammar's message if it does not compile. Nothing to do without a grammar or when
+        attached already; `generate_one` calls it, routes call it first to refuse early."""
+        spec = req.sampling_params.grammar_spec
+        if spec is None or req.grammar is not None:
+            return
+        try:
+            # shielded: a client that leaves must not cancel the compile other requests share
+            req.grammar = await asyncio.shield(asyncio.wrap_future(self.grammars.compile(spec)))
+        except GrammarError as e:
+            raise RequestError(str(e)) from e
+
     async def generate_one(self, req: TokenizedGenerateReq) -> AsyncIterator[dict]:
-        """Submits one request and yields response dicts: one per step when streaming,
-        else one at the end. Cancelling the iterator aborts the request."""
+        """Submits one request (once its grammar, if any, is compiled) and yields response
+        dicts: one per step when streaming, else one at the end. Cancelling the iterator
+        aborts the request."""
         self.loop = self.loop or asyncio.get_running_loop()
+        await self.attach_grammar(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}")
         state = ReqState(
@@ -304,6 +328,7 @@ class TokenizerManager:
             self.ranks.stop()
             self.runner.tp.destroy()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+        self.grammars.shutdown()
 
 
 def _max_token_chars(tokenizer) -> int:

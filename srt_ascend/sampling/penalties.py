@@ -1,4 +1,5 @@
-"""Logit penalties (repetition, frequency, presence) and min-new-tokens stop masking.
+"""Logit penalties (repetition, frequency, presence), logit bias and min-new-tokens stop
+masking.
 
 Semantics follow vLLM/SGLang. The caller owns the per-request token statistics; for a
 speculative verify batch, row j of a request must count the drafts d_1..d_j as generated.
@@ -71,4 +72,22 @@ def mask_stop_tokens(
     if row_idx:
         index = to_device([row_idx, tok_idx], out.device)
         out[index[0], index[1]] = float("-inf")
+    return out
+
+
+def apply_logit_bias(
+    logits: torch.Tensor,  # [B, V]
+    rows: Sequence[int],  # [R] rows with a bias
+    biases: Sequence[dict[int, float]],  # [R] token id -> bias, one per entry of `rows`
+) -> torch.Tensor:  # [B, V], a new tensor; `logits` is not modified
+    """Return logits with each row's biases added to its tokens' logits (OpenAI's logit_bias:
+    -100 or 100 in practice forbid or force a token)."""
+    out = logits.clone()
+    row_idx = [r for r, bias in zip(rows, biases) for _ in bias]
+    tok_idx = [t for bias in biases for t in bias]
+    vals = [v for bias in biases for v in bias.values()]
+    if row_idx:
+        index = to_device([row_idx, tok_idx], out.device)
+        values = to_device(vals, out.device, out.dtype)
+        out.index_put_((index[0], index[1]), values, accumulate=True)
     return out

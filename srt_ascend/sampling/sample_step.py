@@ -1,5 +1,5 @@
 """Turns rows of logits into next tokens for a list of requests: penalties, min-new-tokens
-masking, sampling with per-request settings, and the logprobs SGLang reports.
+masking, grammar masks, sampling with per-request settings, and the logprobs SGLang reports.
 
 The one place below both decoders (plain and speculative): the target logits of a verify
 position and the logits of a plain decode step go through the same `penalised_logits`, and
@@ -14,8 +14,9 @@ from typing import Protocol
 
 import torch
 
+from srt_ascend.constrained import Grammar, apply_token_bitmask, fill_grammar_bitmask
 from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
-from srt_ascend.sampling.penalties import apply_penalties, mask_stop_tokens
+from srt_ascend.sampling.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.utils import HOST_READS, to_device
@@ -31,6 +32,7 @@ class SamplingRequest(Protocol):
     output_ids: list[int]
     return_logprob: bool
     top_logprobs_num: int
+    grammar: Grammar | None  # advanced over output_ids
 
 
 @dataclass
@@ -46,9 +48,13 @@ def penalised_logits(
     info: SamplingBatchInfo,
     eos_ids: list[int],
     extra: torch.Tensor | None = None,  # [B, j] tokens each row generated past output_ids
+    grammar: bool = True,  # False: the caller applies the grammar masks (verify_logits)
 ) -> torch.Tensor:
-    """Applies repetition/frequency/presence penalties and the min_new_tokens stop mask.
-    `extra` (a speculative row's drafts before it) stays on the device."""
+    """Applies repetition/frequency/presence penalties, logit biases, the min_new_tokens stop
+    mask, and each grammar's token mask (the grammar's state after output_ids + extra). A
+    grammar decides itself when its output may end: its request gets no min_new_tokens stop
+    mask. `extra` (a speculative row's drafts before it) stays on the device; only grammar
+    rows need it on the host (one read)."""
     n_extra = 0 if extra is None else extra.shape[1]
     vocab, device = logits.shape[-1], logits.device
     if info.need_penalties:
@@ -65,25 +71,64 @@ def penalised_logits(
         index = to_device([in_rows, [t for r in reqs for t in r.origin_input_ids]], device)
         prompt[index[0], index[1]] = True
         logits = apply_penalties(logits, info, counts, prompt)
+    biased = [i for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
+    if biased:
+        biases = [reqs[i].sampling_params.logit_bias for i in biased]
+        logits = apply_logit_bias(logits, biased, biases)
     rows, stops = [], []
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if len(r.output_ids) + n_extra < p.min_new_tokens:
+        if len(r.output_ids) + n_extra < p.min_new_tokens and r.grammar is None:
             rows.append(i)
             ids = set(eos_ids) | set(p.stop_token_ids or [])
             stops.append(sorted(t for t in ids if 0 <= t < logits.shape[-1]))  # OOV never match
     if rows:
         logits = mask_stop_tokens(logits, rows, stops)
+    if grammar and any(r.grammar is not None for r in reqs):
+        ahead = HOST_READS.read(extra) if n_extra else [[] for _ in reqs]
+        bitmask = fill_grammar_bitmask([r.grammar for r in reqs], ahead, vocab)
+        logits = apply_token_bitmask(logits, bitmask)
     return logits
 
 
+def verify_logits(
+    logits: torch.Tensor,  # [B, K+1, V] target logits after t_{L-1}, d_1, ..., d_K
+    reqs: Sequence[SamplingRequest],
+    info: SamplingBatchInfo,
+    eos_ids: list[int],
+    drafts: torch.Tensor,  # [B, K] each request's draft tokens, on the device
+) -> torch.Tensor:  # [B, K+1, V]
+    """`penalised_logits` at every verify position j, as if d_1..d_j had been generated; the
+    grammar masks of all positions are filled (one read of the drafts) and applied at once."""
+    k1 = logits.shape[1]
+    out = torch.stack(
+        [
+            penalised_logits(logits[:, j], reqs, info, eos_ids, drafts[:, :j], False)
+            for j in range(k1)
+        ],
+        dim=1,
+    )
+    if all(r.grammar is None for r in reqs):
+        return out
+    host = HOST_READS.read(drafts)
+    bitmask = fill_grammar_bitmask(
+        [r.grammar for r in reqs for _ in range(k1)],
+        [d[:j] for d in host for j in range(k1)],
+        logits.shape[-1],
+    )
+    return apply_token_bitmask(out.view(-1, out.shape[-1]), bitmask).view(out.shape)
+
+
 def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
-    """Every request decodes by argmax with nothing to apply to its logits: no penalties, and
-    min_new_tokens already reached (so no stop mask, now or for later draft positions). Such
-    batches skip the sampling-settings tensors (argmax of the raw logits is the same rule)."""
+    """Every request decodes by argmax with nothing to apply to its logits: no penalties, no
+    logit bias, no grammar, and min_new_tokens already reached (so no stop mask, now or for
+    later draft positions). Such batches skip the sampling-settings tensors (argmax of the raw
+    logits is the same rule)."""
     for r in reqs:
         p = r.sampling_params
-        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens:
+        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens or r.grammar is not None:
+            return False
+        if p.logit_bias:
             return False
         if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
             return False

@@ -8,6 +8,7 @@ calls `normalize()` (canonical forms: stop as a list, greedy as top_k == 1) and 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -26,6 +27,8 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
+# Grammar parameters (SGLang's names), in the order SGLang checks them.
+GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _BOOL_FIELDS = (
     "ignore_eos",
     "skip_special_tokens",
@@ -53,12 +56,20 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None  # stop once the output's tail matches one
+    # token id (a string, as JSON keys are) -> added to its logit; ints after normalize()
+    logit_bias: dict[str, float] | dict[int, float] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
     no_stop_trim: bool = False
+    # Constrained generation (at most one): the output must match this grammar.
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -82,6 +93,15 @@ class SamplingParams:
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     @property
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """(kind, source) of the grammar the output must follow, or None."""
+        for kind in GRAMMAR_KINDS:
+            source = getattr(self, kind)
+            if source is not None:
+                return kind, source
+        return None
+
+    @property
     def is_greedy(self) -> bool:
         """True when the request decodes greedily (temperature ~ 0 or top_k == 1)."""
         return 0.0 <= self.temperature < SAMPLING_EPS or self.top_k == 1
@@ -89,18 +109,16 @@ class SamplingParams:
     def normalize(self) -> SamplingParams:
         """Rewrite fields into canonical form, in place; idempotent; returns self.
 
-        - `stop` becomes a list of strings ([] when unset); `stop_token_ids` a de-duplicated
-          list of ints ([] when unset).
+        - `stop` and `stop_regex` become lists of strings ([] when unset); `stop_token_ids` a
+          de-duplicated list of ints ([] when unset); `logit_bias` a dict of int token ids
+          ({} when unset).
         - temperature in [0, 1e-6) becomes greedy: top_k = 1, temperature = 1.0 (SGLang's rule,
           so the sampler never divides by zero).
         - top_k == -1 becomes TOP_K_ALL (no cut).
         """
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
+        self.stop = _as_list(self.stop)
+        self.stop_regex = _as_list(self.stop_regex)
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()}
         ids = self.stop_token_ids or []
         self.stop_token_ids = list(dict.fromkeys(ids))
         if 0.0 <= self.temperature < SAMPLING_EPS:
@@ -117,7 +135,8 @@ class SamplingParams:
         """
         self._verify_types()
         self._verify_sampling_ranges()
-        self._verify_lengths_and_stops()
+        self._verify_lengths_and_stops(vocab_size)
+        self._verify_grammar()
 
     def _verify_types(self) -> None:
         for name in _INT_FIELDS:
@@ -131,11 +150,13 @@ class SamplingParams:
         for name in _BOOL_FIELDS:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}.")
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stops is not None and not (
-            isinstance(stops, list) and all(isinstance(s, str) for s in stops)
-        ):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        for name in ("stop", "stop_regex"):
+            value = getattr(self, name)
+            stops = [value] if isinstance(value, str) else value
+            if stops is not None and not (
+                isinstance(stops, list) and all(isinstance(s, str) for s in stops)
+            ):
+                raise ValueError(f"{name} must be a string or a list of strings, got {value!r}.")
         ids = self.stop_token_ids
         if ids is not None and not (
             isinstance(ids, list)
@@ -145,6 +166,17 @@ class SamplingParams:
         seed = self.seed
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+
+    def _verify_grammar(self) -> None:
+        """At most one grammar, given as a string (whether it compiles is checked apart)."""
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str):
+                raise ValueError(f"{kind} must be a string, got {getattr(self, kind)!r}.")
+        if len(given) > 1:
+            raise ValueError(
+                f"Only one of {', '.join(GRAMMAR_KINDS)} can be set, got {', '.join(given)}."
+            )
 
     def _verify_sampling_ranges(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0.0:
@@ -173,7 +205,7 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
 
-    def _verify_lengths_and_stops(self) -> None:
+    def _verify_lengths_and_stops(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
         if not 0 <= self.min_new_tokens <= self.max_new_tokens:
@@ -185,3 +217,37 @@ class SamplingParams:
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty.")
         # stop_token_ids outside [0, vocab_size) are accepted, as SGLang does: they never match.
+        for pattern in _as_list(self.stop_regex):
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}.") from e
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_logit_bias(self, vocab_size: int) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be an object of token id -> bias, got {bias!r}.")
+        for key, value in bias.items():
+            try:
+                token_id = int(key)
+            except (TypeError, ValueError):
+                token_id = -1
+            if isinstance(key, bool) or not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"logit_bias keys must be token ids in [0, {vocab_size - 1}], got {key!r}."
+                )
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+            ):
+                raise ValueError(f"logit_bias values must be finite numbers, got {value!r}.")
+
+
+def _as_list(value: str | list[str] | None) -> list[str]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else list(value)

@@ -20,7 +20,7 @@ from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequ
 from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
-from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
+from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
@@ -158,11 +158,7 @@ class MTPDecoder(Decoder):
             device,
             seed_offsets=[len(r.output_ids) for r in reqs],
         )
-        eos = self.h.eos_ids
-        logits = torch.stack(
-            [penalised_logits(logits[:, j], reqs, info, eos, tokens[:, :j]) for j in range(k1)],
-            dim=1,
-        )  # [B, K+1, V]
+        logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
             return self._read(greedy_accept(tokens, logits.argmax(dim=-1)), logits)
         target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)

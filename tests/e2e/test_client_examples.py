@@ -8,6 +8,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "python"
 # example -> the test that runs it
 RUN_BY = {
     "frontend_gen.py": "test_sglang_clients.py::test_frontend_gen",
+    "frontend_constrained.py": "test_sglang_clients.py::test_frontend_constrained",
     "frontend_select.py": "test_sglang_clients.py::test_frontend_select",
     "frontend_fork.py": "test_sglang_clients.py::test_frontend_fork",
     "frontend_run_batch.py": "test_sglang_clients.py::test_frontend_run_batch",

@@ -47,9 +47,57 @@ NATIVE_CASES = {
         {"text": "a", "sampling_params": {"max_tokens": 3}},
         "Unknown sampling parameter(s): max_tokens",
     ),
-    "unsupported-regex": (
-        {"text": "a", "sampling_params": {"regex": "[0-9]+"}},
-        "sampling_params.regex is not supported",
+    "unsupported-custom-params": (
+        {"text": "a", "sampling_params": {"custom_params": {"k": 1}}},
+        "sampling_params.custom_params is not supported",
+    ),
+    "parallel-samples-differ": (
+        {"text": ["a", "b"], "sampling_params": [{"n": 2}, {"n": 3}]},
+        "sampling_params.n must be the same for every prompt",
+    ),
+    "parallel-samples-zero": (
+        {"text": "a", "sampling_params": {"n": 0}},
+        "sampling_params.n must be an integer >= 1",
+    ),
+    "malformed-stop-regex": (
+        {"text": "a", "sampling_params": {"stop_regex": ["ok", "(x"]}},
+        "stop_regex '(x' is not a valid regex",
+    ),
+    "logit-bias-out-of-vocab": (
+        {"text": "a", "sampling_params": {"logit_bias": {"99999999": 5}}},
+        "logit_bias keys must be token ids in",
+    ),
+    "logit-bias-not-a-number": (
+        {"text": "a", "sampling_params": {"logit_bias": {"5": "high"}}},
+        "logit_bias values must be finite numbers",
+    ),
+    "malformed-regex": (
+        {"text": "a", "sampling_params": {"regex": "(a|b"}},
+        "invalid regex: Regex parsing error at position 5: The parenthesis is not closed.",
+    ),
+    "malformed-json-schema": (
+        {"text": "a", "sampling_params": {"json_schema": "{not json"}},
+        "invalid json_schema: Failed to parse JSON",
+    ),
+    "unsupported-json-schema": (
+        {"text": "a", "sampling_params": {"json_schema": '{"type": "foo"}'}},
+        'invalid json_schema: Unsupported type "foo"',
+    ),
+    "malformed-ebnf": (
+        {"text": "a", "sampling_params": {"ebnf": "root ::= "}},
+        "invalid ebnf: EBNF parser error",
+    ),
+    "malformed-grammar-streamed": (
+        {"text": ["a", "b"], "sampling_params": {"regex": "[a-"}, "stream": True},
+        "invalid regex",
+    ),
+    "two-grammars": (
+        {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
+        "Only one of json_schema, regex, ebnf, structural_tag can be set",
+    ),
+    "grammar-not-a-string": (
+        {"text": "a", "sampling_params": {"json_schema": {"type": "object"}}},
+        "json_schema must be a string",
     ),
     "stream-wrong-type": ({"text": "a", "stream": "yes"}, "stream must be a boolean"),
     "batch-length-mismatch": (

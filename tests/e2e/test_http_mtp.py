@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 
 PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n", "for i in range(10):\n    print("]
@@ -46,8 +49,6 @@ def test_mtp_greedy_is_lossless_and_reports_acceptance(server, mtp_server):
 
 
 def test_mtp_stream_carries_spec_fields(mtp_server):
-    import json
-
     r = mtp_server.post(
         "/generate",
         json={"text": PROMPTS[0], "sampling_params": GREEDY, "stream": True},
@@ -58,3 +59,24 @@ def test_mtp_stream_carries_spec_fields(mtp_server):
     assert len(chunks) < 16
     assert chunks[-1]["meta_info"]["completion_tokens"] == 16
     assert all("spec_accept_length" in c["meta_info"] for c in chunks)
+
+
+def test_mtp_under_grammars_is_lossless(server, mtp_server):
+    """Greedy outputs under a regex and a JSON schema, and seeded samples under a regex, are
+    the plain server's; every output follows its grammar."""
+    regex = r"[a-z_]{1,8}\((n|[0-9]{1,2})\)"
+    # a JSON value without whitespace inside (the tiny model fills an object's with newlines)
+    schema = '{"type": "integer", "minimum": 0, "maximum": 999}'
+    params = [
+        {"max_new_tokens": 32, "temperature": 0, "regex": regex},
+        {"max_new_tokens": 32, "temperature": 0, "json_schema": schema},
+        {"max_new_tokens": 32, "temperature": 0.8, "seed": 7, "regex": "(a|b|c)d?"},
+    ]
+    body = {"text": [PROMPTS[0]] * 3, "sampling_params": params}
+    plain = server.post("/generate", json=body).json()
+    spec = mtp_server.post("/generate", json=body).json()
+    assert [o["output_ids"] for o in spec[:2]] == [o["output_ids"] for o in plain[:2]]
+    assert re.fullmatch(regex, spec[0]["text"]), spec[0]["text"]
+    assert 0 <= json.loads(spec[1]["text"]) <= 999
+    assert re.fullmatch("(a|b|c)d?", spec[2]["text"]), spec[2]["text"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in spec)

@@ -1,10 +1,11 @@
 """SGLang's native HTTP API against the real server: /generate (single, batch, input_ids,
-streaming, logprobs, rid), info endpoints, flush, health, abort and metrics."""
+streaming, logprobs, rid, grammars), info endpoints, flush, health, abort and metrics."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import time
 
 import pytest
@@ -69,6 +70,33 @@ def test_generate_batch(server, tokenizer):
     assert [o["output_ids"] for o in ids] == [o["output_ids"][:2] for o in outs]
 
 
+def test_parallel_samples_share_the_prompt(server, tokenizer):
+    """sampling_params.n: n samples per prompt, prompt-major, in a list even for one prompt;
+    every sample finds the prompt in the radix cache."""
+    prompts = ["import collections\nimport itertools\n", "class Queue:\n    def put"]
+    sampled = {"max_new_tokens": 6, "temperature": 1.0, "ignore_eos": True, "n": 3}
+    body = {"text": prompts, "sampling_params": sampled, "rid": ["p", "q"]}
+    r = server.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert [o["meta_info"]["id"] for o in outs] == ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"]
+    assert all(len(o["output_ids"]) == 6 for o in outs)
+    for i, o in enumerate(outs):
+        prompt_len = len(tokenizer.encode(prompts[i // 3]))
+        assert o["meta_info"]["cached_tokens"] >= prompt_len - 2, o["meta_info"]
+    assert len({tuple(o["output_ids"]) for o in outs[:3]}) > 1  # samples, not copies
+    greedy = {**GREEDY, "n": 2}
+    two = server.post("/generate", json={"text": PROMPT, "sampling_params": greedy}).json()
+    one = server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
+    assert [o["output_ids"] for o in two] == [one["output_ids"]] * 2
+    r = server.post(
+        "/generate", json={"text": PROMPT, "sampling_params": greedy, "stream": True}, stream=True
+    )
+    finals = [c for c in sse_events(r)[:-1] if c["meta_info"]["finish_reason"] is not None]
+    assert sorted(c["index"] for c in finals) == [0, 1]
+    assert all(c["output_ids"] == one["output_ids"] for c in finals)
+
+
 def test_generate_stream_is_cumulative(server):
     final = server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()
     r = server.post(
@@ -86,6 +114,42 @@ def test_generate_stream_is_cumulative(server):
     assert [c["meta_info"]["finish_reason"] for c in chunks[:-1]] == [None] * 7
     assert chunks[-1]["text"] == final["text"]
     assert chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 8}
+
+
+CALL_REGEX = r"[a-z_]{1,8}\((n|[0-9]{1,2})\)"
+GRAMMARS = {
+    "regex": CALL_REGEX,
+    # a JSON value without whitespace inside (the tiny model fills an object's with newlines;
+    # tests/engine covers objects, compact)
+    "json_schema": json.dumps({"type": "string", "pattern": "^[a-z]{2,8}$"}),
+    "ebnf": 'root ::= "yes" | "no" | "maybe"',
+}
+
+
+def test_generate_under_grammars(server):
+    """Each grammar kind in one batch beside an unconstrained request; streamed alike."""
+    kinds = list(GRAMMARS)
+    params = [{"max_new_tokens": 48, "temperature": 0, k: GRAMMARS[k]} for k in kinds]
+    body = {"text": [PROMPT] * 4, "sampling_params": [*params, GREEDY]}
+    outs = server.post("/generate", json=body).json()
+    texts = dict(zip(kinds, (o["text"] for o in outs)))
+    assert re.fullmatch(CALL_REGEX, texts["regex"]), texts
+    assert re.fullmatch("[a-z]{2,8}", json.loads(texts["json_schema"])), texts
+    assert texts["ebnf"] in ("yes", "no", "maybe")
+    for o in outs[:3]:
+        assert o["meta_info"]["finish_reason"]["type"] == "stop"
+    assert (
+        outs[3]["output_ids"]
+        == server.post("/generate", json={"text": PROMPT, "sampling_params": GREEDY}).json()[
+            "output_ids"
+        ]
+    )
+    r = server.post("/generate", json={**body, "stream": True}, stream=True)
+    finals = {}
+    for c in sse_events(r)[:-1]:
+        if c["meta_info"]["finish_reason"] is not None:
+            finals[c["index"]] = c["text"]
+    assert [finals[i] for i in range(4)] == [o["text"] for o in outs]
 
 
 def test_generate_stream_batch_has_index(server):

@@ -11,6 +11,7 @@ import pytest
 
 FRONTEND_EXAMPLES = [
     "frontend_gen.py",
+    "frontend_constrained.py",
     "frontend_select.py",
     "frontend_fork.py",
     "frontend_run_batch.py",
@@ -36,6 +37,16 @@ def test_frontend_gen(server, frontend):
     assert out["num_pieces"] >= 2
     assert out["full_text"] == prompt + out["text"]
     assert out["meta"]["completion_tokens"] <= 16
+
+
+def test_frontend_constrained(frontend):
+    import re
+
+    out = frontend["frontend_constrained.py"]
+    assert re.fullmatch(out["call_regex"], out["call"]), out["call"]
+    assert re.fullmatch(r"[-+]?[0-9]+", out["count"].strip()), out["count"]
+    assert 1900 <= json.loads(out["year"]) <= 2100
+    assert re.fullmatch("[a-z]{2,8}", json.loads(out["name"])), out["name"]
 
 
 def test_frontend_select(frontend):

@@ -22,6 +22,10 @@ FORBIDDEN = {
         "layers", "mem_cache", "sampling",
     },
     "mem_cache": {"entrypoints", "managers", "decoding", "speculative", "models"},
+    "constrained": {
+        "entrypoints", "managers", "decoding", "speculative", "model_executor", "models",
+        "layers", "mem_cache", "sampling",
+    },
     "sampling": {"entrypoints", "managers", "decoding", "speculative", "models"},
     "layers": {"entrypoints", "managers", "decoding", "speculative"},
     "models": {"entrypoints", "managers", "decoding", "speculative"},

@@ -71,3 +71,16 @@ def test_mask_stop_tokens_shared_and_per_row() -> None:
     per_row = mask_stop_tokens(logits, torch.tensor([1, 2]), [[4], [5, 6]])
     assert torch.isinf(per_row[[1, 2, 2], [4, 5, 6]]).all() and int(torch.isinf(per_row).sum()) == 3
     assert torch.equal(mask_stop_tokens(logits, [], [1]), logits)
+
+
+def test_logit_bias_adds_to_the_rows_tokens() -> None:
+    from srt_ascend.sampling.penalties import apply_logit_bias
+
+    logits = torch.randn(3, V)
+    out = apply_logit_bias(logits, [0, 2], [{4: 100.0, 7: -2.5}, {4: -100.0}])
+    want = logits.clone()
+    want[0, 4] += 100.0
+    want[0, 7] -= 2.5
+    want[2, 4] -= 100.0
+    assert torch.equal(out, want)
+    assert torch.equal(apply_logit_bias(logits, [], []), logits)

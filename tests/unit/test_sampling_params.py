@@ -55,6 +55,12 @@ def test_from_dict_rejects_unknown_fields_by_name() -> None:
         ("ignore_eos", 1, "ignore_eos must be a boolean"),
         ("stop", ["a", 3], "stop must be a string or a list"),
         ("seed", "1", "seed must be an integer"),
+        ("stop_regex", "(a", "stop_regex '\\(a' is not a valid regex"),
+        ("stop_regex", [3], "stop_regex must be a string or a list"),
+        ("logit_bias", [1, 2], "logit_bias must be an object"),
+        ("logit_bias", {"x": 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {str(VOCAB): 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"3": float("inf")}, "logit_bias values must be finite"),
     ],
 )
 def test_verify_rejects_bad_values(field: str, value: object, message: str) -> None:
@@ -87,6 +93,14 @@ def test_normalize_greedy_top_k_and_stop() -> None:
     q = SamplingParams(temperature=0.7).normalize()
     assert (q.temperature, q.top_k, q.stop, q.stop_token_ids) == (0.7, TOP_K_ALL, [], [])
     assert not q.is_greedy
+
+
+def test_normalize_stop_regex_and_logit_bias() -> None:
+    p = SamplingParams(stop_regex=r"\d+", logit_bias={"5": 2, "7": -1.5}).normalize()
+    assert p.stop_regex == [r"\d+"] and p.logit_bias == {5: 2.0, 7: -1.5}
+    p.verify(VOCAB)
+    q = SamplingParams().normalize()
+    assert (q.stop_regex, q.logit_bias) == ([], {})
 
 
 def test_normalize_is_idempotent_and_verifiable() -> None:

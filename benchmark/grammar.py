@@ -1,0 +1,140 @@
+"""Structured output under load: `sglang.bench_serving` with a JSON-schema workload, grammar on
+vs off, MTP off vs K = 2; and the per-step cost of the grammar masks, in-process.
+
+    python benchmark/grammar.py [--sglang-python .venv-sglang/bin/python]
+        [--configs off mtp-k2-fia] [--max-concurrency 1 8] [--num-prompts 16]
+        [--output-len 64] [--json-out FILE]
+
+Each configuration gets its own server (shipped checkpoint, bf16,
+`--constrained-json-disable-any-whitespace` so the tiny model writes compact JSON rather than
+newlines); bench_serving runs unmodified on random-ids prompts, once with
+`sampling_params.json_schema` = SCHEMA (greedy, up to --output-len tokens, stopping when the
+JSON is complete) and once without a grammar (greedy, --output-len tokens). Reported: output
+throughput, median TPOT and mean output length per run; then the time one decode step spends
+on the grammar (filling the bitmask of every request at each of the K+1 verify positions, and
+applying it to the logits, all positions at once) for batches of 1, 8 and 32 requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+import urllib.request
+
+import torch
+from serving import CONFIGS, bench, start_server
+from transformers import AutoTokenizer
+
+from srt_ascend.constrained import Grammar, GrammarBackend, apply_token_bitmask
+from srt_ascend.constrained.matcher import fill_grammar_bitmask
+from srt_ascend.server_args import SHIPPED_MODEL
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "id": {"type": "integer", "minimum": 0},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 6},
+        "active": {"type": "boolean"},
+    },
+    "required": ["name", "id", "tags", "active"],
+    "additionalProperties": False,
+}
+SERVER_ARGS = ["--dtype", "bfloat16", "--constrained-json-disable-any-whitespace"]
+
+
+def serving_rows(a) -> list[dict]:
+    rows = []
+    for name in a.configs:
+        proc, url = start_server(a.model_path, CONFIGS[name] + SERVER_ARGS)
+        try:
+            for grammar in (False, True):
+                sp = {"max_new_tokens": a.output_len, "temperature": 0}
+                sp.update({"json_schema": json.dumps(SCHEMA)} if grammar else {"ignore_eos": True})
+                for c in a.max_concurrency:
+                    r = bench(a.sglang_python, url, a.model_path, a, c, {"sampling_params": sp})
+                    info = json.load(urllib.request.urlopen(url + "/server_info"))
+                    acc = info["internal_states"][0].get("avg_spec_accept_length")
+                    row = dict(
+                        config=name,
+                        grammar="json_schema" if grammar else "none",
+                        max_concurrency=c,
+                        completed=r["completed"],
+                        output_throughput=round(r["output_throughput"], 1),
+                        median_tpot_ms=round(r["median_tpot_ms"], 2),
+                        mean_output_len=round(r["total_output_tokens"] / r["completed"], 1),
+                        accept_length=round(acc, 3) if acc else None,
+                    )
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return rows
+
+
+def mask_cost_rows(model_path: str, k: int = 2, steps: int = 50) -> list[dict]:
+    """Per decode step: fill the bitmask of the K+1 verify positions of every request and apply
+    it to their logits at once (as `verify_logits` does), for a batch of requests part-way
+    through SCHEMA (each at its own depth)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
+    vocab = len(tokenizer)
+    backend = GrammarBackend(tokenizer, vocab, [tokenizer.eos_token_id or 1], False)
+    compiled = backend.compile(("json_schema", json.dumps(SCHEMA))).result()
+    sample = tokenizer.encode(
+        '{"name": "srt", "id": 42, "tags": ["a", "b"], "active": true}', add_special_tokens=False
+    )
+    rows = []
+    for batch in (1, 8, 32):
+        grammars, drafts = [], []
+        for i in range(batch):
+            g = Grammar(compiled)
+            depth = i % (len(sample) - k)
+            for t in sample[:depth]:
+                assert g.accept(t)
+            grammars.append(g)
+            drafts.append(sample[depth : depth + k])
+        logits = torch.randn(batch * (k + 1), vocab)
+        per_position = [g for g in grammars for _ in range(k + 1)]
+        lookaheads = [d[:j] for d in drafts for j in range(k + 1)]
+        start = time.perf_counter()
+        for _ in range(steps):
+            apply_token_bitmask(logits, fill_grammar_bitmask(per_position, lookaheads, vocab))
+        ms = (time.perf_counter() - start) * 1000 / steps
+        rows.append(dict(batch=batch, verify_positions=k + 1, grammar_ms_per_step=round(ms, 3)))
+        print(json.dumps(rows[-1]), flush=True)
+    backend.shutdown()
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--sglang-python", default=os.environ.get("SRT_SGLANG_PYTHON", ".venv-sglang/bin/python")
+    )
+    p.add_argument("--model-path", default=SHIPPED_MODEL)
+    p.add_argument("--configs", nargs="+", default=["off", "mtp-k2-fia"], choices=list(CONFIGS))
+    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--json-out", default=None)
+    a = p.parse_args()
+    a.dataset = "random-ids"
+    result = {"mask_cost": mask_cost_rows(a.model_path), "serving": serving_rows(a)}
+    print("| config | grammar | concurrency | output tok/s | median TPOT ms | mean output len |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in result["serving"]:
+        print(
+            f"| {r['config']} | {r['grammar']} | {r['max_concurrency']} | "
+            f"{r['output_throughput']} | {r['median_tpot_ms']} | {r['mean_output_len']} |"
+        )
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

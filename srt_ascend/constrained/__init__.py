@@ -1,0 +1,22 @@
+"""Grammar-constrained generation (regex, JSON schema, EBNF, structural tag) on xgrammar:
+compilation with a cache (GrammarBackend), per-request matchers and token bitmasks."""
+
+from srt_ascend.constrained.grammar_backend import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarError,
+)
+from srt_ascend.constrained.matcher import (
+    Grammar,
+    apply_token_bitmask,
+    fill_grammar_bitmask,
+)
+
+__all__ = [
+    "CompiledGrammar",
+    "Grammar",
+    "GrammarBackend",
+    "GrammarError",
+    "apply_token_bitmask",
+    "fill_grammar_bitmask",
+]

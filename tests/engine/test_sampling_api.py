@@ -1,0 +1,69 @@
+"""SGLang's logit_bias and stop_regex sampling parameters, with MTP off and on: greedy outputs
+are token-identical (the bias shapes draft and target logits alike), a -100 bias forbids a
+token and +100 forces one, and stop_regex ends the output at its first match (trimmed)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from srt_ascend import Engine
+
+PROMPT = "def fibonacci(n):\n"
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+STOP_REGEX = r"_[a-z]+_"
+
+
+def run(model_path, requests: list[dict], **kw) -> list[dict]:
+    engine = Engine(model_path=model_path, dtype="float32", **kw)
+    try:
+        return engine.generate([PROMPT] * len(requests), requests)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain(model_path) -> dict:
+    return run(model_path, [GREEDY])[0]
+
+
+@pytest.fixture(scope="module")
+def requests(plain) -> list[dict]:
+    first, forced = plain["output_ids"][0], plain["output_ids"][3]
+    return [
+        {**GREEDY, "logit_bias": {str(first): -100}},
+        {**GREEDY, "logit_bias": {str(forced): 100}},
+        {**GREEDY, "max_new_tokens": 24, "stop_regex": ["^never$", STOP_REGEX]},
+    ]
+
+
+@pytest.fixture(scope="module")
+def unspeculated(model_path, requests) -> list[dict]:
+    return run(model_path, requests)
+
+
+def test_logit_bias_and_stop_regex(plain, unspeculated):
+    forbidden, forced = plain["output_ids"][0], plain["output_ids"][3]
+    assert forbidden not in unspeculated[0]["output_ids"]
+    assert unspeculated[1]["output_ids"] == [forced] * 16
+    reason = unspeculated[2]["meta_info"]["finish_reason"]
+    assert reason["type"] == "stop" and re.fullmatch(STOP_REGEX, reason["matched"])
+    text = plain["text"]
+    assert re.search(STOP_REGEX, text), "the regex must match the unconstrained output"
+    assert unspeculated[2]["text"] == text[: text.index(reason["matched"])]
+
+
+@pytest.mark.parametrize(("k", "verify"), [(2, "fia"), (3, "expand")])
+def test_identical_with_mtp(model_path, requests, unspeculated, k, verify):
+    outs = run(
+        model_path,
+        requests,
+        speculative_algorithm="MTP",
+        speculative_num_steps=k,
+        speculative_verify=verify,
+    )
+    for got, want in zip(outs, unspeculated):
+        assert got["output_ids"] == want["output_ids"]
+        assert got["text"] == want["text"]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
