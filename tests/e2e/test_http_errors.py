@@ -185,10 +185,10 @@ OPENAI_CASES = {
         {"model": "m", "prompt": [[1, 2], [10**9]]},
         "input_ids must be integers in",
     ),
-    "unsupported-regex": (
+    "malformed-regex-v1": (
         "/v1/completions",
-        {"model": "m", "prompt": "a", "regex": "[0-9]+"},
-        "regex is not supported",
+        {"model": "m", "prompt": "a", "regex": "(a|b"},
+        "invalid regex",
     ),
     "unknown-field": (
         "/v1/chat/completions",

@@ -122,8 +122,8 @@ def test_penalised_logits_mask_each_position_after_its_drafts(backend, tokenizer
     reqs[0].grammar = Grammar(backend.compile(("regex", "(a|b|c)d?")).result())
     info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], VOCAB, "cpu")
     logits = torch.zeros(2, VOCAB)
-    first = penalised_logits(logits, reqs, info, [EOS], [[], []])
-    after_ad = penalised_logits(logits, reqs, info, [EOS], [[a, d], [a, d]])
+    first = penalised_logits(logits, reqs, info, [EOS])
+    after_ad = penalised_logits(logits, reqs, info, [EOS], torch.tensor([[a, d], [a, d]]))
     assert torch.isinf(first[0]).sum() == VOCAB - len(allowed_row(first[0]))
     assert allowed_row(after_ad[0]) == {EOS}
     assert not torch.isinf(first[1]).any() and not torch.isinf(after_ad[1]).any()
@@ -160,9 +160,9 @@ def test_verify_logits_mask_every_position_at_once(backend, tokenizer):
     reqs[0].grammar = Grammar(backend.compile(("regex", "(a|b|c)d?")).result())
     info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], VOCAB, "cpu")
     logits = torch.randn(2, 3, VOCAB, generator=torch.Generator().manual_seed(0))
-    drafts = [[a, d], [d, a]]
+    drafts = torch.tensor([[a, d], [d, a]])
     got = verify_logits(logits, reqs, info, [EOS], drafts)
     for j in range(3):
-        want = penalised_logits(logits[:, j], reqs, info, [EOS], [x[:j] for x in drafts])
+        want = penalised_logits(logits[:, j], reqs, info, [EOS], drafts[:, :j])
         assert torch.equal(got[:, j], want)
     assert allowed_row(got[0, 2]) == {EOS}
