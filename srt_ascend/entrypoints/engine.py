@@ -12,6 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
+from srt_ascend.entrypoints.generate_input import pop_n
 from srt_ascend.managers.tokenizer_manager import TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -42,7 +43,9 @@ class Engine:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
     ) -> dict | list[dict]:
-        """One prompt -> one dict; a list -> a list of dicts, in order, run concurrently."""
+        """One prompt -> one dict; a list -> a list of dicts, in order, run concurrently.
+        `sampling_params` "n" > 1 (the same for every prompt) -> n samples of each prompt, a
+        list in prompt-major order, as /generate answers."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         tm = self.tokenizer_manager
@@ -54,11 +57,22 @@ class Engine:
             ids_list = [tm.tokenize(p) for p in prompts]
         else:
             ids_list = [input_ids] if single else list(input_ids)
-        params = (
-            sampling_params
-            if isinstance(sampling_params, list)
-            else [sampling_params] * len(ids_list)
-        )
+        params = [
+            dict(sp or {})
+            for sp in (
+                sampling_params
+                if isinstance(sampling_params, list)
+                else [sampling_params] * len(ids_list)
+            )
+        ]
+        n = pop_n(params)
+        if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
+            self._run(
+                self._gather([tm.make_request(ids, {"max_new_tokens": 0}) for ids in ids_list])
+            )
+            ids_list = [ids for ids in ids_list for _ in range(n)]
+            params = [sp for sp in params for _ in range(n)]
+            single = False
         reqs = [
             tm.make_request(ids, sp, None, return_logprob, logprob_start_len, top_logprobs_num)
             for ids, sp in zip(ids_list, params)

@@ -100,7 +100,7 @@ def clean_sampling_params(sp: Any, prefix: str = "sampling_params.") -> dict:
     return out
 
 
-def _pop_n(sampling_params: list[dict]) -> int:
+def pop_n(sampling_params: list[dict]) -> int:
     """SGLang's parallel sample count, taken out of the sampling params (each sample is a
     request of its own, n = 1); it must be the same for every prompt."""
     ns = {sp.pop("n", 1) for sp in sampling_params}
@@ -142,7 +142,7 @@ class GenerateReqInput:
             body, "sampling_params", n, lambda v: v is None or isinstance(v, dict), "an object"
         )
         sampling_params = [clean_sampling_params(x) for x in sp]
-        samples = _pop_n(sampling_params)
+        samples = pop_n(sampling_params)
         return cls(
             prompts=prompts,
             is_single=single and samples == 1,

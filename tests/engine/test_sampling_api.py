@@ -67,3 +67,21 @@ def test_identical_with_mtp(model_path, requests, unspeculated, k, verify):
         assert got["output_ids"] == want["output_ids"]
         assert got["text"] == want["text"]
         assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+
+
+def test_engine_parallel_samples_share_the_prompt(model_path):
+    """n samples per prompt, prompt-major, as /generate answers; each sample finds its prompt
+    in the radix cache (prefilled once), and seeded samples are the seeded single requests."""
+    engine = Engine(model_path=model_path, dtype="float32")
+    try:
+        prompts = [PROMPT, "class Stack:\n"]
+        sample = {"max_new_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
+        outs = engine.generate(prompts, sample)
+        alone = engine.generate(prompts[1], {**sample, "n": 1})
+    finally:
+        engine.shutdown()
+    assert len(outs) == 6
+    for o in outs:
+        assert o["meta_info"]["cached_tokens"] > 0
+    assert [o["output_ids"] for o in outs[3:]] == [alone["output_ids"]] * 3
+    assert outs[0]["output_ids"] != outs[3]["output_ids"]
