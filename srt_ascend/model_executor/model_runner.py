@@ -125,7 +125,7 @@ class ModelRunner:
 
     def _kv_bytes_per_token(self) -> int:
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim
-        return width * self.num_layers * torch.tensor([], dtype=self.dtype).element_size()
+        return width * self.num_layers * self.dtype.itemsize
 
     def _init_pools(self) -> None:
         args = self.server_args

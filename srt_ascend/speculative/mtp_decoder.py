@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
 from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
@@ -24,7 +23,7 @@ from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
-from srt_ascend.speculative.mtp_worker import DraftHandles, Drafts, MTPWorker
+from srt_ascend.speculative.mtp_worker import DraftHandles, Drafts, MTPWorker, one_hot_probs
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 from srt_ascend.utils import HOST_READS, to_device
 
@@ -102,8 +101,8 @@ class MTPDecoder(Decoder):
         reqs, loc = self.h.kv.alloc_running(reqs, k1)
         if not reqs:
             return []
-        loc = loc.view(len(reqs), k1)
-        drafts = self.worker.draft_chain(reqs, to_device(loc, self.runner.device))
+        loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
+        drafts = self.worker.draft_chain(reqs, loc)
         last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
         fb = self.verify.build(
             torch.cat([last, drafts.tokens], dim=1),
@@ -164,7 +163,7 @@ class MTPDecoder(Decoder):
         target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
-            draft_probs = nn.functional.one_hot(tokens, self.vocab).to(torch.float32)
+            draft_probs = one_hot_probs(tokens, self.vocab)
         res = rejection_sample(tokens, draft_probs, target, generators=list(info.generators))
         return self._read(res, logits)
 

@@ -55,6 +55,11 @@ class Drafts(NamedTuple):
     probs: torch.Tensor | None  # [B, K, V] what each was drawn from; None: all greedy
 
 
+def one_hot_probs(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[..., V] float32: a greedy draft's distribution, one-hot at its token."""
+    return nn.functional.one_hot(tokens, vocab).to(torch.float32)
+
+
 def state_of(req: StepRequest) -> SpecState:
     if req.decoder_state is None:
         req.decoder_state = SpecState()
@@ -164,9 +169,12 @@ class MTPWorker:
         drafts = torch.stack(tokens, dim=1)  # [B, K]
         if all(p is None for p in probs):
             return Drafts(drafts, None)
-        one_hot = lambda t: nn.functional.one_hot(t, self.h.vocab_size).to(torch.float32)  # noqa: E731
+        vocab = self.h.vocab_size
         return Drafts(
-            drafts, torch.stack([one_hot(t) if p is None else p for t, p in zip(tokens, probs)], 1)
+            drafts,
+            torch.stack(
+                [one_hot_probs(t, vocab) if p is None else p for t, p in zip(tokens, probs)], 1
+            ),
         )
 
     def _gather_probs(self, states: Sequence[SpecState], tokens: torch.Tensor):
@@ -174,7 +182,7 @@ class MTPWorker:
         every d_1 was greedy."""
         if all(s.probs is None for s in states):
             return None
-        one_hot = nn.functional.one_hot(tokens, self.h.vocab_size).to(torch.float32)
+        one_hot = one_hot_probs(tokens, self.h.vocab_size)
         return torch.stack(
             [one_hot[i] if s.probs is None else s.probs for i, s in enumerate(states)]
         )

@@ -187,40 +187,39 @@ def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k):
 
 
 def _run_steps(runner, args, reads: Counted) -> None:
-    if True:
-        decoder = create_decoder(
-            args, DecoderHandles(runner, TableKV(runner.req_to_token_pool), _commit, [1])
-        )
-        reqs = _requests()
-        rows = runner.req_to_token_pool.alloc(len(reqs))
-        for r, row in zip(reqs, rows):
-            r.req_pool_idx = row
-        # prefill: one EXTEND forward, first tokens, the MTP pass that drafts d_1
-        lens = [len(r.origin_input_ids) for r in reqs]
-        kv = decoder.h.kv
-        _, loc = kv.alloc_running(reqs, lens[0])
-        fb = runner.build_forward_batch(
-            ForwardMode.EXTEND,
-            [t for r in reqs for t in r.origin_input_ids],
-            rows,
-            lens,
-            lens,
-            loc,
-        )
-        hidden = runner.forward(fb)
-        for r, n in zip(reqs, lens):
-            r.kv_len = n
-        last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
-        decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
-        decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs))
-        # decode steps: exactly one read each, plus one when some request returns logprobs
-        for _ in range(3):
-            before = reads.count
-            stepped = decoder.step(reqs)
-            assert stepped == reqs
-            assert reads.count - before == 2
-        for r in reqs:
-            r.return_logprob = False
+    decoder = create_decoder(
+        args, DecoderHandles(runner, TableKV(runner.req_to_token_pool), _commit, [1])
+    )
+    reqs = _requests()
+    rows = runner.req_to_token_pool.alloc(len(reqs))
+    for r, row in zip(reqs, rows):
+        r.req_pool_idx = row
+    # prefill: one EXTEND forward, first tokens, the MTP pass that drafts d_1
+    lens = [len(r.origin_input_ids) for r in reqs]
+    kv = decoder.h.kv
+    _, loc = kv.alloc_running(reqs, lens[0])
+    fb = runner.build_forward_batch(
+        ForwardMode.EXTEND,
+        [t for r in reqs for t in r.origin_input_ids],
+        rows,
+        lens,
+        lens,
+        loc,
+    )
+    hidden = runner.forward(fb)
+    for r, n in zip(reqs, lens):
+        r.kv_len = n
+    last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
+    decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
+    decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs))
+    # decode steps: exactly one read each, plus one when some request returns logprobs
+    for _ in range(3):
         before = reads.count
-        decoder.step(reqs)
-        assert reads.count - before == 1
+        stepped = decoder.step(reqs)
+        assert stepped == reqs
+        assert reads.count - before == 2
+    for r in reqs:
+        r.return_logprob = False
+    before = reads.count
+    decoder.step(reqs)
+    assert reads.count - before == 1
