@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 import torch
 
-from srt_ascend.layers.sampler import TopLogprobs
+from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.model_executor.model_runner import ModelRunner
@@ -70,9 +70,9 @@ class KVHandle(Protocol):
         ...
 
 
-# (req, tokens, logprobs or None, top logprobs or None) -> None: appends the tokens to the
-# request's output one by one, stopping at the first that finishes it (req.finished).
-CommitFn = Callable[[StepRequest, list[int], list[float] | None, list[TopLogprobs] | None], None]
+# (req, tokens, their logprobs or None) -> None: appends the tokens to the request's output
+# one by one, stopping at the first that finishes it (req.finished).
+CommitFn = Callable[[StepRequest, list[int], TokenLogprobs | None], None]
 
 
 @dataclass
@@ -117,9 +117,8 @@ class Decoder(ABC):
         settings, logprobs as asked), committed through the handle."""
         res = sample_rows(logits, reqs, self.vocab, self.h.eos_ids)
         for i, r in enumerate(reqs):
-            lps = None if res.logprobs is None else res.logprobs[i : i + 1]
-            tops = None if res.top_logprobs is None else res.top_logprobs[i : i + 1]
-            self.h.commit(r, [res.token_ids[i]], lps, tops)
+            lps = None if res.logprobs is None else res.logprobs.rows(i, i + 1)
+            self.h.commit(r, [res.token_ids[i]], lps)
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

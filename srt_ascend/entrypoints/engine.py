@@ -42,6 +42,7 @@ class Engine:
         return_logprob: bool = False,
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
     ) -> dict | list[dict]:
         """One prompt -> one dict; a list -> a list of dicts, in order, run concurrently.
         `sampling_params` "n" > 1 (the same for every prompt) -> n samples of each prompt, a
@@ -74,7 +75,15 @@ class Engine:
             params = [sp for sp in params for _ in range(n)]
             single = False
         reqs = [
-            tm.make_request(ids, sp, None, return_logprob, logprob_start_len, top_logprobs_num)
+            tm.make_request(
+                ids,
+                sp,
+                None,
+                return_logprob,
+                logprob_start_len,
+                top_logprobs_num,
+                token_ids_logprob=token_ids_logprob,
+            )
             for ids, sp in zip(ids_list, params)
         ]
         outs = self._run(self._gather(reqs))

@@ -3,8 +3,9 @@
 Contract (SGLang's): exactly one of `text` / `input_ids`, each a single prompt or a batch;
 per-request fields (`sampling_params`, `rid`, `return_logprob`, `logprob_start_len`,
 `top_logprobs_num`, `extra_key` / `cache_salt`) are one value for all or a list with one per
-prompt. `sampling_params.n` (the same for every prompt) asks for n samples of each prompt: the
-answer is then a list, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]). Top-level keys this
+prompt; `token_ids_logprob` is one list of token ids for all or a list of such lists.
+`sampling_params.n` (the same for every prompt) asks for n samples of each prompt: the answer
+is then a list, prompt-major ([p0 s0, p0 s1, ..., p1 s0, ...]). Top-level keys this
 server does not know are ignored, as SGLang ignores them; SGLang features it does not implement
 (images, LoRA, ...) are refused when set. Unknown sampling parameters are refused (SGLang
 rejects them too). Every error is a RequestError (HTTP 400) raised before anything runs.
@@ -27,7 +28,6 @@ UNSUPPORTED_FIELDS = (
     "video_data",
     "audio_data",
     "lora_path",
-    "token_ids_logprob",
     "return_hidden_states",
     "session_params",
     "custom_logit_processor",
@@ -55,6 +55,7 @@ class GenerateItem:
     logprob_start_len: int | None
     top_logprobs_num: int | None
     extra_key: str | None
+    token_ids_logprob: list[int] | None = None
 
 
 def _is_int(x: Any) -> bool:
@@ -122,6 +123,7 @@ class GenerateReqInput:
     logprob_start_len: list
     top_logprobs_num: list
     extra_key: list
+    token_ids_logprob: list
     stream: bool
     return_text_in_logprobs: bool
     n: int = 1  # samples per prompt
@@ -171,6 +173,7 @@ class GenerateReqInput:
                     _per_item(body, "extra_key", n, _is_opt_str, "a string"),
                 )
             ],
+            token_ids_logprob=_token_ids_logprob(body.get("token_ids_logprob"), n),
             stream=stream,
             return_text_in_logprobs=text_lp,
             n=samples,
@@ -189,6 +192,7 @@ class GenerateReqInput:
                 logprob_start_len=self.logprob_start_len[i],
                 top_logprobs_num=self.top_logprobs_num[i],
                 extra_key=self.extra_key[i],
+                token_ids_logprob=self.token_ids_logprob[i],
             )
             for i in range(len(self.prompts))
             for j in range(self.n)
@@ -210,6 +214,19 @@ def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
     if isinstance(input_ids, list) and all(_is_ids(x) for x in input_ids):
         return list(input_ids), False
     raise RequestError("input_ids must be a list of integers or a list of such lists")
+
+
+def _token_ids_logprob(value: Any, n: int) -> list:
+    """SGLang's token_ids_logprob: one list of ids for every prompt, or one (or null) each."""
+    if value is None or _is_ids(value):
+        return [value or None] * n
+    if isinstance(value, list) and all(v is None or _is_ids(v) for v in value):
+        if len(value) != n:
+            raise RequestError(f"token_ids_logprob has {len(value)} entries for {n} prompts")
+        return [v or None for v in value]
+    raise RequestError(
+        "token_ids_logprob must be a list of token ids or a list of such lists, one per prompt"
+    )
 
 
 def _per_item(body: dict, name: str, n: int, ok: Callable[[Any], bool], kind: str) -> list:
@@ -286,6 +303,8 @@ class GenerateRequest(BaseModel):
         | None
     ) = None
     extra_key: _one_or_list(str) = None
+    # logprobs of these token ids at every reported position (one list, or one per prompt)
+    token_ids_logprob: list[int] | list[list[int] | None] | None = None
     cache_salt: _one_or_list(str) = None  # joins extra_key: prefixes are shared within one key
     stream: bool = False
     return_text_in_logprobs: bool = False

@@ -131,6 +131,7 @@ async def generate(request: Request):
             logprob_start_len=it.logprob_start_len,
             top_logprobs_num=it.top_logprobs_num,
             extra_key=it.extra_key,
+            token_ids_logprob=it.token_ids_logprob,
         )
         for it in await obj.items(serving.tm.tokenize_async)
     ]
@@ -239,6 +240,15 @@ async def _drain(gen: AsyncIterator) -> None:
         pass
 
 
+# meta_info keys holding, per position, a list of logprob entries (or None)
+PER_POSITION_LISTS = (
+    "input_top_logprobs",
+    "output_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_ids_logprobs",
+)
+
+
 def _finish_output(serving: Serving, obj: GenerateReqInput, out: dict) -> dict:
     """SGLang's logprob entries are [logprob, token_id, text]; text is None unless
     return_text_in_logprobs."""
@@ -254,7 +264,7 @@ def _finish_output(serving: Serving, obj: GenerateReqInput, out: dict) -> dict:
     for key in ("input_token_logprobs", "output_token_logprobs"):
         if key in meta:
             meta[key] = entries(meta[key])
-    for key in ("input_top_logprobs", "output_top_logprobs"):
+    for key in PER_POSITION_LISTS:
         if key in meta:
             meta[key] = [entries(x) for x in meta[key]]
     return out

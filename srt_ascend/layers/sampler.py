@@ -122,30 +122,52 @@ def sample_from_probs(
 TopLogprobs = list[tuple[float, int]]  # (logprob, token id), descending
 
 
+@dataclass
+class TokenLogprobs:
+    """Logprobs reported for consecutive rows (tokens), on the host."""
+
+    chosen: list[float]  # the chosen token's logprob per row
+    top: list[TopLogprobs]  # the top list per row ([] where none was asked)
+    ids: list[list[float]]  # per row, the logprobs of the token ids asked for ([] where none)
+
+    def rows(self, lo: int, hi: int) -> TokenLogprobs:
+        return TokenLogprobs(self.chosen[lo:hi], self.top[lo:hi], self.ids[lo:hi])
+
+
 def token_logprobs(
     logits: torch.Tensor,  # [N, V]: the logits the tokens were chosen from, penalties applied
     token_ids: torch.Tensor,  # [N] int64, on the logits' device
     top_nums: Sequence[int],  # [N] top logprobs wanted per row (0: none)
-) -> tuple[list[float], list[TopLogprobs]]:
-    """The logprobs every path reports (decode, prompt, speculative verify), read to the host.
+    ids_wanted: Sequence[Sequence[int]] | None = None,  # [N] token ids whose logprobs are asked
+) -> TokenLogprobs:
+    """The logprobs every path reports (decode, prompt, speculative verify), in one host read.
 
     Rule (SGLang's): log_softmax of the logits as given, i.e. after repetition / frequency /
     presence penalties and the min-new-tokens mask, before temperature and top-k / top-p /
-    min-p. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0."""
+    min-p. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0. Row n's
+    `ids` are the logprobs of ids_wanted[n] in the order asked (SGLang's token_ids_logprob)."""
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    chosen = _gather(logprobs, token_ids)
+    n_rows = logits.shape[0]
+    ids_wanted = ids_wanted or [()] * n_rows
+    parts = [_gather(logprobs, token_ids).view(-1, 1).double()]
     k = min(max(top_nums, default=0), logprobs.shape[-1])
-    if k <= 0:
-        return HOST_READS.read(chosen), [[] for _ in top_nums]
-    values, ids = logprobs.topk(k, dim=-1)
-    # one read: [N, 1 + 2k] = chosen | top values | top ids (ids are exact in float64)
-    both = torch.cat([chosen.view(-1, 1).double(), values.double(), ids.double()], 1)
-    rows = HOST_READS.read(both)
-    tops = [
-        [(v, int(i)) for v, i in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])]
-        for row, n in zip(rows, top_nums)
-    ]
-    return [row[0] for row in rows], tops
+    if k > 0:
+        values, ids = logprobs.topk(k, dim=-1)
+        parts += [values.double(), ids.double()]  # ids are exact in float64
+    m = max((len(w) for w in ids_wanted), default=0)
+    if m > 0:
+        asked = to_device([list(w) + [0] * (m - len(w)) for w in ids_wanted], logits.device)
+        parts.append(logprobs.gather(-1, asked).double())
+    rows = HOST_READS.read(torch.cat(parts, 1))  # [N, 1 (+ 2k) (+ m)]
+    at = 1 + 2 * k if k > 0 else 1
+    return TokenLogprobs(
+        [row[0] for row in rows],
+        [
+            [(v, int(i)) for v, i in zip(row[1 : 1 + n], row[1 + k : 1 + k + n])]
+            for row, n in zip(rows, top_nums)
+        ],
+        [row[at : at + len(w)] for row, w in zip(rows, ids_wanted)],
+    )
 
 
 def _gather(logprobs: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -157,9 +179,7 @@ class SamplerOutput:
     """Result of one sampling step."""
 
     next_token_ids: torch.Tensor  # [B] int64 on the logits' device
-    # When asked: the chosen tokens' logprobs [B] and per row the top list, on the host.
-    logprobs: list[float] | None = None
-    top_logprobs: list[TopLogprobs] | None = None
+    logprobs: TokenLogprobs | None = None  # when asked
 
 
 class Sampler(nn.Module):
@@ -172,6 +192,7 @@ class Sampler(nn.Module):
         info: SamplingBatchInfo,
         return_logprob: bool = False,
         top_logprobs_nums: Sequence[int] | None = None,  # [B]
+        ids_wanted: Sequence[Sequence[int]] | None = None,  # [B] token_ids_logprob per row
     ) -> SamplerOutput:
         """Sample next tokens; logprobs (when asked) by `token_logprobs`."""
         logits = logits.to(torch.float32)
@@ -182,4 +203,4 @@ class Sampler(nn.Module):
         if not return_logprob:
             return SamplerOutput(next_ids)
         nums = top_logprobs_nums or [0] * logits.shape[0]
-        return SamplerOutput(next_ids, *token_logprobs(logits, next_ids, nums))
+        return SamplerOutput(next_ids, token_logprobs(logits, next_ids, nums, ids_wanted))

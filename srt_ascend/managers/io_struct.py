@@ -19,6 +19,7 @@ class TokenizedGenerateReq:
     return_logprob: bool = False
     logprob_start_len: int = -1  # -1: only output logprobs
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported per position
     stream: bool = False
     extra_key: str | None = None  # cache_salt: requests share cached prefixes only within one
     grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
@@ -60,3 +61,5 @@ class ReqOutput:
     input_top_logprobs: list | None = None
     output_token_logprobs: list = field(default_factory=list)  # [(logprob, token_id)] new only
     output_top_logprobs: list = field(default_factory=list)  # [[(logprob, token_id), ...]]
+    input_token_ids_logprobs: list | None = None  # [[(logprob, asked id), ...] | None], once
+    output_token_ids_logprobs: list = field(default_factory=list)  # [[(logprob, asked id)]]

@@ -40,6 +40,7 @@ class Req:
     return_logprob: bool = False
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
     stream: bool = False
     extra_key: str | None = None  # the radix cache's salt (cache_salt)
     output_ids: list[int] = field(default_factory=list)
@@ -53,6 +54,7 @@ class Req:
     input_logprobs_sent: bool = False
     input_token_logprobs: list = field(default_factory=list)  # [(logprob | None, token_id)]
     input_top_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)
     created_time: float = field(default_factory=time.monotonic)
     # owned by the decoder running the request (speculative.SpecState for MTP); reset on release
     decoder_state: Any = None
@@ -61,6 +63,7 @@ class Req:
     # per-step outputs not yet sent
     pending_logprobs: list = field(default_factory=list)
     pending_top_logprobs: list = field(default_factory=list)
+    pending_ids_logprobs: list = field(default_factory=list)
     retracted: int = 0
     grammar: Grammar | None = None  # the output's grammar state, advanced at every commit
 

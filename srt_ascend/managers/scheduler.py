@@ -22,6 +22,7 @@ import torch
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
 from srt_ascend.constrained import Grammar
 from srt_ascend.decoding import DecoderHandles, create_decoder
+from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
     AbortReq,
@@ -178,6 +179,7 @@ class Scheduler:
             m.return_logprob,
             m.logprob_start_len,
             m.top_logprobs_num,
+            m.token_ids_logprob,
             m.stream,
             extra_key=m.extra_key,
             grammar=None if m.grammar is None else Grammar(m.grammar),
@@ -323,12 +325,15 @@ class Scheduler:
         if start == 0 and a == 0:
             req.input_token_logprobs.append((None, prompt[0]))
             req.input_top_logprobs.append(None)
+            req.input_token_ids_logprobs.append(None)
         lo, hi = max(start - 1, a, 0), min(a + hidden.shape[0], len(prompt) - 1)
         if hi > lo:
             logits = self.runner.compute_logits(hidden[lo - a : hi - a])
-            vals, tops = input_logprobs(logits, prompt[lo + 1 : hi + 1], req.top_logprobs_num)
-            req.input_token_logprobs.extend(zip(vals, prompt[lo + 1 : hi + 1]))
-            req.input_top_logprobs.extend(tops)
+            asked = req.token_ids_logprob
+            lps = input_logprobs(logits, prompt[lo + 1 : hi + 1], req.top_logprobs_num, asked)
+            req.input_token_logprobs.extend(zip(lps.chosen, prompt[lo + 1 : hi + 1]))
+            req.input_top_logprobs.extend(lps.top)
+            req.input_token_ids_logprobs.extend(_with_ids(v, asked) for v in lps.ids)
 
     def _cache_chunk(self, req: Req) -> None:
         row = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
@@ -372,7 +377,7 @@ class Scheduler:
 
     # ---- sampling and stop conditions -------------------------------------------------------
 
-    def _commit(self, req: Req, tokens: list[int], logprobs=None, tops=None) -> None:
+    def _commit(self, req: Req, tokens: list[int], logprobs: TokenLogprobs | None = None) -> None:
         """Appends tokens one by one, stopping at the first that finishes the request (which
         keeps its KV until the step releases it), and queues the request's output."""
         committed = []
@@ -380,8 +385,9 @@ class Scheduler:
             req.output_ids.append(t)
             committed.append(t)
             if req.return_logprob and logprobs is not None:
-                req.pending_logprobs.append((logprobs[j], t))
-                req.pending_top_logprobs.append(tops[j] if tops else [])
+                req.pending_logprobs.append((logprobs.chosen[j], t))
+                req.pending_top_logprobs.append(logprobs.top[j])
+                req.pending_ids_logprobs.append(_with_ids(logprobs.ids[j], req.token_ids_logprob))
             if req.grammar is not None and not req.grammar.accept(t):
                 # Masks make this unreachable; a grammar that disagrees must not go silent.
                 req.finished_reason = FinishReason(
@@ -470,17 +476,24 @@ class Scheduler:
             spec_accepted_tokens=req.spec_accepted_tokens,
             output_token_logprobs=req.pending_logprobs,
             output_top_logprobs=req.pending_top_logprobs,
+            output_token_ids_logprobs=req.pending_ids_logprobs,
         )
-        req.pending_logprobs, req.pending_top_logprobs = [], []
+        req.pending_logprobs, req.pending_top_logprobs, req.pending_ids_logprobs = [], [], []
         if req.return_logprob and not req.input_logprobs_sent and (req.output_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs
             out.input_top_logprobs = req.input_top_logprobs
+            out.input_token_ids_logprobs = req.input_token_ids_logprobs
             req.input_logprobs_sent = True
         return out
 
     def _emit(self, outputs: list[ReqOutput]) -> None:
         if outputs:
             self.emit(outputs)
+
+
+def _with_ids(values: list[float], asked: list[int] | None) -> list[tuple[float, int]] | None:
+    """One position's token_ids_logprob entry: (logprob, id) per asked id, in asked order."""
+    return list(zip(values, asked)) if asked else None
 
 
 def _wire_form(msgs: list) -> list:

@@ -59,8 +59,10 @@ class ReqState:
     first_token_time: float | None = None
     out_logprobs: list = field(default_factory=list)
     out_top_logprobs: list = field(default_factory=list)
+    out_ids_logprobs: list = field(default_factory=list)
     in_logprobs: list | None = None
     in_top_logprobs: list | None = None
+    in_ids_logprobs: list | None = None
     finished: bool = False
 
 
@@ -169,6 +171,7 @@ class TokenizerManager:
         top_logprobs_num: int | None = None,
         stream: bool = False,
         extra_key: str | None = None,
+        token_ids_logprob: list[int] | None = None,
     ) -> TokenizedGenerateReq:
         """Validates one request; raises RequestError with a user-facing message. As in
         SGLang, the prompt plus max_new_tokens must stay below the context length (nothing is
@@ -189,6 +192,11 @@ class TokenizerManager:
             )
         if top_logprobs_num is not None and not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        if token_ids_logprob:
+            try:
+                self.validate_input_ids(token_ids_logprob)
+            except RequestError as e:
+                raise RequestError(f"token_ids_logprob: {e}") from None
         start = -1
         if return_logprob:
             start = (
@@ -214,6 +222,7 @@ class TokenizerManager:
             return_logprob=return_logprob,
             logprob_start_len=start,
             top_logprobs_num=top_logprobs_num or 0,
+            token_ids_logprob=list(token_ids_logprob) if token_ids_logprob else None,
             stream=stream,
             extra_key=extra_key,
         )
@@ -275,9 +284,11 @@ class TokenizerManager:
         state.decode.update(self.tokenizer, out.new_token_ids, state.finished)
         state.out_logprobs.extend(out.output_token_logprobs)
         state.out_top_logprobs.extend(out.output_top_logprobs)
+        state.out_ids_logprobs.extend(out.output_token_ids_logprobs)
         if out.input_token_logprobs is not None:
             state.in_logprobs = out.input_token_logprobs
             state.in_top_logprobs = out.input_top_logprobs
+            state.in_ids_logprobs = out.input_token_ids_logprobs
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
         text = trim_stop(state.decode.text, out.finish_reason, state.params.no_stop_trim)
@@ -302,6 +313,13 @@ class TokenizerManager:
                     [list(t) for t in x] if x else None for x in (state.in_top_logprobs or [])
                 ]
                 meta["output_top_logprobs"] = [[list(t) for t in x] for x in state.out_top_logprobs]
+            if req.token_ids_logprob:
+                meta["input_token_ids_logprobs"] = [
+                    [list(t) for t in x] if x else None for x in (state.in_ids_logprobs or [])
+                ]
+                meta["output_token_ids_logprobs"] = [
+                    [list(t) for t in x] for x in state.out_ids_logprobs
+                ]
         return {"text": text, "output_ids": list(state.decode.output_ids), "meta_info": meta}
 
     # ---- control ------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 
 from srt_ascend.constrained import Grammar, apply_token_bitmask, fill_grammar_bitmask
-from srt_ascend.layers.sampler import Sampler, TopLogprobs, token_logprobs
+from srt_ascend.layers.sampler import Sampler, TokenLogprobs, token_logprobs
 from srt_ascend.sampling.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
@@ -32,14 +32,14 @@ class SamplingRequest(Protocol):
     output_ids: list[int]
     return_logprob: bool
     top_logprobs_num: int
+    token_ids_logprob: list[int] | None  # token ids whose logprobs are reported each step
     grammar: Grammar | None  # advanced over output_ids
 
 
 @dataclass
 class SampledRows:
     token_ids: list[int]
-    logprobs: list[float] | None  # of the chosen tokens
-    top_logprobs: list[TopLogprobs] | None
+    logprobs: TokenLogprobs | None  # when a row asked for them
 
 
 def penalised_logits(
@@ -139,6 +139,10 @@ def top_logprobs_nums(reqs: Sequence[SamplingRequest]) -> list[int]:
     return [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
 
 
+def ids_wanted(reqs: Sequence[SamplingRequest]) -> list[list[int]]:
+    return [(r.token_ids_logprob or []) if r.return_logprob else [] for r in reqs]
+
+
 def sample_rows(
     logits: torch.Tensor,  # [B, V] float32, one row per request
     reqs: Sequence[SamplingRequest],
@@ -146,7 +150,7 @@ def sample_rows(
     eos_ids: list[int],
 ) -> SampledRows:
     if all_plain_greedy(reqs) and not any(r.return_logprob for r in reqs):
-        return SampledRows(HOST_READS.read(logits[:, :vocab_size].argmax(dim=-1)), None, None)
+        return SampledRows(HOST_READS.read(logits[:, :vocab_size].argmax(dim=-1)), None)
     info = SamplingBatchInfo.from_params(
         [r.sampling_params for r in reqs],
         vocab_size,
@@ -155,15 +159,23 @@ def sample_rows(
     )
     logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids)
     want_lp = any(r.return_logprob for r in reqs)
-    out = _sampler(logits, info, return_logprob=want_lp, top_logprobs_nums=top_logprobs_nums(reqs))
-    return SampledRows(HOST_READS.read(out.next_token_ids), out.logprobs, out.top_logprobs)
+    out = _sampler(
+        logits,
+        info,
+        return_logprob=want_lp,
+        top_logprobs_nums=top_logprobs_nums(reqs),
+        ids_wanted=ids_wanted(reqs),
+    )
+    return SampledRows(HOST_READS.read(out.next_token_ids), out.logprobs)
 
 
 def input_logprobs(
     logits: torch.Tensor,  # [N, V] logits at consecutive positions a..a+N-1
     next_tokens: list[int],  # [N] the token at position p+1 for each of them
     top_k: int,
-) -> tuple[list[float], list[TopLogprobs]]:
+    asked: list[int] | None = None,  # token_ids_logprob
+) -> TokenLogprobs:
     """Prompt logprobs: logprob of token p+1 under the logits at p (SGLang's semantics)."""
     ids = to_device(next_tokens, logits.device)
-    return token_logprobs(logits, ids, [top_k] * len(next_tokens))
+    n = len(next_tokens)
+    return token_logprobs(logits, ids, [top_k] * n, [asked or []] * n)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
-from srt_ascend.layers.sampler import TopLogprobs, processed_probs, token_logprobs
+from srt_ascend.layers.sampler import TokenLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
@@ -117,9 +117,8 @@ class MTPDecoder(Decoder):
         starts, committed = [], []
         for i, r in enumerate(reqs):
             n, start = verdict.accept_len[i], r.kv_len
-            lps, tops = logprobs[i]
             self._count(r, n)
-            self.h.commit(r, verdict.emitted[i][: n + 1], lps, tops)
+            self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             starts.append(start)
             committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
         self.worker.draft_after_verify(
@@ -173,30 +172,29 @@ class MTPDecoder(Decoder):
         both = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
         return Verdict([row[0] for row in both], [row[1:] for row in both], logits)
 
-    def _logprobs(
-        self, reqs: list[StepRequest], verdict: Verdict
-    ) -> list[tuple[list[float] | None, list[TopLogprobs] | None]]:
+    def _logprobs(self, reqs: list[StepRequest], verdict: Verdict) -> list[TokenLogprobs | None]:
         """Logprobs of each emitted token under the target logits of its position, as the
         plain decoder reports them: penalties applied, top lists clamped to the vocabulary."""
-        out: list[tuple[list[float] | None, list[TopLogprobs] | None]] = [(None, None)] * len(reqs)
+        out: list[TokenLogprobs | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.return_logprob]
         if not want:
             return out
         k1 = verdict.logits.shape[1]
-        rows, tokens, nums = [], [], []
+        rows, tokens, nums, asked = [], [], [], []
         for i in want:
             n = verdict.accept_len[i] + 1
             rows += [i * k1 + j for j in range(n)]
             tokens += verdict.emitted[i][:n]
             nums += [reqs[i].top_logprobs_num] * n
+            asked += [reqs[i].token_ids_logprob or []] * n
         device = verdict.logits.device
         flat = verdict.logits.view(-1, verdict.logits.shape[-1])
-        chosen, tops = token_logprobs(
-            flat.index_select(0, to_device(rows, device)), to_device(tokens, device), nums
+        lps = token_logprobs(
+            flat.index_select(0, to_device(rows, device)), to_device(tokens, device), nums, asked
         )
         at = 0
         for i in want:
             n = verdict.accept_len[i] + 1
-            out[i] = (chosen[at : at + n], tops[at : at + n])
+            out[i] = lps.rows(at, at + n)
             at += n
         return out

@@ -111,6 +111,18 @@ NATIVE_CASES = {
     ),
     "image-data": ({"text": "a", "image_data": "http://x/y.png"}, "image_data is not supported"),
     "top-logprobs-over-cap": ({"text": "a", "top_logprobs_num": 21}, "top_logprobs_num must be"),
+    "token-ids-logprob-out-of-vocab": (
+        {"text": "a", "return_logprob": True, "token_ids_logprob": [3, 99999999]},
+        "token_ids_logprob: input_ids must be integers in",
+    ),
+    "token-ids-logprob-batch-mismatch": (
+        {"text": ["a", "b"], "token_ids_logprob": [[3], [4], [5]]},
+        "token_ids_logprob has 3 entries for 2 prompts",
+    ),
+    "token-ids-logprob-not-ids": (
+        {"text": "a", "token_ids_logprob": "3"},
+        "token_ids_logprob must be a list of token ids",
+    ),
 }
 
 

@@ -197,6 +197,48 @@ def test_logprobs(server, tokenizer):
     assert first_inp[2] == tokenizer.decode([ids[1]])
 
 
+def test_token_ids_logprob(server, tokenizer):
+    """SGLang's token_ids_logprob: at every reported position, [logprob, id, text] for each
+    asked id in the asked order; the values agree with the top lists where they overlap."""
+    ids = tokenizer.encode(PROMPT)
+    body = {
+        "input_ids": ids,
+        "sampling_params": dict(GREEDY, max_new_tokens=3),
+        "return_logprob": True,
+        "logprob_start_len": 2,
+        "top_logprobs_num": 20,
+    }
+    meta = server.post("/generate", json=body).json()["meta_info"]
+    asked = [meta["output_top_logprobs"][0][0][1], 7, meta["output_top_logprobs"][1][3][1]]
+    got = server.post("/generate", json={**body, "token_ids_logprob": asked}).json()["meta_info"]
+    assert "output_token_ids_logprobs" not in meta
+    assert len(got["input_token_ids_logprobs"]) == len(ids) - 2
+    assert len(got["output_token_ids_logprobs"]) == 3
+    for kind in ("input", "output"):
+        for at, (entries, top) in enumerate(
+            zip(got[f"{kind}_token_ids_logprobs"], got[f"{kind}_top_logprobs"])
+        ):
+            assert [e[1] for e in entries] == asked and all(e[2] is None for e in entries)
+            top_of = {t[1]: t[0] for t in top}
+            for lp, tid, _ in entries:
+                assert lp <= 0 and math.isfinite(lp), (kind, at)
+                if tid in top_of:
+                    assert lp == pytest.approx(top_of[tid], abs=1e-5)
+    # a batch: one list per prompt (or null)
+    batch = {
+        "input_ids": [ids, ids[:4]],
+        "sampling_params": dict(GREEDY, max_new_tokens=2),
+        "return_logprob": True,
+        "token_ids_logprob": [[5, 6], None],
+    }
+    first, second = server.post("/generate", json=batch).json()
+    assert [[e[1] for e in x] for x in first["meta_info"]["output_token_ids_logprobs"]] == [
+        [5, 6],
+        [5, 6],
+    ]
+    assert "output_token_ids_logprobs" not in second["meta_info"]
+
+
 def test_max_new_tokens_zero_prefills_only(server, tokenizer):
     body = {
         "text": [PROMPT + "    return", PROMPT + "    pass"],

@@ -10,13 +10,16 @@ from conftest import PROMPTS
 
 from srt_ascend import Engine
 
+ASKED = [3, 17, 2]  # token_ids_logprob: reported at every position with MTP on and off
 PARAMS = {"max_new_tokens": 10, "temperature": 0, "repetition_penalty": 1.3, "min_new_tokens": 3}
 
 
 def run(model_path: str, **spec) -> list[dict]:
     engine = Engine(model_path=model_path, dtype="float32", **spec)
     try:
-        return engine.generate(PROMPTS[:4], PARAMS, return_logprob=True, top_logprobs_num=20)
+        return engine.generate(
+            PROMPTS[:4], PARAMS, return_logprob=True, top_logprobs_num=20, token_ids_logprob=ASKED
+        )
     finally:
         engine.shutdown()
 
@@ -38,3 +41,12 @@ def test_logprobs_are_the_same_with_mtp_on_and_off(model_path):
             assert [t[1] for t in xa[:5]] == [t[1] for t in xb[:5]]
             for p, q in zip(xa, xb):
                 assert math.isclose(p[0], q[0], rel_tol=1e-4, abs_tol=1e-4)
+        ia, ib = ma["output_token_ids_logprobs"], mb["output_token_ids_logprobs"]
+        assert len(ia) == len(ib) == len(a["output_ids"])
+        for xa, xb, top in zip(ia, ib, ta):
+            assert [t[1] for t in xa] == [t[1] for t in xb] == ASKED
+            top_of = {t[1]: t[0] for t in top}
+            for p, q in zip(xa, xb):
+                assert math.isclose(p[0], q[0], rel_tol=1e-4, abs_tol=1e-4)
+                if p[1] in top_of:
+                    assert math.isclose(p[0], top_of[p[1]], rel_tol=1e-5, abs_tol=1e-5)

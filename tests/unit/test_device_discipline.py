@@ -152,7 +152,7 @@ def _requests() -> list[Req]:
     return reqs
 
 
-def _commit(req, tokens, logprobs=None, tops=None) -> None:
+def _commit(req, tokens, logprobs=None) -> None:
     req.output_ids.extend(tokens)
 
 

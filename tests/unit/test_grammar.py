@@ -113,6 +113,7 @@ class _Req:
         self.output_ids: list[int] = []
         self.return_logprob = False
         self.top_logprobs_num = 0
+        self.token_ids_logprob = None
         self.grammar = grammar
 
 

@@ -14,6 +14,7 @@ from srt_ascend.layers.sampler import (
     token_logprobs,
 )
 from srt_ascend.sampling import SamplingBatchInfo, SamplingParams, mix_seed
+from srt_ascend.utils import HOST_READS
 
 V = 64
 
@@ -176,15 +177,15 @@ def test_sampler_logprobs_are_log_softmax_of_raw_logits() -> None:
     assert torch.equal(logits, before)
     ref = torch.log_softmax(logits.float(), dim=-1)
     expected = ref.gather(-1, out.next_token_ids.view(-1, 1)).squeeze(-1)
-    torch.testing.assert_close(torch.tensor(out.logprobs), expected)
-    assert out.top_logprobs[1] == []
-    values, ids = zip(*out.top_logprobs[2])
+    torch.testing.assert_close(torch.tensor(out.logprobs.chosen), expected)
+    assert out.logprobs.top[1] == []
+    values, ids = zip(*out.logprobs.top[2])
     assert len(ids) == 5
     torch.testing.assert_close(torch.tensor(values), ref[2].sort(descending=True).values[:5])
-    for value, token in out.top_logprobs[0]:
+    for value, token in out.logprobs.top[0]:
         assert math.isclose(value, float(ref[0][token]), rel_tol=1e-6)
     quiet = Sampler()(logits, info)
-    assert quiet.logprobs is None and quiet.top_logprobs is None
+    assert quiet.logprobs is None
 
 
 def test_token_logprobs_is_log_softmax_with_tops_clamped_to_the_vocabulary() -> None:
@@ -192,7 +193,8 @@ def test_token_logprobs_is_log_softmax_with_tops_clamped_to_the_vocabulary() -> 
     logits = torch.randn(5, V)
     ids = torch.randint(0, V, (5,))
     ref = torch.log_softmax(logits, dim=-1)
-    chosen, tops = token_logprobs(logits, ids, [3, 0, V + 7, 1, 3])
+    out = token_logprobs(logits, ids, [3, 0, V + 7, 1, 3])
+    chosen, tops = out.chosen, out.top
     torch.testing.assert_close(torch.tensor(chosen), ref[torch.arange(5), ids])
     assert [len(t) for t in tops] == [3, 0, V, 1, 3]
     for row, top in enumerate(tops):
@@ -201,4 +203,22 @@ def test_token_logprobs_is_log_softmax_with_tops_clamped_to_the_vocabulary() -> 
         for value, token in top:
             assert math.isclose(value, float(ref[row, token]), rel_tol=1e-6)
     assert [t[0][1] for t in (tops[0], tops[3])] == logits[[0, 3]].argmax(-1).tolist()
+    assert out.ids == [[]] * 5
+
+
+def test_token_logprobs_reports_asked_ids_in_order_in_one_read(monkeypatch) -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(3, V)
+    ref = torch.log_softmax(logits, dim=-1)
+    asked = [[4, 0, 4], [], [V - 1]]
+    reads = []
+    monkeypatch.setattr(HOST_READS, "read", lambda t: reads.append(t) or t.tolist())
+    out = token_logprobs(logits, logits.argmax(-1), [2, 0, 0], asked)
+    assert len(reads) == 1
+    assert [len(x) for x in out.ids] == [3, 0, 1]
+    for row, ids in enumerate(asked):
+        torch.testing.assert_close(
+            torch.tensor(out.ids[row], dtype=torch.float64), ref[row, ids].double()
+        )
+    assert out.rows(1, 3).ids == out.ids[1:] and out.rows(0, 1).chosen == out.chosen[:1]
     assert math.isclose(float(ref[0].exp().sum()), 1.0, rel_tol=1e-5)
