@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import torch
 
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
-from srt_ascend.constrained import Grammar
+from srt_ascend.constrained import Grammar, GrammarBackend
 from srt_ascend.decoding import DecoderHandles, create_decoder
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
@@ -80,6 +80,7 @@ class Scheduler:
         self.batch_log = BatchLog(server_args.decode_log_interval, server_args.spec_enabled)
         self._outputs: list[ReqOutput] = []  # filled by commits during a step
         self._stop = threading.Event()
+        self._grammars: GrammarBackend | None = None  # ranks other than the leader compile here
 
     # ---- thread API -------------------------------------------------------------------------
 
@@ -182,7 +183,7 @@ class Scheduler:
             m.token_ids_logprob,
             m.stream,
             extra_key=m.extra_key,
-            grammar=None if m.grammar is None else Grammar(m.grammar),
+            grammar=self._grammar_of(m),
         )
         limit = self.runner.context_len
         if len(req.origin_input_ids) >= limit:
@@ -334,6 +335,27 @@ class Scheduler:
             req.input_token_logprobs.extend(zip(lps.chosen, prompt[lo + 1 : hi + 1]))
             req.input_top_logprobs.extend(lps.top)
             req.input_token_ids_logprobs.extend(_with_ids(v, asked) for v in lps.ids)
+
+    def _grammar_of(self, m: TokenizedGenerateReq) -> Grammar | None:
+        """The request's grammar matcher. The leader gets requests with the grammar compiled
+        (TokenizerManager.attach_grammar); the other ranks of a tensor-parallel group get them
+        without (xgrammar's compiled grammars do not pickle) and compile the same grammar
+        here, from their own cache, as each SGLang rank compiles its own."""
+        spec = m.sampling_params.grammar_spec
+        if spec is None:
+            return None
+        compiled = m.grammar
+        if compiled is None:
+            if self._grammars is None:
+                self._grammars = GrammarBackend(
+                    self.stop_checker.tokenizer,
+                    self.runner.vocab_size,
+                    self.stop_checker.eos_ids,
+                    json_any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+                    threads=1,
+                )
+            compiled = self._grammars.compile(spec).result()
+        return Grammar(compiled)
 
     def _cache_chunk(self, req: Req) -> None:
         row = self.req_to_token_pool.host[req.req_pool_idx, : req.kv_len].clone()
@@ -498,11 +520,14 @@ def _with_ids(values: list[float], asked: list[int] | None) -> list[tuple[float,
 
 def _wire_form(msgs: list) -> list:
     """The messages the other ranks of a tensor-parallel group need, without the leader's
-    reply futures: state queries have no effect to repeat, a cache flush does."""
+    reply futures (state queries have no effect to repeat, a cache flush does) and without
+    compiled grammars (the ranks compile their own: see Scheduler._grammar_of)."""
     wire = []
     for msg in msgs:
         if isinstance(msg, FlushCacheReq):
             wire.append(dataclasses.replace(msg, reply=None))
+        elif isinstance(msg, TokenizedGenerateReq) and msg.grammar is not None:
+            wire.append(dataclasses.replace(msg, grammar=None))
         elif not isinstance(msg, GetInternalStateReq):
             wire.append(msg)
     return wire

@@ -6,6 +6,7 @@ a rank ends the server with an error line within seconds."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -55,6 +56,31 @@ def test_tp2_greedy_equals_one_process(server, tp_server):
     assert again == expected and min(cached) > 0  # the second round hit the radix cache
     info = tp_server.get("/server_info").json()
     assert info["tp_size"] == 2 and info["ep_size"] in (1, 2)
+
+
+def test_tp2_grammar_outputs_equal_one_process(server, tp_server):
+    """Grammars compile on the leader and reach the other ranks with the request: greedy
+    outputs under a regex and a JSON schema are those of one process; sampled ones follow the
+    grammar on every rank alike (they would hang or diverge otherwise)."""
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}'
+    body = {
+        "text": [PROMPTS[0], PROMPTS[2], PROMPTS[4]],
+        "sampling_params": [
+            {"temperature": 0, "max_new_tokens": 16, "regex": "(yes|no)[0-9]{2,5}"},
+            {"temperature": 0, "max_new_tokens": 24, "json_schema": schema},
+            {"temperature": 1.0, "seed": 3, "max_new_tokens": 12, "regex": "[a-f]{4}[0-9]+"},
+        ],
+    }
+    r = tp_server.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    expected = server.post("/generate", json=body).json()
+    assert [o["output_ids"] for o in outs[:2]] == [o["output_ids"] for o in expected[:2]]
+    assert re.fullmatch("(yes|no)[0-9]{2,5}", outs[0]["text"])
+    text, finish = outs[1]["text"], outs[1]["meta_info"]["finish_reason"]["type"]
+    # the tiny model may spend its tokens on the whitespace JSON allows
+    assert text.startswith("{") and (finish == "length" or isinstance(json.loads(text)["n"], int))
+    assert re.fullmatch("[a-f]{4}[0-9]+", outs[2]["text"])
 
 
 def test_client_leaving_mid_stream_is_aborted_on_every_rank(server, tp_server):
