@@ -118,6 +118,43 @@ def test_chat_stream_with_usage_and_logprobs(client):
     assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-4) for t in content)
 
 
+def test_chat_n_and_logit_bias(client, server, tokenizer):
+    """n choices per chat request, seeded samples reproducible; logit_bias moves greedy
+    decoding onto the favoured token and off the banned one."""
+    messages = [{"role": "user", "content": "count"}]
+    kw = dict(model=MODEL, messages=messages, max_tokens=5, temperature=1.0, seed=11, n=3)
+    first, again = (client.chat.completions.create(**kw) for _ in range(2))
+    assert [c.index for c in first.choices] == [0, 1, 2]
+    assert [c.message.content for c in first.choices] == [c.message.content for c in again.choices]
+    assert 3 <= first.usage.completion_tokens <= 15
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    top_id = native(server, prompt, 1)["output_ids"][0]
+    plain = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=1, temperature=0
+    )
+    assert plain.choices[0].message.content == tokenizer.decode([top_id])
+    favoured = tokenizer.encode("zebra", add_special_tokens=False)[0]
+    biased = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        logit_bias={str(favoured): 100.0},
+    )
+    assert biased.choices[0].logprobs.content[0].token == tokenizer.decode([favoured])
+    banned = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        logit_bias={str(top_id): -100.0},
+    )
+    assert banned.choices[0].logprobs.content[0].token != tokenizer.decode([top_id])
+    assert favoured != top_id
+
+
 def test_openai_errors_raise_bad_request(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="a", max_tokens=-1)
