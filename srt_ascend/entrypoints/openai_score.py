@@ -1,11 +1,11 @@
 """SGLang's scoring API, `POST /v1/score`: for each item, the probability the model gives each of
 `label_token_ids` as the next token after query + item (item + query with `item_first`).
 
-Each (item, label) pair is one prompt-logprob request: the prompt followed by the label, no
-output token, the logprob of the label's position read back (`max_new_tokens` 0,
-`logprob_start_len` at the label). The pairs of one item share their prefix through the radix
-cache, so each costs one or two recomputed positions. Scores are exp(logprob), or a softmax over
-the labels' logprobs with `apply_softmax` (SGLang's rule).
+Each item is one prompt-logprob request: the prompt followed by the first label, no output
+token (`max_new_tokens` 0, `logprob_start_len` at the label), with `token_ids_logprob` = the
+labels, so the logits at the prompt's last position give every label's logprob in one prefill.
+Scores are exp(logprob), or a softmax over the labels' logprobs with `apply_softmax` (SGLang's
+rule).
 """
 
 from __future__ import annotations
@@ -69,24 +69,26 @@ class ScoreServing:
         vocab = self.tm.runner.vocab_size
         if any(not 0 <= t < vocab for t in labels):
             raise RequestError(f"label_token_ids must be integers in [0, {vocab})")
-        self.serving.admit(len(prompts) * len(labels))
+        self.serving.admit(len(prompts))
+        # one prefill per item: the first label completes the prompt, and the logits at the
+        # item's last position give every label's logprob (token_ids_logprob)
         reqs = [
             self.serving.make_request(
-                ids + [label],
+                ids + labels[:1],
                 {"max_new_tokens": 0},
                 return_logprob=True,
                 logprob_start_len=len(ids),
+                token_ids_logprob=labels,
             )
             for ids in prompts
-            for label in labels
         ]
         self.serving.check_unique_rids(reqs)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
-        logprobs = [o["meta_info"]["input_token_logprobs"][-1][0] for o in outs]
-        n = len(labels)
         scores = [
-            label_scores(logprobs[i * n : (i + 1) * n], obj.apply_softmax)
-            for i in range(len(prompts))
+            label_scores(
+                [e[0] for e in o["meta_info"]["input_token_ids_logprobs"][-1]], obj.apply_softmax
+            )
+            for o in outs
         ]
         prompt_tokens = sum(len(ids) for ids in prompts)
         return ORJSONResponse(
