@@ -30,7 +30,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from srt_ascend.managers.io_struct import ReqOutput, TokenizedGenerateReq
-from srt_ascend.managers.scheduler import Scheduler, _wire_form
+from srt_ascend.managers.scheduler import Scheduler, wire_form
 
 EVERY_GROUP = -1  # the DP group of a message every group handles (abort, flush)
 
@@ -109,7 +109,7 @@ class DPAttentionScheduler(Scheduler):
             loads = self._group_loads()
             self._leader_msgs = [(self._group_of(m, loads), m) for m in self._take_inbox(not busy)]
             report.stop = self._stop.is_set()
-            report.msgs = [(g, w) for g, m in self._leader_msgs for w in _wire_form([m])]
+            report.msgs = [(g, w) for g, m in self._leader_msgs for w in wire_form([m])]
         self._reports = self.tp.all_gather_object(report)
         if self.tp.is_leader:
             self._emit([out for r in self._reports[1:] for out in r.outputs])
