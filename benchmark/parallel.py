@@ -1,16 +1,21 @@
 """Collectives and bytes per decode step and per verify step: one process vs tensor (and
-expert) parallelism, with the step time beside them.
+expert) parallelism and data-parallel attention, with the step time beside them.
 
     python benchmark/parallel.py [--batch 4] [--input-len 64] [--output-len 32]
-        [--modes tp1 tp2 tp2-ep2] [--num-threads 1] [--json-out FILE]
+        [--modes tp1 tp2 tp2-ep2 dp2 dp2-ep2] [--num-threads 1] [--json-out FILE]
 
 For each mode, an Engine (float32, --device cpu unless --device is given) runs `batch`
 concurrent greedy requests twice: MTP off (decode steps) and MTP K=2 with FIA verify (verify
 steps: K draft forwards, the verify forward and the draft-extend pass). Rank 0's collective
 counters (`TPGroup.counts`: calls and the bytes each rank puts in, by kind) are read around
-every decoder step; prefill steps are left out. The scheduler's one object broadcast per loop
-(its messages) is not counted. On this 2-core CPU two ranks are not expected to be faster
-than one; the counts are the point (the device script runs the same modes on GPUs).
+every decoder step; prefill steps are left out. The scheduler's one object broadcast (or, with
+DP attention, all-gather) per loop (its messages) is not counted. With DP attention
+(`dp2`: --tp-size 2 --enable-dp-attention --dp-size 2) the requests are spread over the two
+DP groups (round robin) and rank 0's steps are those of its group's half of the batch; each
+forward adds one all-gather of the groups' token counts (gloo, 8 bytes) and gathers every
+group's tokens before each MLP (`dp_gather`, padded to the larger group). On this 2-core
+CPU two ranks are not expected to be faster than one; the counts are the point (the device
+script runs the same modes on GPUs).
 """
 
 from __future__ import annotations
@@ -25,7 +30,15 @@ import torch
 
 from srt_ascend import Engine
 
-MODES = {"tp1": {}, "tp2": {"tp_size": 2}, "tp2-ep2": {"tp_size": 2, "ep_size": 2}}
+DP2 = {"tp_size": 2, "enable_dp_attention": True, "dp_size": 2}
+MODES = {
+    "tp1": {},
+    "tp2": {"tp_size": 2},
+    "tp2-ep2": {"tp_size": 2, "ep_size": 2},
+    "dp2": DP2,
+    "dp2-ep2": {**DP2, "ep_size": 2},
+}
+KINDS = ("all_reduce", "all_gather", "dp_counts", "dp_gather")  # TPGroup.counts' names
 SPEC = {
     "decode": {},
     "verify": {
@@ -90,14 +103,14 @@ def main() -> None:
             r = measure({**kwargs, **MODES[mode], **spec}, prompts, a.output_len)
             rows.append({"mode": mode, "step": step_kind, "batch": a.batch, **r})
             print(json.dumps(rows[-1]), flush=True)
-    head = "| mode | step | all-reduces | all-gathers | bytes in per rank |"
-    print(f"\n{head} ms/step (B={a.batch}) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    head = "| mode | step | " + " | ".join(f"{k} calls" for k in KINDS)
+    print(f"\n{head} | bytes in per rank | ms/step (B={a.batch}) |")
+    print("| --- | --- |" + " --- |" * (len(KINDS) + 2))
     for r in rows:
-        nbytes = r.get("all_reduce_bytes", 0) + r.get("all_gather_bytes", 0)
+        calls = " | ".join(f"{r.get(f'{k}_calls', 0):g}" for k in KINDS)
+        nbytes = sum(r.get(f"{k}_bytes", 0) for k in KINDS)
         print(
-            f"| {r['mode']} | {r['step']} | {r.get('all_reduce_calls', 0):g} | "
-            f"{r.get('all_gather_calls', 0):g} | {nbytes / 1024:.1f} KiB | "
+            f"| {r['mode']} | {r['step']} | {calls} | {nbytes / 1024:.1f} KiB | "
             f"{r['ms_per_step']:.1f} |"
         )
     if a.json_out:

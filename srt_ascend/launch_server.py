@@ -71,13 +71,13 @@ def resolve_device_settings(server_args: ServerArgs, device_type: str) -> Server
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         fail(f"cannot load the model from {args.model_path!r}: {e}")
         raise
-    problem = tp_shape_problem(cfg, args.tp_size, args.ep_size > 1)
+    problem = tp_shape_problem(cfg, args.tp_size, args.ep_size > 1, args.attn_tp_size)
     if problem:
         fail(problem)
     try:
         plan = resolve_attention_plan(
             device_type,
-            cfg.num_attention_heads // args.tp_size,
+            cfg.num_attention_heads // args.attn_tp_size,
             cfg.kv_lora_rank,
             cfg.qk_rope_head_dim,
             args.page_size,

@@ -12,6 +12,11 @@ MAX_SPEC_STEPS = 15  # FIA's 16-query-token limit per request: 1 + K <= 16
 ATTENTION_BACKENDS = ("torch_native", "triton")
 # --attention-backend when the flag is not given, by platform name (others: torch_native)
 DEFAULT_ATTENTION_BACKEND = {"cuda": "triton"}
+LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+# --moe-a2a-backend values served here, of SGLang's (none deepep mooncake nixl mori
+# ascend_fuseep flashinfer): "none" is torch.distributed's all-gather + all-reduce (every rank
+# already holds, or gathers, all tokens); the others are vendor all-to-all libraries.
+MOE_A2A_BACKENDS = ("none",)
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,11 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
     nnodes: int = 1
     node_rank: int = 0
+    # data-parallel attention: --dp-size groups of tp/dp ranks, each with its own requests
+    enable_dp_attention: bool = False
+    dp_size: int = 1
+    load_balance_method: str = "round_robin"  # which DP group a new request goes to
+    moe_a2a_backend: str = "none"  # expert-parallel dispatch/combine (MOE_A2A_BACKENDS)
     # constrained generation
     constrained_json_disable_any_whitespace: bool = False
     # speculative decoding
@@ -82,6 +92,16 @@ class ServerArgs:
     @property
     def max_request_body_bytes(self) -> int:
         return int(self.max_request_body_mb * (1 << 20))
+
+    @property
+    def attn_dp_size(self) -> int:
+        """Data-parallel attention groups (1 without --enable-dp-attention)."""
+        return self.dp_size if self.enable_dp_attention else 1
+
+    @property
+    def attn_tp_size(self) -> int:
+        """Ranks that split one DP group's attention heads (and the vocabulary)."""
+        return self.tp_size // self.attn_dp_size
 
     @property
     def spec_enabled(self) -> bool:
@@ -114,8 +134,10 @@ class ServerArgs:
 
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
-        only with --enable-cpu-graph; never with --disable-cuda-graph."""
-        if self.disable_cuda_graph:
+        only with --enable-cpu-graph; never with --disable-cuda-graph, nor with data-parallel
+        attention (the MLPs run over every DP group's tokens, a count that changes each step;
+        idle forwards run eagerly too)."""
+        if self.disable_cuda_graph or self.attn_dp_size > 1:
             return False
         return platform.graphs_by_default or self.enable_cpu_graph
 
@@ -191,6 +213,28 @@ class ServerArgs:
         if self.nnodes < 1 or self.tp_size % self.nnodes:
             raise ValueError(
                 f"--nnodes ({self.nnodes}) must be >= 1 and divide --tp-size ({self.tp_size})"
+            )
+        if self.dp_size < 1:
+            raise ValueError("--dp-size must be >= 1")
+        if self.dp_size > 1 and not self.enable_dp_attention:
+            raise ValueError(
+                "--dp-size > 1 needs --enable-dp-attention (for data-parallel replicas run "
+                "several servers behind sglang-router)"
+            )
+        if self.tp_size % self.dp_size:
+            raise ValueError(
+                f"--dp-size ({self.dp_size}) must divide --tp-size ({self.tp_size}): each DP "
+                "group's attention runs on tp/dp ranks"
+            )
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"unknown --load-balance-method {self.load_balance_method!r} "
+                f"({', '.join(LOAD_BALANCE_METHODS)})"
+            )
+        if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
+            raise ValueError(
+                f"--moe-a2a-backend {self.moe_a2a_backend!r} is not available here (accepted: "
+                f"{', '.join(MOE_A2A_BACKENDS)}: all-gather + all-reduce over torch.distributed)"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
@@ -392,6 +436,34 @@ class ServerArgs:
             "default: a free port on 127.0.0.1, one node only)",
         )
         a("--nnodes", type=int, default=1, help="nodes the --tp-size ranks are spread over")
+        a(
+            "--enable-dp-attention",
+            action="store_true",
+            help="data-parallel attention: the --tp-size ranks form --dp-size groups, each "
+            "scheduling its own requests with attention split over tp/dp ranks; MoE and MLP "
+            "layers run over every group's tokens on all ranks (graphs off)",
+        )
+        a(
+            "--dp-size",
+            "--data-parallel-size",
+            dest="dp_size",
+            type=int,
+            default=1,
+            help="data-parallel attention groups (needs --enable-dp-attention; divides --tp-size)",
+        )
+        a(
+            "--load-balance-method",
+            default="round_robin",
+            choices=list(LOAD_BALANCE_METHODS),
+            help="which DP group a new request goes to: in turn, or the one with the fewest "
+            "requests",
+        )
+        a(
+            "--moe-a2a-backend",
+            default="none",
+            help="expert-parallel token dispatch/combine: none (all-gather + all-reduce over "
+            "torch.distributed); SGLang's vendor all-to-all backends are not available here",
+        )
         a(
             "--node-rank",
             type=int,

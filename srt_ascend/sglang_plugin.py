@@ -14,8 +14,9 @@ Two entry points (see pyproject.toml):
 
 Translation: SGLang's own parser reads the argv (so SGLang's flag names, aliases and types
 apply); every flag given that srt_ascend supports maps to its field, and the rest are listed
-in one warning line at start (parallelism: `--tp-size`, `--dist-init-addr`, `--nnodes`,
-`--node-rank` map to srt_ascend's fields of the same names). Flags that only srt_ascend has
+in one warning line at start (parallelism: `--tp-size`, `--ep-size`, `--dist-init-addr`,
+`--nnodes`, `--node-rank`, `--enable-dp-attention`, `--dp-size`, `--load-balance-method`,
+`--moe-a2a-backend` map to srt_ascend's fields of the same names). Flags that only srt_ascend has
 (`--num-threads`, `--speculative-verify`, `--cpu-small-gemm`, `--max-request-body-mb`,
 `--shutdown-timeout`) are taken out of argv before SGLang parses it.
 

@@ -122,7 +122,18 @@ class Decoder(ABC):
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
-        """One decode step over the running batch (contract in the module docstring)."""
+        """One decode step over the running batch (contract in the module docstring). A step
+        left with no request (all retracted) runs `idle_step` instead."""
+
+    def idle_prefill(self) -> None:
+        """The model forwards of a prefill step (EXTEND, then `after_prefill`'s), over no
+        tokens: what a data-parallel attention group without a prefill batch runs while
+        another group prefills (ModelRunner.forward_idle; nothing without DP attention)."""
+        self.runner.forward_idle()
+
+    def idle_step(self) -> None:
+        """The model forwards of `step`, over no tokens (see `idle_prefill`)."""
+        self.runner.forward_idle()
 
     def stats(self) -> dict:
         """Counters reported in the scheduler's internal state."""

@@ -15,6 +15,7 @@ class PlainDecoder(Decoder):
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         reqs, loc = self.h.kv.alloc_running(reqs, 1)
         if not reqs:
+            self.idle_step()
             return []
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE,

@@ -52,10 +52,31 @@ class TPGroup:
     # Collectives run by this rank since start: name -> [calls, bytes sent in]. Counted on the
     # host; `benchmark/parallel.py` reads it per step.
     counts: dict[str, list[int]] = field(default_factory=dict)
+    # Data-parallel attention (--enable-dp-attention --dp-size): the ranks form dp_size
+    # groups of size / dp_size consecutive ranks. Attention and the vocabulary are split
+    # within this rank's group (`attn`); MLPs and experts over all ranks, which gather every
+    # group's tokens first (`dp_gather`) and hand each group its rows back (`dp_scatter`).
+    dp_size: int = 1
+    attn: TPGroup | None = None
 
     @property
     def is_leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def attn_group(self) -> TPGroup:
+        """The ranks that split this rank's attention heads (all of them without DP)."""
+        return self if self.attn is None else self.attn
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel attention group."""
+        return self.rank // (self.size // self.dp_size)
+
+    @property
+    def is_dp_leader(self) -> bool:
+        """The first rank of its DP group (it reports the group's outputs)."""
+        return self.rank % (self.size // self.dp_size) == 0
 
     def shard(self, n: int, what: str) -> int:
         """This rank's share of `n` (heads, intermediate rows, vocabulary); a size that does
@@ -91,6 +112,37 @@ class TPGroup:
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=dim)
 
+    def dp_token_counts(self, n: int) -> list[int]:
+        """Tokens of this forward in every DP group (index: DP rank), from each group's first
+        rank's `n`: one all-gather of host integers over the gloo group (no device read)."""
+        import torch.distributed as dist
+
+        self._count("dp_counts", 8)
+        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(parts, torch.tensor([n]), group=self.cpu_group)
+        step = self.size // self.dp_size
+        return [int(parts[g * step]) for g in range(self.dp_size)]
+
+    def dp_gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [counts[dp_rank], H] -> every DP group's rows [sum(counts), H] in DP-rank order:
+        an all-gather of x padded to max(counts) rows, read from each group's first rank."""
+        import torch.distributed as dist
+
+        rows = max(counts)
+        padded = x.new_zeros(rows, *x.shape[1:])
+        padded[: x.shape[0]] = x
+        self._count("dp_gather", padded.numel() * padded.element_size())
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.device_group)
+        step = self.size // self.dp_size
+        return torch.cat([parts[g * step][:n] for g, n in enumerate(counts)])
+
+    def dp_scatter(self, y: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Partial sums y [sum(counts), H] (each rank's share of the MLP) -> the total of this
+        rank's DP group's rows [counts[dp_rank], H]: an all-reduce, then its slice."""
+        start = sum(counts[: self.dp_rank])
+        return self.all_reduce(y)[start : start + counts[self.dp_rank]]
+
     def broadcast_object(self, obj: Any) -> Any:
         """The leader's `obj` on every rank (what the others pass is ignored)."""
         if self.size == 1:
@@ -100,6 +152,16 @@ class TPGroup:
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.cpu_group)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order (over the gloo group)."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.cpu_group)
+        return out
 
     def barrier(self) -> None:
         """Returns once every rank has reached it."""
@@ -120,15 +182,28 @@ SINGLE = TPGroup()
 
 
 def init_tp_group(
-    dist_init: DistInit, local_rank: int, backend: str, expert_parallel: bool = False
+    dist_init: DistInit,
+    local_rank: int,
+    backend: str,
+    expert_parallel: bool = False,
+    dp_size: int = 1,
 ) -> TPGroup:
-    """Joins the group as this node's `local_rank` (blocks until every rank has joined)."""
+    """Joins the group as this node's `local_rank` (blocks until every rank has joined);
+    with `dp_size` > 1 also the attention group of its data-parallel group (every rank
+    creates every subgroup, in the same order, as torch.distributed requires)."""
     import torch.distributed as dist
 
-    rank = dist_init.rank_of(local_rank)
-    dist.init_process_group(
-        backend, init_method=dist_init.init_method, world_size=dist_init.world_size, rank=rank
-    )
+    rank, size = dist_init.rank_of(local_rank), dist_init.world_size
+    dist.init_process_group(backend, init_method=dist_init.init_method, world_size=size, rank=rank)
     world = dist.group.WORLD
     cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
-    return TPGroup(rank, dist_init.world_size, expert_parallel, world, cpu_group)
+    counts: dict[str, list[int]] = {}
+    attn = None
+    if dp_size > 1:
+        step = size // dp_size
+        for g in range(dp_size):
+            ranks = list(range(g * step, (g + 1) * step))
+            device_group = dist.new_group(ranks) if step > 1 else None
+            if g == rank // step:
+                attn = TPGroup(rank % step, step, device_group=device_group, counts=counts)
+    return TPGroup(rank, size, expert_parallel, world, cpu_group, counts, dp_size, attn)

@@ -179,6 +179,7 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: ResponseFormat | None = None
     continue_final_message: bool = False  # extend the last (assistant) message, no new turn
     separate_reasoning: bool = True  # no reasoning parser here: the content is all of it
+    stream_reasoning: bool = True  # (sglang-router sends both, at SGLang's defaults)
     chat_template_kwargs: dict | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:

@@ -140,7 +140,7 @@ class Scheduler:
         leader still broadcasts every 0.5 s: the other ranks wait in that broadcast)."""
         msgs = self._take_inbox(block) if self.tp.is_leader else []
         if self.tp.size > 1:
-            stop, wire = self.tp.broadcast_object((self._stop.is_set(), _wire_form(msgs)))
+            stop, wire = self.tp.broadcast_object((self._stop.is_set(), wire_form(msgs)))
             if not self.tp.is_leader:
                 msgs = wire
             if stop:
@@ -518,7 +518,7 @@ def _with_ids(values: list[float], asked: list[int] | None) -> list[tuple[float,
     return list(zip(values, asked)) if asked else None
 
 
-def _wire_form(msgs: list) -> list:
+def wire_form(msgs: list) -> list:
     """The messages the other ranks of a tensor-parallel group need, without the leader's
     reply futures (state queries have no effect to repeat, a cache flush does) and without
     compiled grammars (the ranks compile their own: see Scheduler._grammar_of)."""

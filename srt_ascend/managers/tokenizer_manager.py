@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from srt_ascend.constrained import GrammarBackend, GrammarError
-from srt_ascend.distributed import SINGLE, init_tp_group
+from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
     MAX_TOP_LOGPROBS,
@@ -32,6 +32,7 @@ from srt_ascend.managers.tp_ranks import (
     build_scheduler,
     dist_init_of,
     fail_fast,
+    join_group,
     load_tokenizer,
 )
 from srt_ascend.platforms import get_platform
@@ -98,8 +99,7 @@ class TokenizerManager:
         there is one), then model load, KV pools, graph capture."""
         tp = SINGLE
         if self.dist_init is not None:
-            ep = self.args.ep_size > 1
-            tp = init_tp_group(self.dist_init, 0, self.platform.dist_backend, ep)
+            tp = join_group(self.args, self.dist_init, 0, self.platform.dist_backend)
         return build_scheduler(self.args, self.platform, self.tokenizer, self._on_outputs, tp)
 
     # ---- scheduler -> asyncio -----------------------------------------------------------------

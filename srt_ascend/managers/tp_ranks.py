@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 
 from srt_ascend.distributed import SINGLE, DistInit, TPGroup, init_tp_group
+from srt_ascend.managers.dp_scheduler import DPAttentionScheduler
 from srt_ascend.managers.scheduler import Scheduler
 from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.model_executor.model_runner import ModelRunner
@@ -46,6 +47,12 @@ def dist_init_of(args: ServerArgs) -> DistInit:
     return DistInit(addr, args.tp_size, args.nnodes, args.node_rank)
 
 
+def join_group(args: ServerArgs, dist_init: DistInit, local_rank: int, backend: str) -> TPGroup:
+    """Joins this server's group of ranks as this node's `local_rank` (expert parallelism
+    and data-parallel attention as the flags say)."""
+    return init_tp_group(dist_init, local_rank, backend, args.ep_size > 1, args.attn_dp_size)
+
+
 def build_scheduler(
     args: ServerArgs, platform: Platform, tokenizer, emit, tp: TPGroup = SINGLE
 ) -> Scheduler:
@@ -65,7 +72,9 @@ def build_scheduler(
     eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
     if tokenizer.eos_token_id is not None:
         eos_ids.append(tokenizer.eos_token_id)
-    scheduler = Scheduler(args, runner, StopChecker(tokenizer, eos_ids), emit)
+    # Data-parallel attention: each DP group schedules its own requests (dp_scheduler).
+    cls = DPAttentionScheduler if tp.dp_size > 1 else Scheduler
+    scheduler = cls(args, runner, StopChecker(tokenizer, eos_ids), emit)
     tp.barrier()
     return scheduler
 
@@ -149,7 +158,7 @@ def run_rank(args: ServerArgs, dist_init: DistInit, local_rank: int, parent_pid:
         platform = get_platform(args.device)
         platform.set_device(local_rank)
         args = args.for_device(platform.name)
-        tp = init_tp_group(dist_init, local_rank, platform.dist_backend, args.ep_size > 1)
+        tp = join_group(args, dist_init, local_rank, platform.dist_backend)
         scheduler = build_scheduler(args, platform, load_tokenizer(args.tokenizer), _drop, tp)
         scheduler.run_forever()
     except BaseException:  # noqa: BLE001 - reported, then the process ends with code 1

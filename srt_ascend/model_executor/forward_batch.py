@@ -27,6 +27,9 @@ class ForwardMode(IntEnum):
     def is_extend(self) -> bool:
         return self in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND)
 
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
 
 @dataclass
 class ForwardBatch:
@@ -54,6 +57,9 @@ class ForwardBatch:
     # read through a fixed window of this many positions, and nothing may depend on host
     # values of the device tensors (no data-dependent shapes), so the forward can be captured.
     static_kv_len: int | None = None
+    # Data-parallel attention: tokens of this forward in every DP group (index: DP rank),
+    # exchanged by the model runner before the forward; None without DP attention.
+    dp_token_counts: list[int] | None = None
 
     @property
     def static_shapes(self) -> bool:

@@ -15,7 +15,7 @@ from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from srt_ascend.model_executor.forward_batch import ForwardBatch
+from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import (
     MIN_KV_WINDOW,
     GraphKind,
@@ -85,7 +85,7 @@ class ModelRunner:
         # the flags ask for what it cannot run); the MTP decoder verifies by `plan.verify`.
         self.attention_plan = resolve_attention_plan(
             platform.name,
-            self.config.num_attention_heads // server_args.tp_size,
+            self.config.num_attention_heads // server_args.attn_tp_size,
             self.config.kv_lora_rank,
             self.config.qk_rope_head_dim,
             server_args.page_size,
@@ -211,11 +211,26 @@ class ModelRunner:
     ) -> torch.Tensor:
         """The main model (mtp_step None) or the MTP module at that draft step, never from a
         graph: what every replay must reproduce."""
-        if fb.attn_metadata is None:
+        if self.tp.dp_size > 1:  # every DP group's token count, for the MLPs' gather
+            fb.dp_token_counts = self.tp.dp_token_counts(fb.num_tokens)
+        if fb.attn_metadata is None and not fb.forward_mode.is_idle():
             fb.attn_backend.init_forward_metadata(fb)
         if mtp_step is None:
             return self.model(fb.input_ids, fb.positions, fb)
         return self.mtp(fb.input_ids, hidden, fb.positions, fb, step=mtp_step)
+
+    @torch.inference_mode()
+    def forward_idle(self, mtp_step: int | None = None) -> None:
+        """Under data-parallel attention, a forward over no tokens (ForwardMode.IDLE) of the
+        main model (mtp_step None) or the MTP module: what a DP group without requests runs in
+        place of each forward the others run, so that the MLPs' collectives over all ranks
+        pair up. Does nothing without DP attention (no other group waits)."""
+        if self.tp.dp_size == 1:
+            return
+        none = torch.empty(0, dtype=torch.int64)
+        fb = self.build_forward_batch(ForwardMode.IDLE, none, [], [], [], none)
+        hidden = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self.forward_eager(fb, mtp_step, hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

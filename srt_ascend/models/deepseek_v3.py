@@ -165,12 +165,19 @@ class MLAAttention(nn.Module):
 class DecoderLayer(nn.Module):
     """Under tensor parallelism attention and MLP each return a partial sum (row-parallel
     o_proj; down projections over this rank's share of the intermediate rows): one
-    all-reduce after each, before the residual add."""
+    all-reduce after each, before the residual add.
+
+    Under data-parallel attention (`tp.dp_size` > 1) attention is split within this rank's
+    DP group only (`tp.attn_group`, whose all-reduce sums its partial sums), and the MLP over
+    all ranks: it runs on every DP group's tokens (`dp_gather`), and each group takes back the
+    total of its own rows (`dp_scatter`). A forward with no tokens (IDLE: a DP group without
+    requests) skips attention and still joins the MLP's collectives."""
 
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.tp = tp
-        self.self_attn = MLAAttention(config, layer_id, tp)
+        self.attn_tp = tp.attn_group
+        self.self_attn = MLAAttention(config, layer_id, self.attn_tp)
         self.is_moe = bool(layer_id >= config.first_k_dense_replace and config.n_routed_experts)
         if self.is_moe:
             self.mlp: nn.Module = DeepseekMoE(config, tp)
@@ -188,13 +195,23 @@ class DecoderLayer(nn.Module):
     def forward(self, positions, x, forward_batch: ForwardBatch | None):
         h = self.input_layernorm(x)
         if forward_batch is None:
-            x = x + self.tp.all_reduce(self.self_attn.forward_dense(positions, h))
-        else:
-            x = x + self.tp.all_reduce(self.self_attn(positions, h, forward_batch))
+            x = x + self.attn_tp.all_reduce(self.self_attn.forward_dense(positions, h))
+        elif not forward_batch.forward_mode.is_idle():
+            x = x + self.attn_tp.all_reduce(self.self_attn(positions, h, forward_batch))
         h = self.post_attention_layernorm(x)
-        if self.is_moe and forward_batch is not None and _routing_free(forward_batch, x):
-            return x + self.tp.all_reduce(self.mlp(h, static_shapes=True))  # no routing shapes
-        return x + self.tp.all_reduce(self.mlp(h))
+        counts = None if forward_batch is None else forward_batch.dp_token_counts
+        if counts is None:
+            return x + self.tp.all_reduce(self._mlp(h, forward_batch))
+        if not any(counts):  # every DP group idle: no MLP collective at all
+            return x
+        every_group = self._mlp(self.tp.dp_gather(h, counts), forward_batch)
+        return x + self.tp.dp_scatter(every_group, counts)
+
+    def _mlp(self, h: torch.Tensor, forward_batch: ForwardBatch | None) -> torch.Tensor:
+        """This rank's partial sum of the MLP over h."""
+        if self.is_moe and forward_batch is not None and _routing_free(forward_batch, h):
+            return self.mlp(h, static_shapes=True)  # no routing-dependent shapes
+        return self.mlp(h)
 
 
 def _routing_free(fb: ForwardBatch, x: torch.Tensor) -> bool:
@@ -207,7 +224,9 @@ def _routing_free(fb: ForwardBatch, x: torch.Tensor) -> bool:
 class DeepseekV3Model(nn.Module):
     def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, tp.attn_group
+        )
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
@@ -224,13 +243,15 @@ class DeepseekV3Model(nn.Module):
 class DeepseekV3ForCausalLM(nn.Module):
     """Main model. `forward` takes flattened tokens [T] with a ForwardBatch (runtime) or
     [B, S] tokens with forward_batch=None (dense causal, used by training and references).
-    `tp`: the tensor-parallel group this rank's shard belongs to (one rank: the whole model)."""
+    `tp`: the tensor-parallel group this rank's shard belongs to (one rank: the whole model);
+    under data-parallel attention the embedding and LM head are split like attention, within
+    the rank's DP group."""
 
     def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
         self.model = DeepseekV3Model(config, tp)
-        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size, tp.attn_group)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -35,29 +35,32 @@ _IGNORED = re.compile(
 )
 
 _MOE_EXPERT = re.compile(r"\.mlp\.(experts|shared_experts)\.")  # whole under expert parallelism
-# Checkpoint tensors tensor parallelism splits, and the dim a rank takes its 1/tp slice of.
+# Checkpoint tensors tensor parallelism splits, the dim a rank takes its slice of, and whether
+# the split is attention's (over the rank's DP group under data-parallel attention) or the
+# MLPs' (over all ranks).
 TP_SPLITS = (
-    (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$"), 0),  # attention heads' rows
-    (re.compile(r"\.o_proj\.weight$"), 1),  # attention heads' columns (row-parallel)
-    (re.compile(r"\.(gate_proj|up_proj)\.weight$"), 0),  # dense, shared, routed experts
-    (re.compile(r"\.down_proj\.weight$"), 1),
-    (re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$"), 0),  # vocabulary rows
+    (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$"), 0, True),  # heads' rows
+    (re.compile(r"\.o_proj\.weight$"), 1, True),  # attention heads' columns (row-parallel)
+    (re.compile(r"\.(gate_proj|up_proj)\.weight$"), 0, False),  # dense, shared, routed experts
+    (re.compile(r"\.down_proj\.weight$"), 1, False),
+    (re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$"), 0, True),  # vocabulary rows
 )
 
 
-def tp_shape_problem(config, tp_size: int, expert_parallel: bool = False) -> str | None:
-    """Why the model cannot be split over `tp_size` ranks (a size that does not divide), or
-    None."""
-    sizes = {
-        "num_attention_heads": config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
-    }
+def tp_shape_problem(
+    config, tp_size: int, expert_parallel: bool = False, attn_tp_size: int | None = None
+) -> str | None:
+    """Why the model cannot be split over `tp_size` ranks, its attention and vocabulary over
+    `attn_tp_size` (default: tp_size) of them (a size that does not divide), or None."""
+    attn = tp_size if attn_tp_size is None else attn_tp_size
+    sizes = {"intermediate_size": (config.intermediate_size, tp_size)}
+    sizes["num_attention_heads"] = (config.num_attention_heads, attn)
+    sizes["vocab_size"] = (config.vocab_size, attn)
     if expert_parallel:
-        sizes["n_routed_experts"] = config.n_routed_experts
+        sizes["n_routed_experts"] = (config.n_routed_experts, tp_size)
     else:
-        sizes["moe_intermediate_size"] = config.moe_intermediate_size
-    bad = [f"{k} {v}" for k, v in sizes.items() if v % tp_size]
+        sizes["moe_intermediate_size"] = (config.moe_intermediate_size, tp_size)
+    bad = [f"{k} {v} (over {n} ranks)" for k, (v, n) in sizes.items() if v % n]
     return f"--tp-size {tp_size} does not divide the model's {', '.join(bad)}" if bad else None
 
 
@@ -65,9 +68,10 @@ def tp_slice(name: str, tensor: torch.Tensor, tp: TPGroup) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` (the whole tensor when it is replicated)."""
     if tp.size == 1 or (tp.expert_parallel and _MOE_EXPERT.search(name)):
         return tensor
-    for pattern, dim in TP_SPLITS:
+    for pattern, dim, attention in TP_SPLITS:
         if pattern.search(name):
-            return tensor.chunk(tp.size, dim)[tp.rank]
+            group = tp.attn_group if attention else tp
+            return tensor.chunk(group.size, dim)[group.rank]
     return tensor
 
 

@@ -95,11 +95,26 @@ class MTPDecoder(Decoder):
         draft = [d and not r.finished for r, d in zip(reqs, done)]
         self.worker.draft_extend(reqs, starts, lens, hidden, next_tokens, draft)
 
+    def idle_prefill(self) -> None:
+        """The main model's EXTEND forward and the MTP pass over it, over no tokens."""
+        self.runner.forward_idle()
+        self.runner.forward_idle(mtp_step=0)
+
+    def idle_step(self) -> None:
+        """A step's forwards over no tokens, in `step`'s order: draft steps 2..K (the MTP
+        module at step j), the verify forward, the MTP pass after it. Each forward, idle or
+        not, runs one MLP per layer, so the DP groups' MLP collectives pair up one to one."""
+        for j in range(1, self.k):
+            self.runner.forward_idle(mtp_step=j)
+        self.runner.forward_idle()
+        self.runner.forward_idle(mtp_step=0)
+
     @torch.inference_mode()
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         k1 = self.k + 1
         reqs, loc = self.h.kv.alloc_running(reqs, k1)
         if not reqs:
+            self.idle_step()
             return []
         loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
         drafts = self.worker.draft_chain(reqs, loc)

@@ -55,6 +55,24 @@ def test_nnodes_without_dist_init_addr_exit_2(launch_cli):
     ]
 
 
+def test_dp_size_without_dp_attention_exit_2(launch_cli):
+    proc = launch_cli("--tp-size", "2", "--dp-size", "2")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        PREFIX + "--dp-size > 1 needs --enable-dp-attention (for data-parallel replicas run "
+        "several servers behind sglang-router)"
+    ]
+
+
+def test_vendor_moe_a2a_backend_exit_2(launch_cli):
+    proc = launch_cli("--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        PREFIX + "--moe-a2a-backend 'deepep' is not available here (accepted: none: "
+        "all-gather + all-reduce over torch.distributed)"
+    ]
+
+
 def test_tp_size_that_does_not_split_the_model_exit_2(launch_cli, e2e_model):
     proc = launch_cli("--model-path", e2e_model, "--device", "cpu", "--tp-size", "3")
     assert proc.returncode == 2
@@ -114,6 +132,10 @@ def test_help_documents_flags(launch_cli):
         "--dist-init-addr",
         "--nnodes",
         "--node-rank",
+        "--enable-dp-attention",
+        "--dp-size",
+        "--load-balance-method",
+        "--moe-a2a-backend",
         "--log-level",
         "--speculative-algorithm",
         "--disable-cuda-graph",

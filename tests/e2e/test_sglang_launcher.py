@@ -83,8 +83,10 @@ def test_sglang_launcher_without_mtp_is_untouched(sglang_python):
 
 
 def test_sglang_parallelism_flags_pass_through(sglang_python):
-    """--tp-size, --dist-init-addr, --nnodes and --node-rank reach srt_ascend's ServerArgs."""
+    """--tp-size, --dist-init-addr, --nnodes, --node-rank and data-parallel attention's flags
+    reach srt_ascend's ServerArgs."""
     argv = "--tp-size 4 --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 1".split()
+    argv += "--enable-dp-attention --dp-size 2 --moe-a2a-backend none".split()
     code = (
         "import sys, json; from srt_ascend.sglang_plugin import translate;"
         "kwargs, unsupported = translate(sys.argv[1:]);"
@@ -103,3 +105,5 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
     assert unsupported == []
     assert (kwargs["tp_size"], kwargs["dist_init_addr"]) == (4, "10.0.0.1:5000")
     assert (kwargs["nnodes"], kwargs["node_rank"]) == (2, 1)
+    assert (kwargs["enable_dp_attention"], kwargs["dp_size"]) == (True, 2)
+    assert kwargs["moe_a2a_backend"] == "none"

@@ -1,0 +1,78 @@
+"""`--enable-dp-attention --dp-size 2 --tp-size 2` on CPU (gloo): two DP groups of one rank
+each, every group scheduling its own requests, the MLPs and experts over both groups'
+tokens; float32 greedy outputs equal one process's token for token with MTP off and with
+K = 2 drafts verified both ways. DP group 1 is idle while the first request runs alone, then
+prefills while group 0 decodes (group 0 runs idle prefill forwards), then both hold
+requests: every mix of prefill, decode, draft and idle forwards across the groups must keep
+their MLP collectives paired."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+from conftest import running_server
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
+    "def fibonacci(n):\n    if n",
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 20}
+MTP = ("--speculative-algorithm", "MTP", "--speculative-num-steps", "2")
+CONFIGS = {
+    "plain": (),
+    "mtp-expand": (*MTP, "--speculative-verify", "expand"),
+    "mtp-fia": (*MTP, "--speculative-verify", "fia"),
+}
+DP = ("--tp-size", "2", "--enable-dp-attention", "--dp-size", "2")
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def dp_server(request, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp(f"dp2-{request.param}")
+    with running_server(log_dir, *DP, *CONFIGS[request.param]) as s:
+        yield s
+
+
+def _generate(server, texts: list[str]) -> list[list[int]]:
+    r = server.post("/generate", json={"text": texts, "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    return [o["output_ids"] for o in r.json()]
+
+
+def _stream_alone_then_batch(server) -> list[list[int]]:
+    """PROMPTS[0] streams (DP group 0); once it decodes, PROMPTS[1] arrives (group 1), then
+    the other two together (groups 0 and 1). Returns the outputs in PROMPTS order."""
+    body = {"text": PROMPTS[0], "stream": True, "sampling_params": GREEDY}
+    outputs: dict[int, list[int]] = {}
+    with requests.post(server.url + "/generate", json=body, stream=True, timeout=120) as r:
+        assert r.status_code == 200
+        lines = (line for line in r.iter_lines() if line.startswith(b"data: {"))
+        events = [json.loads(next(lines)[6:])]  # group 0 is decoding now
+        second = threading.Thread(
+            target=lambda: outputs.update({1: _generate(server, PROMPTS[1:2])[0]})
+        )
+        second.start()
+        events += [json.loads(line[6:]) for line in lines]
+        second.join()
+    outputs[0] = events[-1]["output_ids"]
+    outputs.update(enumerate(_generate(server, PROMPTS[2:]), start=2))
+    return [outputs[i] for i in range(len(PROMPTS))]
+
+
+def test_dp_attention_greedy_equals_one_process(server, dp_server):
+    expected = _generate(server, PROMPTS)
+    assert _stream_alone_then_batch(dp_server) == expected
+    assert _generate(dp_server, PROMPTS) == expected  # again: both groups, radix hits
+    state = dp_server.wait_idle()
+    assert state["dp_group_requests"] == [0, 0]
+    assert (
+        state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+        == state["max_total_num_tokens"]
+    )
+    log = dp_server.log()
+    assert "TP1] INFO srt_ascend.scheduler: Prefill batch" in log  # group 1 served some
