@@ -59,9 +59,8 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
     finally:
         engine.shutdown()
     assert_same_greedy(name, outs, baseline[:N_PROMPTS])
-    assert state["available_kv_tokens"] + state["cached_tokens_in_tree"] == (
-        state["max_total_num_tokens"]
-    ), "KV slots leaked"
+    held = state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+    assert held == state["max_total_num_tokens"], "KV slots leaked"
     steps = state["spec_draft_length_steps"]
     if walk is not None:
         assert set(steps) == {str(k) for k in WALK}, steps

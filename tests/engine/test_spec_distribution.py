@@ -3,8 +3,9 @@
 A request samples 3 tokens at temperature 1 and top_k 3, so a sequence is one of at most 27
 outcomes. Their exact probabilities come from the engine with speculation off (the top-3
 logprobs after every prefix, renormalised: that is what top_k 3 samples from). With MTP on,
-K = 1, 2, 3 with token-wise acceptance and K = 2, 3 with block verification, many requests are sampled concurrently (seeded: one seed per request; unseeded:
-the global RNG) and the emitted sequences are tested against the exact distribution with a
+K = 1, 2, 3 with token-wise acceptance and K = 2, 3 with block verification, many requests
+are sampled concurrently (seeded: one seed per request; unseeded: the global RNG) and the
+emitted sequences are tested against the exact distribution with a
 chi-square test. Reusing one uniform for several drafts, or dropping a draw, shows up here:
 each step's emitted tokens depend on several draft and acceptance draws at once.
 """
