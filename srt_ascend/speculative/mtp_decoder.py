@@ -53,7 +53,6 @@ class MTPDecoder(Decoder):
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
-        self.k = k
         # K per step: --speculative-num-steps, or 0..K as --speculative-adaptive chooses;
         # graph kinds for every K a step may run (the configured K's keep their plain names)
         ks = range(k + 1) if args.speculative_adaptive else [k]
