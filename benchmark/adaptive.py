@@ -55,9 +55,13 @@ def serving_rows(a) -> list[dict]:
                         median_tpot_ms=round(r["median_tpot_ms"], 2),
                         accept_length=round(acc, 3) if acc else None,
                     )
-                    print(json.dumps(row), flush=True)
                     if "spec_step_cost_seconds" in state:  # cumulative over the server's life
-                        print("  chosen K:", state["spec_draft_length_steps"], flush=True)
+                        row["chosen_k"] = state["spec_draft_length_steps"]
+                        row["step_cost_ms"] = {
+                            b: {k: round(1e3 * s, 1) for k, s in costs.items()}
+                            for b, costs in state["spec_step_cost_seconds"].items()
+                        }
+                    print(json.dumps(row), flush=True)
                     runs.append(row)
             finally:
                 proc.terminate()
