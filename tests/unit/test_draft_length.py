@@ -1,12 +1,13 @@
 """Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, moving average,
 re-measurement), the acceptance estimates, and the policy's choice of K; the metrics it
-exports."""
+exports and the flags."""
 
 from __future__ import annotations
 
 import pytest
 
 from srt_ascend.metrics import ServerMetrics
+from srt_ascend.server_args import ServerArgs, prepare_server_args
 from srt_ascend.speculative.draft_length import (
     ACCEPT_WEIGHT,
     COST_WEIGHT,
@@ -148,3 +149,16 @@ def test_metrics_export_chosen_k_acceptance_and_costs() -> None:
     assert 'sglang:spec_acceptance_rate{model_name="m",position="0"} 0.75' in text
     cost = step_seconds(16, 1)
     assert f'sglang:spec_step_cost_seconds{{bucket="16",k="1",model_name="m"}} {cost}' in text
+
+
+def test_flags_parse_and_reject_what_cannot_run() -> None:
+    args = prepare_server_args(
+        ["--speculative-algorithm", "MTP", "--speculative-adaptive"]
+        + ["--speculative-accept-method", "block"]
+    )
+    assert args.speculative_adaptive and args.speculative_accept_method == "block"
+    assert not prepare_server_args([]).speculative_adaptive
+    with pytest.raises(ValueError, match="--speculative-adaptive needs --tp-size 1"):
+        ServerArgs(speculative_algorithm="MTP", speculative_adaptive=True, tp_size=2)
+    with pytest.raises(ValueError, match="--speculative-accept-method must be token or block"):
+        ServerArgs(speculative_algorithm="MTP", speculative_accept_method="tree")
