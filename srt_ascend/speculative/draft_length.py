@@ -11,24 +11,25 @@ one-token MTP pass that drafts d_1 for the next step, so the per-request state (
 distribution, the module's hidden) is the same after every step whatever K was.
 
 The cost table is measured while serving: every (bucket, K) is tried twice when its bucket is
-first seen (the first sample, a cold start, is replaced by the second), then each step's wall
-time refines its entry (exponential moving average), and
-every EXPLORE_EVERY-th step of a bucket re-measures the entry measured longest ago, so an
-early unlucky sample does not stick. Estimates a_r start from the server-wide acceptance per
-position and move with each of r's verify steps.
+first seen, then each step's wall time joins its entry's last COST_WINDOW samples, and the
+entry is their minimum: interference (other processes, a cold cache) only ever makes a step
+slower, so the minimum is the step's own cost and one good sample corrects an unlucky entry.
+Every EXPLORE_EVERY-th step of a bucket re-measures the entry measured longest ago.
+Estimates a_r start from the server-wide acceptance per position and move with each of r's
+verify steps.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 
 from srt_ascend.registry import Registry
 
-COST_WEIGHT = 0.2  # weight of a new step time in its cost entry
+COST_WINDOW = 8  # step times an entry keeps (its cost is their minimum)
 ACCEPT_WEIGHT = 0.3  # weight of a new verify outcome in a request's acceptance estimate
-WARM_SAMPLES = 2  # samples an entry needs before it is trusted (the first one is replaced)
+WARM_SAMPLES = 2  # samples an entry needs before the policy trusts it
 EXPLORE_EVERY = 50  # steps of a bucket between two re-measurements of its stalest entry
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any draft was verified there
 
@@ -79,6 +80,7 @@ class CostTable:
         self.ks = list(range(max_k + 1))
         self.seconds: dict[tuple[int, int], float] = {}
         self.samples: Counter[tuple[int, int]] = Counter()
+        self.recent: dict[tuple[int, int], deque[float]] = {}
         self.measured_at: dict[tuple[int, int], int] = {}  # bucket step of the last sample
         self.steps: Counter[int] = Counter()  # steps per bucket
 
@@ -88,10 +90,9 @@ class CostTable:
     def observe(self, batch: int, k: int, seconds: float) -> None:
         key = (self.bucket(batch), k)
         self.samples[key] += 1
-        if self.samples[key] <= WARM_SAMPLES:  # each sample replaces the colder one before
-            self.seconds[key] = seconds
-        else:
-            self.seconds[key] += COST_WEIGHT * (seconds - self.seconds[key])
+        recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
+        recent.append(seconds)
+        self.seconds[key] = min(recent)
         self.measured_at[key] = self.steps[key[0]]
 
     def to_measure(self, bucket: int) -> int | None:

@@ -1,4 +1,4 @@
-"""Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, moving average,
+"""Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, windowed minimum,
 re-measurement), the acceptance estimates, and the policy's choice of K; the metrics it
 exports and the flags."""
 
@@ -10,7 +10,7 @@ from srt_ascend.metrics import ServerMetrics
 from srt_ascend.server_args import ServerArgs, prepare_server_args
 from srt_ascend.speculative.draft_length import (
     ACCEPT_WEIGHT,
-    COST_WEIGHT,
+    COST_WINDOW,
     EXPLORE_EVERY,
     WARM_SAMPLES,
     AcceptanceStats,
@@ -49,15 +49,17 @@ def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
     assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
 
 
-def test_cost_table_buckets_warm_up_and_moving_average() -> None:
+def test_cost_table_buckets_and_windowed_minimum() -> None:
     table = CostTable(BUCKETS, 2)
     assert [table.bucket(n) for n in (1, 3, 9, 16, 40)] == [1, 4, 16, 16, 16]
-    table.observe(3, 1, 10.0)  # cold start
-    table.observe(4, 1, 2.0)  # replaces it
+    table.observe(3, 1, 10.0)  # a cold start
+    table.observe(4, 1, 2.0)
+    table.observe(4, 1, 6.0)  # interference: slower, never faster
     assert table.seconds[4, 1] == 2.0
-    table.observe(4, 1, 4.0)
-    assert table.seconds[4, 1] == pytest.approx(2.0 + COST_WEIGHT * 2.0)
-    assert table.snapshot() == {"4": {"1": table.seconds[4, 1]}}
+    for _ in range(COST_WINDOW):  # the step really became slower: the window forgets 2.0
+        table.observe(4, 1, 3.0)
+    assert table.seconds[4, 1] == 3.0
+    assert table.snapshot() == {"4": {"1": 3.0}}
 
 
 def test_every_entry_is_measured_then_the_stalest_is_remeasured() -> None:
