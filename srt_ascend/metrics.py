@@ -168,6 +168,24 @@ class ServerMetrics:
                 ("model_name", "position"),
                 registry=r,
             )
+            self.spec_draft_length = Counter(
+                "sglang:spec_draft_length_steps",
+                "Decode steps by the number of drafts K verified (--speculative-adaptive chooses)",
+                ("model_name", "k"),
+                registry=r,
+            )
+            self.spec_acceptance = Gauge(
+                "sglang:spec_acceptance_rate",
+                "Drafts accepted / drafts verified at each draft position",
+                ("model_name", "position"),
+                registry=r,
+            )
+            self.spec_step_cost = Gauge(
+                "sglang:spec_step_cost_seconds",
+                "The adaptive policy's cost estimate of a step, per batch bucket and K",
+                ("model_name", "bucket", "k"),
+                registry=r,
+            )
             self._model_name = model_name
             self._seen: dict[str, float] = {}
 
@@ -216,10 +234,20 @@ class ServerMetrics:
         if self.spec_enabled:
             for key, c in self.spec_sched.items():
                 self._advance(key, c, st.get(key, 0))
-            for j, n in enumerate(st.get("spec_accepted_per_position", [])):
-                c = self.spec_per_position.labels(self._model_name, str(j))
-                self._advance(f"pos{j}", c, n)
+            self._render_spec(st)
         return generate_latest(self.registry)
+
+    def _render_spec(self, st: dict) -> None:
+        name = self._model_name
+        for j, n in enumerate(st.get("spec_accepted_per_position", [])):
+            self._advance(f"pos{j}", self.spec_per_position.labels(name, str(j)), n)
+        for j, rate in enumerate(st.get("spec_acceptance_per_position", [])):
+            self.spec_acceptance.labels(name, str(j)).set(rate)
+        for k, n in st.get("spec_draft_length_steps", {}).items():
+            self._advance(f"k{k}", self.spec_draft_length.labels(name, k), n)
+        for bucket, costs in st.get("spec_step_cost_seconds", {}).items():
+            for k, seconds in costs.items():
+                self.spec_step_cost.labels(name, bucket, k).set(seconds)
 
     def _advance(self, key: str, counter, value: float) -> None:
         """Moves a Prometheus counter up to the scheduler's running total `value`."""

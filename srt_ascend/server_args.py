@@ -72,6 +72,8 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_eagle_topk: int = 1
     speculative_verify: str | None = None  # None: per device and model shape
+    speculative_accept_method: str = "token"  # token | block (Sun et al. block verification)
+    speculative_adaptive: bool = False  # choose K in 0..num_steps per step (draft_length)
     # graphs
     disable_cuda_graph: bool = False
     enable_cpu_graph: bool = False
@@ -263,6 +265,16 @@ class ServerArgs:
             raise ValueError("--speculative-eagle-topk must be 1: MTP drafts a single chain")
         if self.speculative_verify not in (None, "expand", "fia"):
             raise ValueError("--speculative-verify must be 'expand' or 'fia'")
+        if self.speculative_adaptive and self.tp_size > 1:
+            raise ValueError(
+                "--speculative-adaptive needs --tp-size 1: it chooses K from this process's "
+                "step times, which the ranks would not agree on"
+            )
+        if self.speculative_accept_method not in ("token", "block"):
+            raise ValueError(
+                f"--speculative-accept-method must be token or block, "
+                f"got {self.speculative_accept_method!r}"
+            )
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -491,6 +503,19 @@ class ServerArgs:
             choices=["expand", "fia"],
             help="verify by batch expansion or by one multi-query FIA forward (default: fia; on "
             "NPU fia where the model's shape fits the op, else expand)",
+        )
+        a(
+            "--speculative-accept-method",
+            default="token",
+            choices=["token", "block"],
+            help="how sampled drafts are accepted: token-wise rejection sampling, or block "
+            "verification (Sun et al. 2025: lossless, accepts at least as many in expectation)",
+        )
+        a(
+            "--speculative-adaptive",
+            action="store_true",
+            help="choose the drafts per step (0..--speculative-num-steps) from the batch size, "
+            "each request's recent acceptance per draft position and the measured step cost",
         )
         a(
             "--disable-cuda-graph",

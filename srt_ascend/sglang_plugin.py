@@ -62,6 +62,8 @@ def _split_own_flags(argv: Sequence[str]) -> tuple[dict, list[str]]:
     own = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     own.add_argument("--num-threads", type=int, default=argparse.SUPPRESS)
     own.add_argument("--speculative-verify", default=argparse.SUPPRESS)
+    own.add_argument("--speculative-accept-method", default=argparse.SUPPRESS)
+    own.add_argument("--speculative-adaptive", action="store_true", default=argparse.SUPPRESS)
     own.add_argument("--cpu-small-gemm", default=argparse.SUPPRESS)
     own.add_argument("--max-request-body-mb", type=float, default=argparse.SUPPRESS)
     own.add_argument("--shutdown-timeout", type=float, default=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Which draft tokens a verify step keeps, and the one target token emitted after them.
 
-Both functions return (accept_len [B], emitted [B, K+1]): `accept_len` counts accepted drafts
+Every rule returns (accept_len [B], emitted [B, K+1]): `accept_len` counts accepted drafts
 (0..K); `emitted[b, :accept_len+1]` are the accepted drafts followed by one target token (the
 correction at the first rejection, or the bonus token after all K), and the rest is -1.
 Probabilities come from `layers.sampler.processed_probs`, applied to the target and the draft
@@ -74,17 +74,115 @@ def rejection_sample(
     None, U_{K+1} when it has K columns) comes from `draw_uniforms(generators)`, so a row with
     its own generator gets the same result whatever its batch neighbours are.
     """
-    batch, k = draft_tokens.shape
-    gens = generators if generators is not None else (None,) * batch
-    if uniforms is None:
-        uniforms = draw_uniforms(gens, k + 1, target_probs.device)
-    elif uniforms.shape[1] == k:
-        uniforms = torch.cat([uniforms, draw_uniforms(gens, 1, uniforms.device)], dim=1)
+    k = draft_tokens.shape[1]
+    uniforms = _uniforms(draft_tokens.shape[0], k, uniforms, generators, target_probs.device)
     draft_tokens = draft_tokens.to(torch.int64)
     accept_len = _accept_len(draft_tokens, draft_probs, target_probs, uniforms[:, :k])
     final_probs = _final_distribution(accept_len, draft_probs, target_probs)
     final_token = inverse_cdf_sample(final_probs, uniforms[:, k])  # [B]
     return AcceptResult(accept_len, _emit(draft_tokens, accept_len, final_token))
+
+
+def block_verify(
+    draft_tokens: torch.Tensor,  # [B, K] int64
+    draft_probs: torch.Tensor,  # [B, K, V]: p_d at each draft position (one-hot if greedy draft)
+    target_probs: torch.Tensor,  # [B, K+1, V]: p_t after each verified position
+    uniforms: torch.Tensor | None = None,  # [B, K+1] or [B, K], in (0, 1]
+    generators: Sequence[torch.Generator | None] | None = None,  # [B]: draws what uniforms lack
+) -> AcceptResult:
+    """Block verification (Sun et al., ICLR 2025, Algorithm 2): the drafts are accepted as a
+    block, the emitted tokens are distributed exactly as p_t, and in expectation at least as
+    many drafts are accepted as by `rejection_sample` (Theorem 2 of the paper).
+
+    Rule, with p_0 = 1 and for i = 1..K (p_t, p_d at draft i are those after i-1 drafts):
+      p_i = min(1, p_{i-1} * p_t[i-1](d_i) / p_d[i-1](d_i))   (0 where p_t[i-1](d_i) = 0)
+      r_i = sum_x max(p_i * p_t[i](x) - p_d[i](x), 0)          (i < K)
+      h_i = r_i / (r_i + 1 - p_i) for i < K (0 when both are 0), h_K = p_K;
+    accept_len tau = the largest i with U_i <= h_i (0 if none): unlike the token-wise rule a
+    later draft may rescue an earlier rejection. Then emit a token drawn from
+    normalise(max(p_tau * p_t[tau] - p_d[tau], 0)) if tau < K, else from p_t[K] (the bonus),
+    by inverting the CDF at U_{K+1}. Given the drafts so far, P(tau >= i) = p_i, so the
+    expected accepted length is sum_i E[p_i]. Randomness as in `rejection_sample`: a row with
+    its own generator gets the same result whatever its batch neighbours are. One-hot targets
+    (greedy rows) give exactly `greedy_accept`.
+    """
+    batch, k = draft_tokens.shape
+    uniforms = _uniforms(batch, k, uniforms, generators, target_probs.device)
+    draft_tokens = draft_tokens.to(torch.int64)
+    target_probs, draft_probs = target_probs.to(torch.float32), draft_probs.to(torch.float32)
+    weights = _block_weights(draft_tokens, draft_probs, target_probs)  # [B, K+1]: p_0..p_K
+    stop = _block_stop_probs(weights, draft_probs, target_probs)  # [B, K]: h_1..h_K
+    positions = torch.arange(1, k + 1, device=draft_tokens.device).view(1, -1)
+    hits = torch.where(uniforms[:, :k].to(torch.float32) <= stop, positions, 0)  # [B, K]
+    accept_len = torch.cat([hits.new_zeros(batch, 1), hits], dim=1).amax(dim=1)  # [B]
+    index = accept_len.view(batch, 1)
+    scale = weights.gather(1, index)  # [B, 1] p_tau
+    vocab = target_probs.shape[-1]
+    p_t = target_probs.gather(1, index.view(batch, 1, 1).expand(batch, 1, vocab)).squeeze(1)
+    if k == 0:
+        p_d = torch.zeros_like(p_t)
+    else:
+        at = index.clamp(max=k - 1).view(batch, 1, 1).expand(batch, 1, vocab)
+        p_d = draft_probs.gather(1, at).squeeze(1) * (accept_len < k).view(batch, 1)
+    final_token = inverse_cdf_sample(recovered_probs(scale * p_t, p_d), uniforms[:, k])
+    return AcceptResult(accept_len, _emit(draft_tokens, accept_len, final_token))
+
+
+# --speculative-accept-method: the sampled-row rule (greedy rows are exact either way)
+ACCEPT_METHODS = {"token": rejection_sample, "block": block_verify}
+
+
+def _block_weights(
+    draft_tokens: torch.Tensor,  # [B, K]
+    draft_probs: torch.Tensor,  # [B, K, V] float32
+    target_probs: torch.Tensor,  # [B, K+1, V] float32
+) -> torch.Tensor:  # [B, K+1]: p_0 = 1, p_1..p_K
+    # p_i = min(1, p_{i-1} * p_t(d_i) / p_d(d_i)), written as a comparison so p_d = 0 and
+    # one-hot drafts are safe; p_t(d_i) = 0 gives 0 (the token-wise rule's p_t > 0 test).
+    k = draft_tokens.shape[1]
+    index = draft_tokens.unsqueeze(-1)
+    p_t = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, K]
+    p_d = draft_probs.gather(-1, index).squeeze(-1)  # [B, K]
+    weights = [p_t.new_ones(p_t.shape[0])]
+    for i in range(k):
+        num = weights[-1] * p_t[:, i]
+        ratio = num / p_d[:, i].clamp(min=torch.finfo(torch.float32).tiny)
+        weight = torch.where(num >= p_d[:, i], 1.0, ratio)
+        weights.append(torch.where(p_t[:, i] > 0, weight, 0.0))
+    return torch.stack(weights, dim=1)
+
+
+def _block_stop_probs(
+    weights: torch.Tensor,  # [B, K+1] p_0..p_K
+    draft_probs: torch.Tensor,  # [B, K, V]
+    target_probs: torch.Tensor,  # [B, K+1, V]
+) -> torch.Tensor:  # [B, K]: h_1..h_K
+    # h_i = r_i / (r_i + 1 - p_i) with r_i = sum_x max(p_i p_t[i] - p_d[i], 0), i < K; h_K = p_K.
+    k = draft_probs.shape[1]
+    if k == 0:
+        return weights[:, :0]
+    p = weights[:, 1:k]  # [B, K-1]
+    residual = (p.unsqueeze(-1) * target_probs[:, 1:k] - draft_probs[:, 1:k]).clamp(min=0.0)
+    r = residual.sum(dim=-1)  # [B, K-1]
+    denom = r + (1.0 - p)
+    h = torch.where(denom > 0, r / denom.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.cat([h, weights[:, k:]], dim=1)
+
+
+def _uniforms(
+    batch: int,
+    k: int,
+    uniforms: torch.Tensor | None,
+    generators: Sequence[torch.Generator | None] | None,
+    device: torch.device,
+) -> torch.Tensor:  # [B, K+1]
+    """U_1..U_{K+1}: the given ones, and what they lack from `draw_uniforms(generators)`."""
+    gens = generators if generators is not None else (None,) * batch
+    if uniforms is None:
+        return draw_uniforms(gens, k + 1, device)
+    if uniforms.shape[1] == k:
+        return torch.cat([uniforms, draw_uniforms(gens, 1, uniforms.device)], dim=1)
+    return uniforms
 
 
 def _accept_len(

@@ -4,13 +4,17 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 1. allocate K+1 slots for positions L-1..L-1+K (evicting / retracting like plain decode);
 2. draft steps 2..K (MTP re-applied) write MTP KV into those slots;
 3. verify [t_{L-1}, d_1..d_K] with the target model (the verify strategy's forward);
-4. accept (rejection sampling; exact greedy for temperature-0 requests), commit up to a stop;
+4. accept (--speculative-accept-method: token-wise rejection sampling or block verification;
+   exact greedy for temperature-0 requests), commit up to a stop;
 5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
    from the last committed one); free the slots of rejected positions.
+K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
+0..K; K = 0 verifies no draft and step 5 still drafts the next d_1).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -18,12 +22,19 @@ import torch
 from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
 from srt_ascend.layers.sampler import TokenLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
-from srt_ascend.model_executor.graph_runner import GraphKind
+from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
-from srt_ascend.speculative.acceptance import greedy_accept, rejection_sample
-from srt_ascend.speculative.mtp_worker import DraftHandles, Drafts, MTPWorker, one_hot_probs
+from srt_ascend.speculative.acceptance import ACCEPT_METHODS, greedy_accept
+from srt_ascend.speculative.draft_length import DRAFT_LENGTHS
+from srt_ascend.speculative.mtp_worker import (
+    DraftHandles,
+    Drafts,
+    MTPWorker,
+    one_hot_probs,
+    state_of,
+)
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 from srt_ascend.utils import HOST_READS, to_device
 
@@ -42,12 +53,22 @@ class MTPDecoder(Decoder):
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
-        self.k = k
-        # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan)
-        self.verify = VERIFY_STRATEGIES.get(runner.attention_plan.verify)(runner, k)
-        self.extend_kind = GraphKind(
-            "draft_extend", ForwardMode.DRAFT_EXTEND, k + 1, 1, runner.attn_backend, 0
+        # K per step: --speculative-num-steps, or 0..K as --speculative-adaptive chooses;
+        # graph kinds for every K a step may run (the configured K's keep their plain names)
+        ks = range(k + 1) if args.speculative_adaptive else [k]
+        suffix = {j: "" if j == k else f"_k{j}" for j in ks}
+        self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
+            k, graph_buckets(args.cuda_graph_bs, args.max_running_requests)
         )
+        # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan)
+        strategy = VERIFY_STRATEGIES.get(runner.attention_plan.verify)
+        self.verifies = {j: strategy(runner, j, suffix[j]) for j in ks}
+        self.accept = ACCEPT_METHODS[args.speculative_accept_method]
+        backend = runner.attn_backend
+        extend_kinds = {
+            j: GraphKind(f"draft_extend{suffix[j]}", ForwardMode.DRAFT_EXTEND, j + 1, 1, backend, 0)
+            for j in ks
+        }
         self.step_kinds = {}
         for j in range(1, k):
             layer = runner.mtp.layer_for_step(j)
@@ -63,26 +84,35 @@ class MTPDecoder(Decoder):
                 self.vocab,
                 handles.eos_ids,
             ),
-            k,
-            self.extend_kind,
+            extend_kinds,
             self.step_kinds,
         )
-        self.accepted_per_position = [0] * k  # drafts accepted at draft position j
-        self.num_verify = 0  # request-steps verified (each checks K draft tokens)
+        self._kinds = [
+            self.decode_kind(),
+            *(v.kind for v in self.verifies.values()),
+            *extend_kinds.values(),
+            *{kind.name: kind for kind in self.step_kinds.values()}.values(),
+        ]
+        self.num_verify = 0  # request-steps verified (each checks that step's K drafts)
+        self.num_drafts = 0  # drafts verified
         self.num_accepted = 0  # drafts accepted
 
     def graph_kinds(self) -> list[GraphKind]:
-        steps = {kind.name: kind for kind in self.step_kinds.values()}
-        return [self.decode_kind(), self.verify.kind, self.extend_kind, *steps.values()]
+        return list(self._kinds)
 
     def stats(self) -> dict:
-        n = self.num_verify
+        n, acceptance = self.num_verify, self.draft_length.acceptance
         return {
             "avg_spec_accept_length": 1.0 + self.num_accepted / n if n else 0.0,
             "spec_num_verify": n,
-            "spec_draft_tokens": n * self.k,
+            "spec_draft_tokens": self.num_drafts,
             "spec_accepted_tokens": self.num_accepted,
-            "spec_accepted_per_position": list(self.accepted_per_position),
+            "spec_accepted_per_position": list(acceptance.accepted),
+            "spec_drafted_per_position": list(acceptance.drafted),
+            "spec_acceptance_per_position": [
+                a / d if d else 0.0 for a, d in zip(acceptance.accepted, acceptance.drafted)
+            ],
+            **self.draft_length.stats(),
         }
 
     def after_prefill(self, reqs, starts, lens, hidden, done) -> None:
@@ -103,15 +133,18 @@ class MTPDecoder(Decoder):
     def idle_step(self) -> None:
         """A step's forwards over no tokens, in `step`'s order: draft steps 2..K (the MTP
         module at step j), the verify forward, the MTP pass after it. Each forward, idle or
-        not, runs one MLP per layer, so the DP groups' MLP collectives pair up one to one."""
-        for j in range(1, self.k):
+        not, runs one MLP per layer, so the DP groups' MLP collectives pair up one to one. K is
+        the configured one: adaptive K (per-process choices) is refused with more than one rank."""
+        for j in range(1, self.args.speculative_num_steps):
             self.runner.forward_idle(mtp_step=j)
         self.runner.forward_idle()
         self.runner.forward_idle(mtp_step=0)
 
     @torch.inference_mode()
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
-        k1 = self.k + 1
+        started = time.perf_counter()
+        k = self.draft_length.choose([self._estimate(r) for r in reqs])
+        k1 = k + 1
         reqs, loc = self.h.kv.alloc_running(reqs, k1)
         if not reqs:
             self.idle_step()
@@ -119,20 +152,22 @@ class MTPDecoder(Decoder):
         loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
         drafts = self.worker.draft_chain(reqs, loc)
         last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
-        fb = self.verify.build(
+        verify = self.verifies[k]
+        fb = verify.build(
             torch.cat([last, drafts.tokens], dim=1),
             [r.req_pool_idx for r in reqs],
             [r.seq_len for r in reqs],
             loc,
         )
-        hidden = self.runner.forward(fb, self.verify.kind)  # [B*(K+1), D]
+        hidden = self.runner.forward(fb, verify.kind)  # [B*(K+1), D]
         logits = self.runner.compute_logits(hidden)[:, : self.vocab].view(len(reqs), k1, -1)
         verdict = self._accept(reqs, logits, drafts)
         logprobs = self._logprobs(reqs, verdict)
+        estimates = [self._estimate(r) for r in reqs]
         starts, committed = [], []
         for i, r in enumerate(reqs):
             n, start = verdict.accept_len[i], r.kv_len
-            self._count(r, n)
+            self._count(r, k, n)
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             starts.append(start)
             committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
@@ -148,15 +183,23 @@ class MTPDecoder(Decoder):
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)
+        seconds = time.perf_counter() - started
+        self.draft_length.record(estimates, k, verdict.accept_len, seconds)
         return reqs
 
-    def _count(self, req: StepRequest, accepted: int) -> None:
+    def _estimate(self, req: StepRequest) -> list[float]:
+        """The request's moving acceptance per draft position (host floats, in its state)."""
+        state = state_of(req)
+        if state.acceptance is None:
+            state.acceptance = self.draft_length.initial_estimate()
+        return state.acceptance
+
+    def _count(self, req: StepRequest, k: int, accepted: int) -> None:
         req.spec_verify_ct += 1
         req.spec_accepted_tokens += accepted
         self.num_verify += 1
+        self.num_drafts += k
         self.num_accepted += accepted
-        for j in range(accepted):
-            self.accepted_per_position[j] += 1
 
     def _accept(self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts) -> Verdict:
         """Target distributions per position (penalties see the drafts before it), then the
@@ -178,7 +221,7 @@ class MTPDecoder(Decoder):
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
             draft_probs = one_hot_probs(tokens, self.vocab)
-        res = rejection_sample(tokens, draft_probs, target, generators=list(info.generators))
+        res = self.accept(tokens, draft_probs, target, generators=list(info.generators))
         return self._read(res, logits)
 
     @staticmethod

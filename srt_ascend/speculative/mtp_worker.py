@@ -70,13 +70,12 @@ class MTPWorker:
     def __init__(
         self,
         handles: DraftHandles,
-        num_steps: int,
-        extend_kind: GraphKind,  # the pass after verify: 1+K tokens per request
+        extend_kinds: dict[int, GraphKind],  # the pass after verifying K drafts: 1+K tokens
         step_kinds: dict[int, GraphKind],  # draft step j (1..K-1): 1 token per request
     ) -> None:
         self.h = handles
-        self.k = num_steps
-        self.extend_kind, self.step_kinds = extend_kind, step_kinds
+        self.extend_kinds, self.step_kinds = extend_kinds, step_kinds
+        self.prefill_kind = extend_kinds[max(extend_kinds)]
 
     @torch.inference_mode()
     def draft_extend(
@@ -97,7 +96,7 @@ class MTPWorker:
             [self.h.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, lens)]
         )
         fb = self.h.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc)
-        out = self.h.forward(fb, hidden, 0, self.extend_kind)
+        out = self.h.forward(fb, hidden, 0, self.prefill_kind)
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
         self._draft_first(reqs, out, ends, draft_rows)
 
@@ -125,7 +124,7 @@ class MTPWorker:
             [k1] * len(reqs),
             loc.reshape(-1),
         )
-        out = self.h.forward(fb, hidden, 0, self.extend_kind)
+        out = self.h.forward(fb, hidden, 0, self.extend_kinds[k1 - 1])
         self._draft_first(reqs, out, [i * k1 + n - 1 for i, n in enumerate(accepted)], draft_rows)
 
     def _draft_first(
@@ -148,12 +147,16 @@ class MTPWorker:
         """d_1 from each request's state, then draft steps 2..K: the module applied again to
         (its own output, its own token) at positions L-1 .. L+K-3 (L = committed length),
         writing MTP KV into the verify slots `loc` [B, K+1] allocated for positions
-        L-1 .. L-1+K (overwritten after verify). Everything stays on the device."""
+        L-1 .. L-1+K (overwritten after verify); K = 0 drafts nothing (d_1 is dropped). Everything
+        stays on the device."""
+        k = loc.shape[1] - 1
+        if k == 0:
+            return Drafts(loc.new_zeros(len(reqs), 0), None)
         states = [state_of(r) for r in reqs]
         tokens = [torch.stack([s.token for s in states])]  # [B] per draft position
         probs = [self._gather_probs(states, tokens[0])]
         hidden = torch.stack([s.hidden for s in states])
-        for j in range(1, self.k):
+        for j in range(1, k):
             fb = self.h.build_forward_batch(
                 ForwardMode.DECODE,
                 tokens[-1],

@@ -9,11 +9,13 @@ import torch
 
 @dataclass
 class SpecState:
-    """The first draft d_1 waiting for the next step, and what drafted it; all on the device
-    (views into the batch that drafted it). Drafts d_2..d_K live only inside a step."""
+    """The first draft d_1 waiting for the next step, and what drafted it, on the device
+    (views into the batch that drafted it); drafts d_2..d_K live only inside a step. On the
+    host: the request's moving acceptance estimate per draft position (draft_length)."""
 
     token: torch.Tensor | None = None  # [] d_1; None: no draft yet
     # [V] the processed draft distribution d_1 was sampled from; None for a greedy draft (its
     # distribution is one-hot at the token)
     probs: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # [D] the MTP module's output (feeds re-application)
+    acceptance: list[float] | None = None  # [K] P(draft j accepted | drafts before accepted)

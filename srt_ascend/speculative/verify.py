@@ -31,17 +31,19 @@ VERIFY_STRATEGIES: Registry[VerifyStrategy] = Registry("verify strategy")
 class VerifyStrategy(ABC):
     name: str
 
-    def __init__(self, runner: ModelRunner, k: int) -> None:
+    def __init__(self, runner: ModelRunner, k: int, suffix: str = "") -> None:
+        """Verifies K = `k` drafts per request (0: the target's next token only); `suffix`
+        tells apart the graph kinds of several K in one server."""
         self.build_forward_batch = runner.build_forward_batch
         self.k = k
         self.backend = self._backend(runner)
-        self.kind = self._graph_kind()
+        self.kind = self._graph_kind(suffix)
 
     @abstractmethod
     def _backend(self, runner: ModelRunner) -> AttentionBackend: ...
 
     @abstractmethod
-    def _graph_kind(self) -> GraphKind: ...
+    def _graph_kind(self, suffix: str) -> GraphKind: ...
 
     @abstractmethod
     def build(
@@ -58,9 +60,9 @@ class BatchExpansionVerify(VerifyStrategy):
     def _backend(self, runner):
         return runner.attn_backend
 
-    def _graph_kind(self):
+    def _graph_kind(self, suffix):
         k1 = self.k + 1
-        return GraphKind("verify_expand", ForwardMode.TARGET_VERIFY, k1, k1, self.backend)
+        return GraphKind(f"verify_expand{suffix}", ForwardMode.TARGET_VERIFY, k1, k1, self.backend)
 
     def build(self, tokens, rows, seq_lens, loc):
         k1 = loc.shape[1]
@@ -84,8 +86,9 @@ class MultiQueryFiaVerify(VerifyStrategy):
 
         return create_attention_backend("fia")
 
-    def _graph_kind(self):
-        return GraphKind("verify_fia", ForwardMode.TARGET_VERIFY, self.k + 1, 1, self.backend)
+    def _graph_kind(self, suffix):
+        k1 = self.k + 1
+        return GraphKind(f"verify_fia{suffix}", ForwardMode.TARGET_VERIFY, k1, 1, self.backend)
 
     def build(self, tokens, rows, seq_lens, loc):
         k1 = loc.shape[1]

@@ -44,6 +44,20 @@ def test_mtp_greedy_is_lossless_and_reports_acceptance(server, mtp_server):
         if line.startswith("sglang:spec_accepted_per_position_total{")
     ]
     assert per_position == [float(n) for n in state["spec_accepted_per_position"]]
+    # fixed K: every step verifies 2 drafts per request (a step verifies the whole batch);
+    # the second draft is examined when the first is accepted
+    hist = state["spec_draft_length_steps"]
+    assert list(hist) == ["2"] and 0 < hist["2"] <= drafts
+    drafted = state["spec_drafted_per_position"]
+    assert drafted == [drafts, state["spec_accepted_per_position"][0]]
+    rates = state["spec_acceptance_per_position"]
+    assert rates == pytest.approx([a / d for a, d in zip(per_position, drafted)])
+    steps = [
+        float(line.rsplit(" ", 1)[1])
+        for line in mtp_server.get("/metrics").text.splitlines()
+        if line.startswith('sglang:spec_draft_length_steps_total{k="2",')
+    ]
+    assert steps == [hist["2"]]
     info = mtp_server.get("/server_info").json()
     assert info["speculative_algorithm"] == "MTP" and info["speculative_num_steps"] == 2
 

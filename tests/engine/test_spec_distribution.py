@@ -3,8 +3,9 @@
 A request samples 3 tokens at temperature 1 and top_k 3, so a sequence is one of at most 27
 outcomes. Their exact probabilities come from the engine with speculation off (the top-3
 logprobs after every prefix, renormalised: that is what top_k 3 samples from). With MTP on,
-K = 1, 2, 3, many requests are sampled concurrently (seeded: one seed per request; unseeded:
-the global RNG) and the emitted sequences are tested against the exact distribution with a
+K = 1, 2, 3 with token-wise acceptance and K = 2, 3 with block verification, many requests
+are sampled concurrently (seeded: one seed per request; unseeded: the global RNG) and the
+emitted sequences are tested against the exact distribution with a
 chi-square test. Reusing one uniform for several drafts, or dropping a draw, shows up here:
 each step's emitted tokens depend on several draft and acceptance draws at once.
 """
@@ -67,14 +68,17 @@ def exact(model_path) -> dict[tuple[int, ...], float]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_mtp_sampling_follows_target_distribution(model_path, exact, k):
+@pytest.mark.parametrize(
+    ("k", "method"), [(1, "token"), (2, "token"), (3, "token"), (2, "block"), (3, "block")]
+)
+def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
     torch.manual_seed(1234 + k)  # the unseeded requests draw from the global RNG
     engine = Engine(
         model_path=model_path,
         dtype="float32",
         speculative_algorithm="MTP",
         speculative_num_steps=k,
+        speculative_accept_method=method,
         max_running_requests=64,
     )
     try:
@@ -93,4 +97,4 @@ def test_mtp_sampling_follows_target_distribution(model_path, exact, k):
             assert seq in counts, f"{name}: {seq} is outside the top-{TOP_K} support"
             counts[seq] += 1
         p = _chi_square_p([counts[s] for s in outcomes], [exact[s] * SAMPLES for s in outcomes])
-        assert p > 1e-3, f"K={k} {name}: chi-square p = {p:.2e}"
+        assert p > 1e-3, f"K={k} {method} {name}: chi-square p = {p:.2e}"

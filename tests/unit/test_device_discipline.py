@@ -8,8 +8,8 @@ raises `FakeTensorDeviceMismatchError`, and any read of a device value (`.tolist
 host-to-device copy (`torch.tensor(x, device=...)`, `.to(device)`) and a host index tensor into
 a device tensor. The only read the step path may make goes through `utils.HOST_READS`, which
 the test answers with zeros and counts. Prefill, the MTP draft pass after it, plain decode, the
-draft chain, both verify layouts and both acceptance rules (greedy and rejection sampling, with
-penalties, seeds and logprobs) run this way.
+draft chain, both verify layouts and the acceptance rules (greedy, rejection sampling and block
+verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way.
 """
 
 from __future__ import annotations
@@ -157,10 +157,16 @@ def _commit(req, tokens, logprobs=None) -> None:
 
 
 @pytest.mark.parametrize(
-    "algorithm, verify, k",
-    [("NONE", None, 0), ("MTP", "expand", 1), ("MTP", "expand", 3), ("MTP", "fia", 2)],
+    "algorithm, verify, k, extra",
+    [
+        ("NONE", None, 0, {}),
+        ("MTP", "expand", 1, {}),
+        ("MTP", "expand", 3, {}),
+        ("MTP", "fia", 2, {}),
+        ("MTP", "fia", 3, {"speculative_accept_method": "block", "speculative_adaptive": True}),
+    ],
 )
-def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k):
+def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k, extra):
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
@@ -177,6 +183,7 @@ def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k):
         max_total_tokens=512,
         context_length=128,
         disable_cuda_graph=True,
+        **extra,
     )
     args.check()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:  # the checkpoint is read on the host

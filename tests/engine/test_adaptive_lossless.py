@@ -1,0 +1,70 @@
+"""Adaptive draft length keeps MTP lossless: float32 greedy outputs are token-identical to
+speculation off whatever K each step runs. A scripted policy walks the steps through a fixed
+sequence of K (0 included: no draft verified, the MTP pass still drafts the next d_1), with
+either verify layout, eagerly and through the per-K graph kinds; the real policy and block
+verification run the same prompts."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from lossless import GREEDY, PROMPTS, assert_same_greedy
+
+from srt_ascend import Engine
+from srt_ascend.speculative.draft_length import FixedDraftLength
+
+N_PROMPTS = 24
+WALK = (3, 0, 1, 2, 0, 0, 3, 1, 2, 3)
+SPEC = {"speculative_algorithm": "MTP", "speculative_num_steps": 3}
+CONFIGS = {  # name: (server args, K walk or None for the real policy)
+    "walk-expand": ({**SPEC, "speculative_adaptive": True, "speculative_verify": "expand"}, WALK),
+    "walk-fia-graphs": (
+        {
+            **SPEC,
+            "speculative_adaptive": True,
+            "speculative_verify": "fia",
+            "enable_cpu_graph": True,
+            "cuda_graph_bs": (1, 2, 4, 8),
+            "context_length": 512,
+        },
+        WALK,
+    ),
+    "adaptive-fia": ({**SPEC, "speculative_adaptive": True}, None),
+    "block-expand": ({**SPEC, "speculative_accept_method": "block"}, None),
+}
+
+
+class ScriptedDraftLength(FixedDraftLength):
+    """Runs the steps through `walk`, over and over; learns like the real policies."""
+
+    def __init__(self, max_k: int, walk) -> None:
+        super().__init__(max_k, [1])
+        self.walk = itertools.cycle(walk)
+
+    def choose(self, estimates):
+        return next(self.walk)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
+    args, walk = CONFIGS[name]
+    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=12, **args)
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        if walk is not None:
+            decoder.draft_length = ScriptedDraftLength(3, walk)
+        outs = engine.generate(PROMPTS[:N_PROMPTS], GREEDY, return_logprob=True)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert_same_greedy(name, outs, baseline[:N_PROMPTS])
+    held = state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+    assert held == state["max_total_num_tokens"], "KV slots leaked"
+    steps = state["spec_draft_length_steps"]
+    if walk is not None:
+        assert set(steps) == {str(k) for k in WALK}, steps
+    if "graphs" in name:
+        replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
+        assert {"verify_fia", "verify_fia_k0", "verify_fia_k1", "draft_extend_k0"} <= replayed
+    assert sum(state["spec_accepted_per_position"]) > 0
