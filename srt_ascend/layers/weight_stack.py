@@ -6,6 +6,10 @@ The parameters keep their names, shapes and values: `state_dict`, checkpoint loa
 in-place updates (`copy_`) all still work, and write through to the stack. Anything that gives
 a parameter new storage (a dtype or device move, `p.data = ...`) breaks the link; `intact()`
 then reports False and the owning module goes back to its unstacked path.
+
+Under torch.compile `intact()` is answered once, when the forward is traced (a constant of the
+compiled graph, no data-pointer guard): a compiled forward holds its weights as they were then
+(freezing folds them in), so it is rebuilt, not re-checked, after weights get new storage.
 """
 
 from __future__ import annotations
@@ -36,5 +40,6 @@ class WeightStack:
             tensor = params[0].data.new_empty(shape)
         return cls(tensor, list(zip(params, tensor.split(sizes, dim=dim))))
 
+    @torch.compiler.assume_constant_result
     def intact(self) -> bool:
         return all(p.data_ptr() == ptr for p, ptr in zip(self._params, self._ptrs))
