@@ -86,7 +86,8 @@ def batches(runner: ModelRunner, k: int, bs: int, prefix: int):
             fb = runner.build_forward_batch(
                 kind.mode, ids, rows, [prefix + q] * bs, [q] * bs, loc, kind.backend
             )
-        hidden = torch.randn(bs * q, hid, generator=g) if kind.mtp_layer is not None else None
+        hidden = torch.randn(bs * q, hid, generator=g).to(runner.dtype)
+        hidden = hidden if kind.mtp_layer is not None else None
         out.append((name, kind, fb, hidden))
     return out
 

@@ -235,7 +235,8 @@ class GraphRunner:
             for window in reversed(self.kind_windows(kind))
         ]
         n_compiled = sum(bs <= self.compile_max_bs for _, bs, _ in shapes)
-        allow_compiled_shapes(n_compiled)
+        if n_compiled:
+            allow_compiled_shapes(n_compiled)
         with tqdm(total=n_compiled, desc="torch.compile", disable=not n_compiled) as progress:
             for kind, bs, window in shapes:
                 self.graphs[kind.name, bs, window] = self._capture_one(kind, bs, window)

@@ -7,6 +7,8 @@ tests/engine/test_compile_lossless.py."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from test_graph_runner import K, Requests
@@ -14,7 +16,9 @@ from test_graph_runner import K, Requests
 from srt_ascend.decoding import DecoderHandles
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.model_executor.torch_compile import compile_max_bs
+from srt_ascend.platforms import EagerReplayGraph
 from srt_ascend.platforms.cpu import CpuPlatform
+from srt_ascend.platforms.npu import NpuPlatform
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.mtp_decoder import MTPDecoder
 
@@ -95,3 +99,12 @@ def test_no_compiler_warns_once_and_runs_uncompiled(monkeypatch, caplog):
         "inductor needs on CPU; running the forwards uncompiled"
     ]
     assert compile_max_bs(False, 8, cpu) == 0
+
+
+def test_npu_compiles_through_torchair_where_installed():
+    npu = NpuPlatform()
+    if importlib.util.find_spec("torchair") is None:
+        assert "torchair" in npu.compile_unavailable()
+    else:
+        assert npu.compile_unavailable() is None
+    assert isinstance(npu.new_graph(compiled=True), EagerReplayGraph)  # torchair's GE graph
