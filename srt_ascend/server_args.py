@@ -79,6 +79,8 @@ class ServerArgs:
     enable_cpu_graph: bool = False
     cuda_graph_bs: tuple[int, ...] | None = None
     cuda_graph_max_bs: int = 32
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
 
     def __post_init__(self) -> None:
         self.check()
@@ -136,12 +138,13 @@ class ServerArgs:
 
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
-        only with --enable-cpu-graph; never with --disable-cuda-graph, nor with data-parallel
-        attention (the MLPs run over every DP group's tokens, a count that changes each step;
-        idle forwards run eagerly too)."""
+        only with --enable-cpu-graph or --enable-torch-compile (which compiles the graph
+        runner's forwards); never with --disable-cuda-graph, nor with data-parallel attention
+        (the MLPs run over every DP group's tokens, a count that changes each step; idle
+        forwards run eagerly too)."""
         if self.disable_cuda_graph or self.attn_dp_size > 1:
             return False
-        return platform.graphs_by_default or self.enable_cpu_graph
+        return platform.graphs_by_default or self.enable_cpu_graph or self.enable_torch_compile
 
     def check(self) -> None:
         """Raises ValueError with a one-line message for a setting that makes no sense."""
@@ -196,6 +199,8 @@ class ServerArgs:
             raise ValueError(f"unknown --schedule-policy {self.schedule_policy!r} (fcfs, lpm)")
         if self.cuda_graph_max_bs < 1:
             raise ValueError("--cuda-graph-max-bs must be >= 1")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs must be >= 1")
         if self.cuda_graph_bs is not None and (
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
@@ -544,6 +549,20 @@ class ServerArgs:
             type=int,
             default=32,
             help="largest captured batch size; bigger batches run eagerly",
+        )
+        a(
+            "--enable-torch-compile",
+            action="store_true",
+            help="compile the graph runner's decode, verify and MTP draft forwards with "
+            "torch.compile (inductor; on CPU the C++ wrapper, on CUDA inside CUDA graphs); "
+            "artifacts cached in $TORCHINDUCTOR_CACHE_DIR (default ~/.cache/srt_ascend/inductor)",
+        )
+        a(
+            "--torch-compile-max-bs",
+            type=int,
+            default=32,
+            help="largest batch-size bucket that is compiled; bigger buckets are captured "
+            "uncompiled",
         )
 
     @classmethod

@@ -43,9 +43,14 @@ def _without_onednn(fn, *args):
         mkldnn.enabled = was
 
 
+def _eager_limit() -> int | None:
+    """The routing limit; None inside a torch.compile'd forward, whose GEMMs inductor picks."""
+    return None if torch.compiler.is_compiling() else _max_macs
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear, through MKL when small (see the module docstring)."""
-    limit = _max_macs
+    limit = _eager_limit()
     if limit is not None and x.dtype in _HALF and x.device.type == "cpu":
         rows = x.numel() // max(x.shape[-1], 1)
         if rows * weight.shape[0] * weight.shape[1] <= limit:
@@ -55,7 +60,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, through MKL when each product has one row and all of them are small."""
-    limit = _max_macs
+    limit = _eager_limit()
     if limit is not None and a.dtype in _HALF and a.device.type == "cpu" and a.shape[1] == 1:
         if a.shape[0] * a.shape[2] * b.shape[2] <= limit:
             return _without_onednn(torch.bmm, a, b)

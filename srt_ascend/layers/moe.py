@@ -254,7 +254,7 @@ class DeepseekMoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, ids = self.gate(flat)
-        if self.stacks is not None and all(s.intact() for s in self.stacks):
+        if self.stacks is not None and self.stacks[0].intact() and self.stacks[1].intact():
             w13, w2 = self.stacks[0].tensor, self.stacks[1].tensor
             if self.experts.use_dense(ids.numel() + ids.shape[0], w13.shape[0], static_shapes):
                 ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row

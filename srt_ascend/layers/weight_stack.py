@@ -6,6 +6,11 @@ The parameters keep their names, shapes and values: `state_dict`, checkpoint loa
 in-place updates (`copy_`) all still work, and write through to the stack. Anything that gives
 a parameter new storage (a dtype or device move, `p.data = ...`) breaks the link; `intact()`
 then reports False and the owning module goes back to its unstacked path.
+
+Under torch.compile `intact()` gives the answer of its last eager call (the compiler runs each
+forward eagerly before tracing it), a constant of the compiled graph with no data-pointer
+guard: a compiled forward holds its weights as they were then (freezing folds them in), so it
+is rebuilt, not re-checked, after weights get new storage.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ class WeightStack:
         self.tensor = tensor
         self._params = [p for p, _ in views]
         self._ptrs = [v.data_ptr() for _, v in views]
+        self._linked = True  # the last eager answer of intact()
 
     @classmethod
     def concat(cls, params: list[nn.Parameter], dim: int = 0) -> WeightStack:
@@ -37,4 +43,6 @@ class WeightStack:
         return cls(tensor, list(zip(params, tensor.split(sizes, dim=dim))))
 
     def intact(self) -> bool:
-        return all(p.data_ptr() == ptr for p, ptr in zip(self._params, self._ptrs))
+        if not torch.compiler.is_compiling():
+            self._linked = all(p.data_ptr() == ptr for p, ptr in zip(self._params, self._ptrs))
+        return self._linked

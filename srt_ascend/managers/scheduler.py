@@ -481,6 +481,7 @@ class Scheduler:
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
             "graph_kv_window_replays": dict(graphs.window_replays) if graphs else {},
+            "graph_compiled_replays": dict(graphs.compiled_replays) if graphs else {},
             **self.decoder.stats(),
         }
 

@@ -23,7 +23,8 @@ Which kinds exist is the decoders' business: each hands its GraphKinds (with the
 backend the kind runs through) to `ModelRunner.capture_graphs`, and names the kind when it
 runs a forward, so nothing here guesses a kind from a batch. The graph class comes from the
 platform: CUDA graphs, aclgraphs, or on CPU an eager replay over the same buffers, so the
-capture/pad/replay logic runs in every test.
+capture/pad/replay logic runs in every test. Buckets up to `compile_max_bs`
+(--enable-torch-compile) capture the forward compiled (model_executor/torch_compile.py).
 """
 
 from __future__ import annotations
@@ -35,10 +36,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 from srt_ascend.layers.attention.base import AttentionBackend
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt_ascend.model_executor.torch_compile import CompiledForward, allow_compiled_shapes
 from srt_ascend.utils import to_device
 
 if TYPE_CHECKING:
@@ -147,6 +150,7 @@ class _Captured:
     out: torch.Tensor  # the graph's output hidden states [tokens, D]
     num_tokens: int
     num_rows: int
+    compiled: bool  # a torch.compile'd forward (--enable-torch-compile)
 
 
 # (fb, kind, MTP input hidden or None) -> output hidden: the eager forward a graph captures
@@ -168,8 +172,10 @@ class GraphRunner:
         buckets: Sequence[int],
         kinds: Sequence[GraphKind],
         smallest_kv_window: int = MIN_KV_WINDOW,
+        compile_max_bs: int = 0,
     ) -> None:
         self.platform = platform
+        self.compile_max_bs = compile_max_bs  # buckets up to this are compiled (0: none)
         self.eager_forward = eager_forward
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
         self.buckets = sorted(buckets)
@@ -183,6 +189,7 @@ class GraphRunner:
         self.graphs: dict[tuple[str, int, int], _Captured] = {}  # (kind, bucket, KV window)
         self.replays: Counter[str] = Counter()  # per kind, reported in the internal state
         self.window_replays: Counter[int] = Counter()  # per KV window, likewise
+        self.compiled_replays: Counter[str] = Counter()  # per kind, of compiled graphs
         self.pool = self.platform.graph_pool_handle()
         self.stream = self.platform.new_stream()
 
@@ -221,15 +228,26 @@ class GraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         self.platform.synchronize()  # static buffers were zeroed on the default stream
-        for bs in reversed(self.buckets):  # largest first: later graphs fit in its pool
-            for kind in self.kinds.values():
-                for window in reversed(self.kind_windows(kind)):
-                    self.graphs[kind.name, bs, window] = self._capture_one(kind, bs, window)
+        shapes = [
+            (kind, bs, window)
+            for bs in reversed(self.buckets)  # largest first: later graphs fit in its pool
+            for kind in self.kinds.values()
+            for window in reversed(self.kind_windows(kind))
+        ]
+        n_compiled = sum(bs <= self.compile_max_bs for _, bs, _ in shapes)
+        if n_compiled:
+            allow_compiled_shapes(n_compiled)
+        with tqdm(total=n_compiled, desc="torch.compile", disable=not n_compiled) as progress:
+            for kind, bs, window in shapes:
+                self.graphs[kind.name, bs, window] = self._capture_one(kind, bs, window)
+                if bs <= self.compile_max_bs:
+                    progress.update()
         self.platform.synchronize()
         logger.info(
-            "captured %d graphs (%s) for batch sizes %s, KV windows %s",
+            "captured %d graphs (%s; %d compiled) for batch sizes %s, KV windows %s",
             len(self.graphs),
             ", ".join(f"{name}: {n}" for name, n in self.graphs_per_kind().items()),
+            n_compiled,
             self.buckets,
             self.windows,
         )
@@ -267,12 +285,17 @@ class GraphRunner:
             fb.attn_backend.init_forward_metadata(fb)
             return self.eager_forward(fb, kind, hidden)
 
-        graph = self.platform.new_graph()
+        compiled = bs <= self.compile_max_bs
+        graph = self.platform.new_graph(compiled)
+        fn = body
+        if compiled:
+            body()  # eagerly first: what the compiled graph only reads is built (caches)
+            fn = CompiledForward(self.platform, body)
         with self.platform.stream(self.stream):
             for _ in range(graph.warmup_runs):
-                body()
-        out = graph.capture(body, self.pool, self.stream)
-        return _Captured(graph, fb, out, fb.num_tokens, fb.batch_size)
+                fn()
+        out = graph.capture(fn, self.pool, self.stream)
+        return _Captured(graph, fb, out, fb.num_tokens, fb.batch_size, compiled)
 
     # replay ----------------------------------------------------------------------------
     def _bucket(self, kind: GraphKind, fb: ForwardBatch) -> int | None:
@@ -345,4 +368,5 @@ class GraphRunner:
         g.graph.replay(host)
         self.replays[kind.name] += 1
         self.window_replays[window] += 1
+        self.compiled_replays[kind.name] += g.compiled
         return g.out[:n_tok].clone()

@@ -22,6 +22,7 @@ from srt_ascend.model_executor.graph_runner import (
     GraphRunner,
     graph_buckets,
 )
+from srt_ascend.model_executor.torch_compile import compile_max_bs
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
@@ -103,14 +104,15 @@ class ModelRunner:
     ) -> None:
         """Captures `kinds` per batch-size bucket (and per KV window from `smallest_kv_window`
         for kinds whose attention gathers the whole window), where graphs are on
-        (`--disable-cuda-graph`, `--enable-cpu-graph`, the platform's default); otherwise
-        does nothing."""
+        (`--disable-cuda-graph`, `--enable-cpu-graph`, `--enable-torch-compile`, the
+        platform's default); otherwise does nothing. Buckets up to --torch-compile-max-bs are
+        compiled with --enable-torch-compile."""
         args = self.server_args
         if not args.graphs_enabled(self.platform) or not kinds:
             return
         self.graph_runner = GraphRunner(
             self.platform,
-            lambda fb, kind, hidden: self.forward_eager(fb, kind.mtp_layer, hidden),
+            lambda fb, kind, hidden: self._forward(fb, kind.mtp_layer, hidden),
             self.req_to_token_pool,
             self.kv_pool,
             self.config.hidden_size,
@@ -120,6 +122,7 @@ class ModelRunner:
             ),
             kinds,
             smallest_kv_window,
+            compile_max_bs(args.enable_torch_compile, args.torch_compile_max_bs, self.platform),
         )
         self.graph_runner.capture()
 
@@ -213,6 +216,12 @@ class ModelRunner:
         graph: what every replay must reproduce."""
         if self.tp.dp_size > 1:  # every DP group's token count, for the MLPs' gather
             fb.dp_token_counts = self.tp.dp_token_counts(fb.num_tokens)
+        return self._forward(fb, mtp_step, hidden)
+
+    def _forward(self, fb: ForwardBatch, mtp_step: int | None, hidden: torch.Tensor | None):
+        """`forward_eager` without its inference mode: what the graph runner captures or
+        compiles (a compiled graph must not enter inference mode inside). Graphs are off
+        under data-parallel attention, so DP token counts are set by `forward_eager` only."""
         if fb.attn_metadata is None and not fb.forward_mode.is_idle():
             fb.attn_backend.init_forward_metadata(fb)
         if mtp_step is None:

@@ -92,6 +92,7 @@ class MLAAttention(nn.Module):
                 self.qkv_a = WeightStack.concat(
                     [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]
                 )
+        self._refresh_absorbed()  # built once after loading (compiled forwards only read it)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
@@ -115,21 +116,28 @@ class MLAAttention(nn.Module):
 
     def _w_kc_vc(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into contiguous batched-matmul operands (SGLang's w_kc /
-        w_vc): W_UK [H, nope, R] and W_UV^T [H, R, v]. Cached, and rebuilt whenever
-        kv_b_proj's weight is replaced or modified in place."""
+        w_vc): W_UK [H, nope, R] and W_UV^T [H, R, v]. Cached, and rebuilt by eager forwards
+        whenever kv_b_proj's weight is replaced or modified in place. A compiled forward reads
+        the cache as it is (no data-pointer or version check in the graph): the compiler runs
+        the forward eagerly before tracing it, and freezes the weights it was traced with."""
+        if not torch.compiler.is_compiling():
+            self._refresh_absorbed()
+        return self._w_kc, self._w_vc
+
+    def _refresh_absorbed(self) -> None:
         w = self.kv_b_proj.weight
         version = -1 if w.is_inference() else w._version  # inference tensors have none
         key = (w.data_ptr(), version, w.dtype, w.device)
-        if getattr(self, "_absorbed_key", None) != key:
-            # Plain tensors even when first built under inference_mode.
-            with torch.inference_mode(False), torch.no_grad():
-                heads = w.view(
-                    self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
-                )
-                self._w_kc = heads[:, : self.qk_nope_head_dim].contiguous()
-                self._w_vc = heads[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
-            self._absorbed_key = key
-        return self._w_kc, self._w_vc
+        if getattr(self, "_absorbed_key", None) == key:
+            return
+        # Plain tensors even when first built under inference_mode.
+        with torch.inference_mode(False), torch.no_grad():
+            heads = w.view(
+                self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank
+            )
+            self._w_kc = heads[:, : self.qk_nope_head_dim].contiguous()
+            self._w_vc = heads[:, self.qk_nope_head_dim :].transpose(1, 2).contiguous()
+        self._absorbed_key = key
 
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch

@@ -37,7 +37,7 @@ class AcceleratorPlatform(Platform):
     def empty_cache(self) -> None:
         self.module.empty_cache()
 
-    def new_graph(self) -> DeviceGraph:
+    def new_graph(self, compiled: bool = False) -> DeviceGraph:
         return self.graph_class()
 
     def graph_pool_handle(self):

@@ -104,9 +104,24 @@ class Platform(ABC):
         pass
 
     # graphs ----------------------------------------------------------------------------
-    def new_graph(self) -> DeviceGraph:
+    def new_graph(self, compiled: bool = False) -> DeviceGraph:
+        """The graph a forward is captured in; `compiled`: a torch.compile'd forward."""
         return EagerReplayGraph()
 
     def graph_pool_handle(self):
         """One memory pool shared by every graph captured in this process."""
         return None
+
+    # torch.compile (--enable-torch-compile) ------------------------------------------------
+    # Inductor options of this device's compiled forwards (torch.compile takes a mode or
+    # options, not both: these spell out the mode they stand for).
+    compile_options: dict[str, object] = {}
+
+    def compile_unavailable(self) -> str | None:
+        """Why forwards cannot be compiled here (one line for a warning), or None."""
+        return None
+
+    def compile(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """`fn` compiled whole (fullgraph: a graph break is an error, not a slow path) for
+        the shapes it has now (dynamic=False); compilation happens at the first call."""
+        return torch.compile(fn, fullgraph=True, dynamic=False, options=dict(self.compile_options))

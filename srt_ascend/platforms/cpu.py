@@ -1,6 +1,10 @@
-"""CPU: the embedded default and the test platform. Graphs are eager replays (opt-in)."""
+"""CPU: the embedded default and the test platform. Graphs are eager replays (opt-in), of
+torch.compile'd forwards with --enable-torch-compile."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import torch
 
@@ -17,6 +21,15 @@ class CpuPlatform(Platform):
     name = "cpu"
     # Eager replay saves no launch overhead on CPU; --enable-cpu-graph runs it anyway.
     graphs_by_default = False
+    # mode "max-autotune-no-cudagraphs" (autotuning picks AMX / AVX micro-GEMMs over oneDNN
+    # for the small matmuls), the C++ wrapper (no Python between kernels) and freezing
+    # (weights folded in as constants): each alone gains less (benchmark/compile.py).
+    compile_options = {
+        "max_autotune": True,
+        "coordinate_descent_tuning": True,
+        "cpp_wrapper": True,
+        "freezing": True,
+    }
 
     @staticmethod
     def is_available() -> bool:
@@ -25,3 +38,9 @@ class CpuPlatform(Platform):
     def small_gemm_macs(self, setting: str) -> int | None:
         on = setting == "on" or (setting == "auto" and torch.backends.mkl.is_available())
         return SMALL_GEMM_MACS if on else None
+
+    def compile_unavailable(self) -> str | None:
+        names = (os.environ.get("CXX"), "g++", "clang++", "c++")
+        if any(name and shutil.which(name) for name in names):
+            return None
+        return "no C++ compiler found (g++, clang++ or $CXX), which inductor needs on CPU"

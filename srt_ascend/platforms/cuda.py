@@ -26,6 +26,9 @@ class CudaPlatform(AcceleratorPlatform):
     name = "cuda"
     graph_class = CudaGraph
     dist_backend = "nccl"
+    # mode "max-autotune-no-cudagraphs" (SGLang's): the graph runner captures the compiled
+    # forward in its own CUDA graph, sharing the pool and the padding rules.
+    compile_options = {"max_autotune": True, "coordinate_descent_tuning": True}
 
     @staticmethod
     def is_available() -> bool:

@@ -4,6 +4,10 @@ Graphs are aclgraphs (`torch.npu.NPUGraph`). They are captured with torch_npu's
 `auto_dispatch_capture`, which records `npu_fused_infer_attention_score` as an updatable task;
 `NPUGraph.update` then refreshes its host-side `actual_seq_lengths` / `actual_seq_lengths_kv`
 before each replay (torch_npu >= 2.13, torch_npu/npu/_npugraph_handlers/ifa_handler.py).
+
+--enable-torch-compile goes through torchair, torch_npu's torch.compile backend (GE graph
+mode); the compiled forward is the device graph, replayed by calling it. NOT YET RUN ON AN NPU:
+wired through the platform hooks only (no Ascend device where this is tested).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import importlib.util
 import torch
 
 from srt_ascend.platforms.accelerator import AcceleratorPlatform
-from srt_ascend.platforms.base import DeviceGraph, register_platform
+from srt_ascend.platforms.base import DeviceGraph, EagerReplayGraph, register_platform
 
 
 def _import_torch_npu() -> bool:
@@ -50,3 +54,19 @@ class NpuPlatform(AcceleratorPlatform):
     @staticmethod
     def is_available() -> bool:
         return _import_torch_npu() and torch.npu.is_available()
+
+    def new_graph(self, compiled: bool = False) -> DeviceGraph:
+        """A torchair-compiled forward runs as a GE graph already: replayed by calling it."""
+        return EagerReplayGraph() if compiled else AclGraph()
+
+    def compile_unavailable(self) -> str | None:
+        if importlib.util.find_spec("torchair") is None:
+            return "torchair (torch_npu's torch.compile backend) is not installed"
+        return None
+
+    def compile(self, fn):
+        """Untested here (see the module docstring)."""
+        import torchair
+
+        backend = torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)

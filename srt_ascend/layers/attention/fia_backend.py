@@ -3,6 +3,11 @@
 Used for TARGET_VERIFY: one row of 1+K query tokens per request, causal inside the row
 (sparse_mode 3 with the compressed 2048x2048 mask), paged KV through a block table. On NPU the
 call goes to torch_npu; elsewhere to the reference op with the same contract (fia_reference).
+
+Inside a torch.compile'd forward (off NPU) the reference runs as one opaque custom op that
+reads the per-request lengths from the batch's device tensors (refreshed by the graph runner
+at each replay), so the compiled graph neither breaks on the reference's host-side planning
+nor specialises on the lengths of the batch it was traced with.
 """
 
 from __future__ import annotations
@@ -23,8 +28,50 @@ if TYPE_CHECKING:
 @dataclass
 class FiaMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32: page ids of each request's KV
-    actual_seq_lengths: list[int]  # cumulative query ends
-    actual_seq_lengths_kv: list[int]  # KV length per request
+    actual_seq_lengths: list[int] | None  # cumulative query ends (None: compiled)
+    actual_seq_lengths_kv: list[int] | None  # KV length per request (None: compiled)
+
+
+@torch.library.custom_op("srt_ascend::fia_reference_mla", mutates_args=())
+def fia_reference_mla(
+    query: torch.Tensor,
+    latent: torch.Tensor,
+    query_rope: torch.Tensor,
+    rope: torch.Tensor,
+    mask: torch.Tensor,
+    block_table: torch.Tensor,
+    q_lens: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    block_size: int,
+) -> torch.Tensor:
+    """The FIA reference (MLA, TND, causal) with per-request query and KV lengths given as
+    tensors [B]; read to the host here, outside any compiled graph. -> [T, H, R]."""
+    out, _ = fused_infer_attention_score(
+        query,
+        latent,
+        latent,
+        query_rope=query_rope,
+        key_rope=rope,
+        num_heads=query.shape[1],
+        num_key_value_heads=1,
+        input_layout="TND",
+        atten_mask=mask,
+        sparse_mode=3,
+        scale=scale,
+        antiquant_mode=0,
+        antiquant_scale=None,
+        block_table=block_table,
+        block_size=block_size,
+        actual_seq_lengths=to_cumulative(q_lens.tolist()),
+        actual_seq_lengths_kv=kv_lens.tolist(),
+    )
+    return out.contiguous()  # one layout whatever the reference's path: what the fake says
+
+
+@fia_reference_mla.register_fake
+def _(query, latent, query_rope, rope, mask, block_table, q_lens, kv_lens, scale, block_size):
+    return query.new_empty(query.shape)
 
 
 def build_block_table(fb: ForwardBatch) -> torch.Tensor:
@@ -61,6 +108,9 @@ class FiaMLABackend(AttentionBackend):
         return self._mask
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        if torch.compiler.is_compiling():  # the lengths come from the device tensors
+            forward_batch.attn_metadata = FiaMetadata(build_block_table(forward_batch), None, None)
+            return
         forward_batch.attn_metadata = FiaMetadata(
             build_block_table(forward_batch),
             to_cumulative(forward_batch.extend_seq_lens_cpu),
@@ -76,6 +126,20 @@ class FiaMLABackend(AttentionBackend):
         # views of one buffer, which the reference reads with one gather.
         latent = paged_cache(pool.get_c_kv(layer_id), pool.page_size, q_latent.dtype)
         rope = paged_cache(pool.get_k_pe(layer_id), pool.page_size, q_latent.dtype)
+        mask = self._causal_mask(q_latent.device)
+        if meta.actual_seq_lengths is None:
+            return fia_reference_mla(
+                q_latent,
+                latent,
+                q_pe,
+                rope,
+                mask,
+                meta.block_table,
+                forward_batch.extend_seq_lens,
+                forward_batch.seq_lens,
+                scale,
+                pool.page_size,
+            )
         out, _ = fused_infer_attention_score(
             q_latent,
             latent,
@@ -85,7 +149,7 @@ class FiaMLABackend(AttentionBackend):
             num_heads=q_latent.shape[1],
             num_key_value_heads=1,
             input_layout="TND",
-            atten_mask=self._causal_mask(q_latent.device),
+            atten_mask=mask,
             sparse_mode=3,
             scale=scale,
             antiquant_mode=0,
