@@ -35,13 +35,20 @@ def compile_max_bs(enabled: bool, max_bs: int, platform) -> int:
     return max_bs
 
 
+_compiled_shapes = 0  # compilations of the capture body asked for in this process so far
+
+
 def allow_compiled_shapes(n: int) -> None:
     """Every compiled shape is the same Python function (the graph runner's capture body)
     under other closures, and dynamo keeps at most `recompile_limit` compilations per function
-    before it falls back to eager: raise the limit to the number of shapes."""
+    before it falls back to eager (a hard error with fullgraph): raise the limit to the number
+    of shapes compiled in this process, counting earlier runners' (a second Engine, a test
+    session), whose entries stay in the function's cache."""
+    global _compiled_shapes
+    _compiled_shapes += n
     cfg = torch._dynamo.config
-    cfg.recompile_limit = max(cfg.recompile_limit, n)
-    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, n)
+    cfg.recompile_limit = max(cfg.recompile_limit, _compiled_shapes)
+    cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, _compiled_shapes)
 
 
 class CompiledForward:
