@@ -17,9 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import urllib.request
 
-from serving import aggregate, bench, print_table, start_server
+from serving import aggregate, bench, print_table, result_row, server_state, start_server
 from spec_decode import prompts as heldout_prompts
 
 from srt_ascend import Engine
@@ -41,20 +40,8 @@ def serving_rows(a) -> list[dict]:
             try:
                 for c in a.max_concurrency:
                     r = bench(a.sglang_python, url, a.model_path, a, c)
-                    info = json.load(urllib.request.urlopen(url + "/server_info"))
-                    state = info["internal_states"][0]
-                    acc = state.get("avg_spec_accept_length")
-                    row = dict(
-                        config=name,
-                        max_concurrency=c,
-                        repeat=rep,
-                        completed=r["completed"],
-                        request_throughput=round(r["request_throughput"], 3),
-                        output_throughput=round(r["output_throughput"], 1),
-                        median_ttft_ms=round(r["median_ttft_ms"], 1),
-                        median_tpot_ms=round(r["median_tpot_ms"], 2),
-                        accept_length=round(acc, 3) if acc else None,
-                    )
+                    state = server_state(url)
+                    row = result_row(name, c, rep, r, state)
                     if "spec_step_cost_seconds" in state:  # cumulative over the server's life
                         row["chosen_k"] = state["spec_draft_length_steps"]
                         row["step_cost_ms"] = {

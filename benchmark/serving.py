@@ -53,6 +53,28 @@ CONFIGS.update(
 )
 
 
+def server_state(url: str) -> dict:
+    """The scheduler's internal state from /server_info (counters since the server started)."""
+    info = json.load(urllib.request.urlopen(url + "/server_info"))
+    return info.get("internal_states", [{}])[0]
+
+
+def result_row(name: str, c: int | None, rep: int, r: dict, state: dict) -> dict:
+    """One table row from a bench_serving result and the server's state after it."""
+    acc = state.get("avg_spec_accept_length")
+    return dict(
+        config=name,
+        max_concurrency=c or "inf",
+        repeat=rep,
+        completed=r["completed"],
+        request_throughput=round(r["request_throughput"], 3),
+        output_throughput=round(r["output_throughput"], 1),
+        median_ttft_ms=round(r["median_ttft_ms"], 1),
+        median_tpot_ms=round(r["median_tpot_ms"], 2),
+        accept_length=round(acc, 3) if acc else None,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -210,19 +232,7 @@ def main() -> None:
             try:
                 for c in levels:
                     r = bench(a.sglang_python, url, a.model_path, a, c)
-                    info = json.load(urllib.request.urlopen(url + "/server_info"))
-                    acc = info.get("internal_states", [{}])[0].get("avg_spec_accept_length")
-                    row = dict(
-                        config=name,
-                        max_concurrency=c or "inf",
-                        repeat=rep,
-                        completed=r["completed"],
-                        request_throughput=round(r["request_throughput"], 3),
-                        output_throughput=round(r["output_throughput"], 1),
-                        median_ttft_ms=round(r["median_ttft_ms"], 1),
-                        median_tpot_ms=round(r["median_tpot_ms"], 2),
-                        accept_length=round(acc, 3) if acc else None,
-                    )
+                    row = result_row(name, c, rep, r, server_state(url))
                     runs.append(row)
                     print(json.dumps(row), flush=True)
             finally:

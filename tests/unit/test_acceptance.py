@@ -14,6 +14,7 @@ import torch
 from srt_ascend.layers.sampler import processed_probs
 from srt_ascend.sampling import SamplingBatchInfo, SamplingParams
 from srt_ascend.speculative.acceptance import (
+    ACCEPT_METHODS,
     greedy_accept,
     recovered_probs,
     rejection_sample,
@@ -39,17 +40,21 @@ def test_greedy_no_drafts_emits_target_token() -> None:
     assert accept_len.tolist() == [0, 0] and emitted.tolist() == [[3], [1]]
 
 
-def test_rejection_with_one_hot_target_equals_greedy() -> None:
+@pytest.mark.parametrize("method", list(ACCEPT_METHODS))
+def test_one_hot_target_equals_greedy(method: str) -> None:
+    """Greedy rows (one-hot targets) get exact greedy acceptance from every rule, whether the
+    drafts came with a distribution or were greedy themselves (one-hot)."""
     torch.manual_seed(0)
     b, k, v = 64, 3, 6
     target_ids = torch.randint(0, v, (b, k + 1))
     target_probs = torch.nn.functional.one_hot(target_ids, v).float()
     draft_probs = torch.softmax(torch.randn(b, k, v), -1)
     drafts = torch.where(torch.rand(b, k) < 0.7, target_ids[:, :k], torch.randint(0, v, (b, k)))
-    result = rejection_sample(drafts, draft_probs, target_probs)
     expected = greedy_accept(drafts, target_ids)
-    assert torch.equal(result.accept_len, expected.accept_len)
-    assert torch.equal(result.emitted, expected.emitted)
+    for probs in (draft_probs, torch.nn.functional.one_hot(drafts, v).float()):
+        result = ACCEPT_METHODS[method](drafts, probs, target_probs)
+        assert torch.equal(result.accept_len, expected.accept_len)
+        assert torch.equal(result.emitted, expected.emitted)
 
 
 def test_rejection_exact_uniform_cases() -> None:

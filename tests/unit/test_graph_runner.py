@@ -92,10 +92,16 @@ K = 3
 
 
 def make_runner(
-    path: str, verify: str, page_size: int = 1, smallest_kv_window: int = MIN_KV_WINDOW
+    path: str,
+    verify: str,
+    page_size: int = 1,
+    smallest_kv_window: int = MIN_KV_WINDOW,
+    platform=None,
+    **args_overrides,
 ) -> ModelRunner:
     """A runner with the graphs the MTP decoder captures (the decoder's kinds are reachable
-    as `runner.kinds`). Its req_to_token rows are 48 + 17 wide: with the default smallest KV
+    as `runner.kinds`), on `platform` (default: the CPU one), ServerArgs overridden by
+    `args_overrides`. Its req_to_token rows are 48 + 17 wide: with the default smallest KV
     window (64) every kind has one window."""
     args = ServerArgs(
         model_path=path,
@@ -109,8 +115,9 @@ def make_runner(
         speculative_verify=verify,
         enable_cpu_graph=True,
         cuda_graph_bs=(2, 4),
+        **args_overrides,
     )
-    runner = ModelRunner(args, get_platform("cpu"))
+    runner = ModelRunner(args, platform or get_platform("cpu"))
     decoder = MTPDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
     runner.capture_graphs(decoder.graph_kinds(), smallest_kv_window)
     runner.kinds = {kind.name: kind for kind in decoder.graph_kinds()}

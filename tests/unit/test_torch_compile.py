@@ -11,16 +11,13 @@ import importlib.util
 
 import pytest
 import torch
-from test_graph_runner import K, Requests
+from test_graph_runner import Requests, make_runner
 
-from srt_ascend.decoding import DecoderHandles
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.model_executor.torch_compile import compile_max_bs
 from srt_ascend.platforms import EagerReplayGraph
 from srt_ascend.platforms.cpu import CpuPlatform
 from srt_ascend.platforms.npu import NpuPlatform
-from srt_ascend.server_args import ServerArgs
-from srt_ascend.speculative.mtp_decoder import MTPDecoder
 
 
 class TracingPlatform(CpuPlatform):
@@ -38,24 +35,9 @@ class TracingPlatform(CpuPlatform):
 
 
 def compiled_runner(path: str, verify: str, platform: TracingPlatform) -> ModelRunner:
-    args = ServerArgs(
-        model_path=path,
-        dtype="float32",
-        context_length=48,
-        max_running_requests=8,
-        max_total_tokens=1024,
-        speculative_algorithm="MTP",
-        speculative_num_steps=K,
-        speculative_verify=verify,
-        enable_torch_compile=True,
-        torch_compile_max_bs=2,
-        cuda_graph_bs=(2, 4),
+    return make_runner(
+        path, verify, platform=platform, enable_torch_compile=True, torch_compile_max_bs=2
     )
-    runner = ModelRunner(args, platform)
-    decoder = MTPDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
-    runner.capture_graphs(decoder.graph_kinds())
-    runner.kinds = {kind.name: kind for kind in decoder.graph_kinds()}
-    return runner
 
 
 @pytest.mark.parametrize("verify", ["expand", "fia"])

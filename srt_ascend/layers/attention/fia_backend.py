@@ -47,6 +47,34 @@ def fia_reference_mla(
 ) -> torch.Tensor:
     """The FIA reference (MLA, TND, causal) with per-request query and KV lengths given as
     tensors [B]; read to the host here, outside any compiled graph. -> [T, H, R]."""
+    out = _fia_mla(
+        query,
+        latent,
+        query_rope,
+        rope,
+        mask,
+        block_table,
+        scale,
+        block_size,
+        to_cumulative(q_lens.tolist()),
+        kv_lens.tolist(),
+    )
+    return out.contiguous()  # one layout whatever the reference's path: what the fake says
+
+
+def _fia_mla(
+    query: torch.Tensor,  # [T, H, R] latent queries
+    latent: torch.Tensor,  # paged [blocks, block_size, R]
+    query_rope: torch.Tensor,
+    rope: torch.Tensor,  # paged [blocks, block_size, P]
+    mask: torch.Tensor,
+    block_table: torch.Tensor,
+    scale: float,
+    block_size: int,
+    q_ends: list[int],  # cumulative query ends
+    kv_lens: list[int],
+) -> torch.Tensor:
+    """The one FIA call this backend makes: MLA (key = value = the latent), TND, causal."""
     out, _ = fused_infer_attention_score(
         query,
         latent,
@@ -63,10 +91,10 @@ def fia_reference_mla(
         antiquant_scale=None,
         block_table=block_table,
         block_size=block_size,
-        actual_seq_lengths=to_cumulative(q_lens.tolist()),
-        actual_seq_lengths_kv=kv_lens.tolist(),
+        actual_seq_lengths=q_ends,
+        actual_seq_lengths_kv=kv_lens,
     )
-    return out.contiguous()  # one layout whatever the reference's path: what the fake says
+    return out
 
 
 @fia_reference_mla.register_fake
@@ -140,23 +168,15 @@ class FiaMLABackend(AttentionBackend):
                 scale,
                 pool.page_size,
             )
-        out, _ = fused_infer_attention_score(
+        return _fia_mla(
             q_latent,
             latent,
-            latent,
-            query_rope=q_pe,
-            key_rope=rope,
-            num_heads=q_latent.shape[1],
-            num_key_value_heads=1,
-            input_layout="TND",
-            atten_mask=mask,
-            sparse_mode=3,
-            scale=scale,
-            antiquant_mode=0,
-            antiquant_scale=None,
-            block_table=meta.block_table,
-            block_size=pool.page_size,
-            actual_seq_lengths=meta.actual_seq_lengths,
-            actual_seq_lengths_kv=meta.actual_seq_lengths_kv,
+            q_pe,
+            rope,
+            mask,
+            meta.block_table,
+            scale,
+            pool.page_size,
+            meta.actual_seq_lengths,
+            meta.actual_seq_lengths_kv,
         )
-        return out
