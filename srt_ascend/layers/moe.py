@@ -112,12 +112,11 @@ class RoutedExperts(nn.Module):
     ) -> torch.Tensor:
         """x [T, H]; each token goes through its k experts, outputs summed with their weights.
 
-        Small batches whose T*k assignments number between E/2 and 4E (most experts are hit
-        anyway, so dense work reads little extra weight) and graph capture (shapes must not
-        depend on the routing) take the dense path; the rest the sparse one."""
-        if self.use_dense(topk_ids.numel(), self.n_experts, static_shapes):
-            return self.forward_dense(x, topk_weights, topk_ids)
-        return self.forward_sparse(x, topk_weights, topk_ids)
+        The path is `choose_path`'s: sparse (sorted per-expert slices; shapes follow the
+        routing), dense (every expert over every token) or gathered (each assignment runs its
+        own expert's weights, gathered by id)."""
+        path = self.choose_path(topk_ids.shape[0], topk_ids.shape[1], self.n_experts, static_shapes)
+        return getattr(self, f"forward_{path}")(x, topk_weights, topk_ids)
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """The model's expert ids as rows of this rank's stack, n_experts for another
@@ -128,9 +127,17 @@ class RoutedExperts(nn.Module):
         return local.masked_fill((local < 0) | (local >= self.n_experts), self.n_experts)
 
     @staticmethod
-    def use_dense(assignments: int, rows: int, static_shapes: bool) -> bool:
-        """The dispatch rule of `forward` for this many (token, expert) pairs over `rows`."""
-        return static_shapes or rows <= 2 * assignments <= 8 * rows
+    def choose_path(tokens: int, k: int, rows: int, static_shapes: bool) -> str:
+        """The dispatch rule for `tokens` tokens with `k` experts each over `rows` stacked
+        experts. Shapes that must not depend on the routing (graph captures, accelerators)
+        take gathered while the T*k assignments read fewer expert rows than there are (a
+        decode or verify step: its cost grows with the tokens, not with E), else dense. Eager
+        CPU batches whose assignments number between E/2 and 4E (most experts are hit anyway,
+        so dense work reads little extra weight) take dense; the rest sparse."""
+        assignments = tokens * k
+        if static_shapes:
+            return "gathered" if assignments < rows else "dense"
+        return "dense" if rows <= 2 * assignments <= 8 * rows else "sparse"
 
     def forward_sparse(
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
@@ -173,6 +180,31 @@ class RoutedExperts(nn.Module):
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         return (ys.float() * weights.t().unsqueeze(-1)).sum(0).to(x.dtype)
+
+    def forward_gathered(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Every (token, choice) pair through its own expert: the T*k experts' weights are
+        gathered by id and run as two batched matmuls of one row each, combined with the
+        routing weights. Shapes depend on T and k only; an assignment to another rank's
+        expert runs row 0 with weight 0."""
+        w13, w2 = stacks or (self.w13, self.w2)
+        t, k = topk_ids.shape
+        ids = self.local_ids(topk_ids).flatten()  # [T*k]
+        weights = topk_weights.float().flatten()
+        if self.partitioned:
+            other = ids == self.n_experts
+            ids, weights = ids.masked_fill(other, 0), weights.masked_fill(other, 0.0)
+        xs = x.repeat_interleave(k, dim=0).unsqueeze(1)  # [T*k, 1, H]
+        gate_up = bmm(xs, w13.index_select(0, ids).transpose(1, 2))  # [T*k, 1, 2I]
+        inter = gate_up.shape[-1] // 2
+        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
+        ys = bmm(act, w2.index_select(0, ids).transpose(1, 2)).squeeze(1)  # [T*k, H]
+        return (ys.float() * weights[:, None]).view(t, k, -1).sum(1).to(x.dtype)
 
 
 class DeepseekMoE(nn.Module):
@@ -256,10 +288,13 @@ class DeepseekMoE(nn.Module):
         weights, ids = self.gate(flat)
         if self.stacks is not None and self.stacks[0].intact() and self.stacks[1].intact():
             w13, w2 = self.stacks[0].tensor, self.stacks[1].tensor
-            if self.experts.use_dense(ids.numel() + ids.shape[0], w13.shape[0], static_shapes):
-                ids = F.pad(ids, (0, 1), value=self.experts.n_experts)  # + the shared row
+            k = ids.shape[1] + 1  # + the shared row
+            path = self.experts.choose_path(ids.shape[0], k, w13.shape[0], static_shapes)
+            if path != "sparse":
+                ids = F.pad(ids, (0, 1), value=self.experts.n_experts)
                 weights = F.pad(weights, (0, 1), value=1.0)
-                return self.experts.forward_dense(flat, weights, ids, (w13, w2)).view(shape)
+                run = getattr(self.experts, f"forward_{path}")
+                return run(flat, weights, ids, (w13, w2)).view(shape)
             # Sparse: every token uses the shared row, so the shared MLP runs it on x directly
             # (reading row E: one gate/up linear, one down) rather than through the sort.
             out = self.experts.forward_sparse(flat, weights, ids)

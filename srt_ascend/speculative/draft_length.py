@@ -6,9 +6,10 @@ target forward over 1+K tokens per request, K-1 draft steps, the MTP pass over 1
 is expected to emit E_r(K) = 1 + sum_{i=1..K} prod_{j<=i} a_r[j] tokens, where a_r[j] is r's
 moving estimate of P(draft j accepted | drafts 1..j-1 accepted). The step takes the K in
 0..K_max that maximises sum_r E_r(K) / C(b, K): expected tokens per second. K = 0 verifies no
-draft: a one-token target forward whose token is sampled as in plain decoding, and the
-one-token MTP pass that drafts d_1 for the next step, so the per-request state (d_1, its
-distribution, the module's hidden) is the same after every step whatever K was.
+draft: a one-token target forward whose token is sampled as in plain decoding, with the MTP
+pass deferred (MTPDecoder), so its cost is a plain decode step's; the first step with drafts
+after it pays the deferred passes (one MTP forward over the positions), which the cost
+table's minimum mostly leaves out: a switch costs about one MTP pass.
 
 The cost table is measured while serving: every (bucket, K) is tried twice when its bucket is
 first seen, then each step's wall time joins its entry's last COST_WINDOW samples, and the

@@ -9,7 +9,9 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
    from the last committed one); free the slots of rejected positions.
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
-0..K; K = 0 verifies no draft and step 5 still drafts the next d_1).
+0..K). K = 0 is a plain decode step: no draft verified, and step 5 is deferred (the MTP worker
+keeps the target hidden) until the request's next step with drafts, which first runs every
+deferred position in one MTP pass (`MTPWorker.catch_up`).
 """
 
 from __future__ import annotations
@@ -61,13 +63,18 @@ class MTPDecoder(Decoder):
             k, graph_buckets(args.cuda_graph_bs, args.max_running_requests)
         )
         # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan)
+        # (K = 0 is one query per request whatever the layout: the decode attention's path)
         strategy = VERIFY_STRATEGIES.get(runner.attention_plan.verify)
-        self.verifies = {j: strategy(runner, j, suffix[j]) for j in ks}
+        self.verifies = {
+            j: (strategy if j else VERIFY_STRATEGIES.get("expand"))(runner, j, suffix[j])
+            for j in ks
+        }
         self.accept = ACCEPT_METHODS[args.speculative_accept_method]
         backend = runner.attn_backend
-        extend_kinds = {
+        extend_kinds = {  # K = 0 steps defer their MTP pass: no kind
             j: GraphKind(f"draft_extend{suffix[j]}", ForwardMode.DRAFT_EXTEND, j + 1, 1, backend, 0)
             for j in ks
+            if j
         }
         self.step_kinds = {}
         for j in range(1, k):
@@ -150,6 +157,8 @@ class MTPDecoder(Decoder):
             self.idle_step()
             return []
         loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
+        if k:
+            self.worker.catch_up(reqs)
         drafts = self.worker.draft_chain(reqs, loc)
         last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
         verify = self.verifies[k]
@@ -171,15 +180,18 @@ class MTPDecoder(Decoder):
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             starts.append(start)
             committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
-        self.worker.draft_after_verify(
-            reqs,
-            starts,
-            loc,
-            hidden,
-            [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
-            committed,
-            [not r.finished for r in reqs],
-        )
+        if k:
+            self.worker.draft_after_verify(
+                reqs,
+                starts,
+                loc,
+                hidden,
+                [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
+                committed,
+                [not r.finished for r in reqs],
+            )
+        else:
+            self.worker.defer(reqs, starts, hidden)
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)

@@ -33,6 +33,10 @@ from srt_ascend.utils import to_device
 # a chain has its own stream (a stream is reused only for a position whose earlier draft was
 # never examined by the acceptance test, which keeps the emitted tokens independent of it).
 DRAFT_SEED_OFFSET = 1_000_003
+# Deferred MTP passes a request keeps (K = 0 steps in a row); older positions are dropped:
+# their MTP-layer KV is never written, which only makes later drafts worse (the drafts'
+# attention reads whatever the slot held), never the outputs.
+MAX_DEFERRED = 64
 
 # (fb, h_t, draft step, graph kind or None) -> output hidden
 MtpForward = Callable[[ForwardBatch, torch.Tensor, int, "GraphKind | None"], torch.Tensor]
@@ -127,6 +131,41 @@ class MTPWorker:
         out = self.h.forward(fb, hidden, 0, self.extend_kinds[k1 - 1])
         self._draft_first(reqs, out, [i * k1 + n - 1 for i, n in enumerate(accepted)], draft_rows)
 
+    def defer(self, reqs: list[StepRequest], starts: list[int], hidden: torch.Tensor) -> None:
+        """After a K = 0 step (one position per request, `hidden` [B, D] its target hidden):
+        the MTP pass over each unfinished request's position waits for `catch_up`, so a plain
+        decode step costs a plain decode forward. The hidden is copied once for the batch (a
+        graph replay's output buffer is overwritten by the next replay)."""
+        kept = hidden.clone()
+        for i, r in enumerate(reqs):
+            if r.finished:
+                continue
+            s = state_of(r)
+            if not s.deferred:
+                s.deferred_start = starts[i]
+            s.deferred.append(kept[i])
+            s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
+            if len(s.deferred) > MAX_DEFERRED:
+                s.deferred.pop(0)
+                s.deferred_start += 1
+
+    @torch.inference_mode()
+    def catch_up(self, reqs: list[StepRequest]) -> None:
+        """Runs the MTP passes deferred by K = 0 steps, for every request that has some, as
+        one DRAFT_EXTEND over their positions (what the skipped passes would have written and
+        drafted: MTP KV at each position, d_1 from the last), before a step drafts."""
+        stale = [r for r in reqs if state_of(r).deferred]
+        if not stale:
+            return
+        states = [state_of(r) for r in stale]
+        starts = [s.deferred_start for s in states]
+        lens = [len(s.deferred) for s in states]
+        hidden = torch.stack([h for s in states for h in s.deferred])
+        for s in states:
+            s.deferred = []
+        next_tokens = [r.all_ids[st + 1 : st + 1 + n] for r, st, n in zip(stale, starts, lens)]
+        self.draft_extend(stale, starts, lens, hidden, next_tokens, [True] * len(stale))
+
     def _draft_first(
         self, reqs, out: torch.Tensor, last_rows: list[int], draft_rows: list[bool]
     ) -> None:
@@ -147,7 +186,7 @@ class MTPWorker:
         """d_1 from each request's state, then draft steps 2..K: the module applied again to
         (its own output, its own token) at positions L-1 .. L+K-3 (L = committed length),
         writing MTP KV into the verify slots `loc` [B, K+1] allocated for positions
-        L-1 .. L-1+K (overwritten after verify); K = 0 drafts nothing (d_1 is dropped). Everything
+        L-1 .. L-1+K (overwritten after verify); K = 0 drafts nothing. Everything
         stays on the device."""
         k = loc.shape[1] - 1
         if k == 0:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -10,8 +10,11 @@ import torch
 @dataclass
 class SpecState:
     """The first draft d_1 waiting for the next step, and what drafted it, on the device
-    (views into the batch that drafted it); drafts d_2..d_K live only inside a step. On the
-    host: the request's moving acceptance estimate per draft position (draft_length)."""
+    (views into the batch that drafted it); drafts d_2..d_K live only inside a step. After
+    K = 0 steps (plain decoding, --speculative-adaptive) the MTP passes they skipped wait in
+    `deferred`: the target hidden of positions deferred_start, deferred_start + 1, ...; d_1
+    is then None until the next step with drafts runs them. On the host: the request's moving
+    acceptance estimate per draft position (draft_length)."""
 
     token: torch.Tensor | None = None  # [] d_1; None: no draft yet
     # [V] the processed draft distribution d_1 was sampled from; None for a greedy draft (its
@@ -19,3 +22,5 @@ class SpecState:
     probs: torch.Tensor | None = None
     hidden: torch.Tensor | None = None  # [D] the MTP module's output (feeds re-application)
     acceptance: list[float] | None = None  # [K] P(draft j accepted | drafts before accepted)
+    deferred: list[torch.Tensor] = field(default_factory=list)  # [D] each, on the device
+    deferred_start: int = 0  # position of deferred[0]

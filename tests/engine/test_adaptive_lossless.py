@@ -1,6 +1,7 @@
 """Adaptive draft length keeps MTP lossless: float32 greedy outputs are token-identical to
 speculation off whatever K each step runs. A scripted policy walks the steps through a fixed
-sequence of K (0 included: no draft verified, the MTP pass still drafts the next d_1), with
+sequence of K (0 included: a plain decode step whose MTP pass waits for the next step with
+drafts, which runs the deferred passes first), with
 either verify layout, eagerly and through the per-K graph kinds; the real policy and block
 verification run the same prompts."""
 
@@ -66,5 +67,5 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         assert set(steps) == {str(k) for k in WALK}, steps
     if "graphs" in name:
         replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
-        assert {"verify_fia", "verify_fia_k0", "verify_fia_k1", "draft_extend_k0"} <= replayed
+        assert {"verify_fia", "verify_expand_k0", "verify_fia_k1", "draft_extend_k1"} <= replayed
     assert sum(state["spec_accepted_per_position"]) > 0

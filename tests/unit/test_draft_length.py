@@ -27,11 +27,12 @@ BUCKETS = [1, 2, 4, 8, 16]
 def step_seconds(bucket: int, k: int) -> float:
     """A device whose forwards are memory-bound up to 16 tokens per step, then linear in
     tokens: verify (1+K tokens per request), K-1 draft steps and the MTP pass (1+K tokens)
-    at a quarter of the target's cost."""
+    at a quarter of the target's cost; K = 0 is a plain decode step (its MTP pass deferred)."""
     tokens = bucket * (1 + k)
     target = max(1.0, tokens / 16)
-    draft = 0.25 * (max(1.0, tokens / 16) + (k - 1 if k else 0) * max(1.0, bucket / 16))
-    return target + draft
+    if k == 0:
+        return target
+    return target + 0.25 * (max(1.0, tokens / 16) + (k - 1) * max(1.0, bucket / 16))
 
 
 def warmed(max_k: int, seconds=step_seconds) -> AdaptiveDraftLength:
@@ -90,7 +91,7 @@ def test_acceptance_stats_and_estimates_count_examined_positions_only() -> None:
     ("batch", "acceptance", "want"),
     [
         (1, 0.9, 3),  # memory-bound and accepted often: the longest chain
-        (1, 0.05, 1),  # rarely accepted, but K = 0 pays the MTP pass too: one draft is free
+        (1, 0.05, 0),  # rarely accepted: the MTP pass does not pay for itself
         (16, 0.9, 0),  # compute-bound: every extra token costs its share
         (4, 0.7, 2),  # 16 tokens still fit the flat part, but the third draft step does not pay
         (4, 0.9, 3),  # ... unless it is accepted often

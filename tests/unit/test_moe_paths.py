@@ -1,6 +1,7 @@
-"""The routed experts' two paths (sparse: sorted per-expert slices; dense: every expert, then
-the routing weights) compute the same sum, and the dispatch picks dense for small batches and
-graph capture."""
+"""The routed experts' three paths (sparse: sorted per-expert slices; dense: every expert, then
+the routing weights; gathered: each assignment through its own expert's gathered weights)
+compute the same sum, and the dispatch picks dense for small eager batches, gathered or dense
+for graph capture."""
 
 from __future__ import annotations
 
@@ -26,12 +27,13 @@ def routing(t: int, k: int = 2, seed: int = 0):
     return torch.randn(t, 32, generator=g), torch.rand(t, k, generator=g), ids
 
 
+@pytest.mark.parametrize("path", ["forward_dense", "forward_gathered"])
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 16, 40])
 @torch.inference_mode()
-def test_dense_equals_sparse(experts, t):
+def test_paths_equal_sparse(experts, path, t):
     x, w, ids = routing(t, seed=t)
     torch.testing.assert_close(
-        experts.forward_dense(x, w, ids), experts.forward_sparse(x, w, ids), rtol=1e-5, atol=1e-6
+        getattr(experts, path)(x, w, ids), experts.forward_sparse(x, w, ids), rtol=1e-5, atol=1e-6
     )
 
 
@@ -40,10 +42,12 @@ def test_dispatch(experts, monkeypatch):
     used = []
     monkeypatch.setattr(experts, "forward_dense", lambda *a: used.append("dense") or a[0])
     monkeypatch.setattr(experts, "forward_sparse", lambda *a: used.append("sparse") or a[0])
+    monkeypatch.setattr(experts, "forward_gathered", lambda *a: used.append("gathered") or a[0])
     for t in (1, 2, 16, 17):  # T*k = 2, 4, 32, 34 against E/2 = 4 and 4E = 32
         experts(*routing(t))
-    experts(*routing(17), static_shapes=True)
-    assert used == ["sparse", "dense", "dense", "sparse", "dense"]
+    for t in (1, 3, 4, 17):  # T*k = 2, 6, 8, 34 against E = 8
+        experts(*routing(t), static_shapes=True)
+    assert used == ["sparse", "dense", "dense", "sparse", "gathered", "gathered", "dense", "dense"]
 
 
 def rank_share(experts: RoutedExperts, rank: int, size: int) -> RoutedExperts:
@@ -56,7 +60,7 @@ def rank_share(experts: RoutedExperts, rank: int, size: int) -> RoutedExperts:
     return part.eval()
 
 
-@pytest.mark.parametrize("path", ["forward_dense", "forward_sparse"])
+@pytest.mark.parametrize("path", ["forward_dense", "forward_sparse", "forward_gathered"])
 @pytest.mark.parametrize("t", [1, 3, 16])
 @torch.inference_mode()
 def test_expert_parallel_shares_sum_to_the_whole(experts, path, t):
@@ -74,3 +78,4 @@ def test_expert_parallel_rank_without_routed_tokens_gives_zeros(experts):
     ids = torch.tensor([[0, 1]] * 4)  # only rank 0's experts
     assert not rank_share(experts, 1, 2).forward_sparse(x, w, ids).any()
     assert not rank_share(experts, 1, 2).forward_dense(x, w, ids).any()
+    assert not rank_share(experts, 1, 2).forward_gathered(x, w, ids).any()

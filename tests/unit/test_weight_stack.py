@@ -76,6 +76,23 @@ def test_same_outputs(pair, shape):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 6])
+def test_static_shape_paths_match_the_plain_layout(pair, tokens):
+    """Graph-captured MoE (gathered while T * (k + shared) < E + 1 rows, else dense) over the
+    stacked weights equals the plain layer's eager output."""
+    (model, _), (plain, _) = pair
+    h = torch.randn(tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    cfg, moe = model.config, model.model.layers[-1].mlp
+    rows = moe.stacks[0].tensor.shape[0]
+    path = moe.experts.choose_path(tokens, cfg.num_experts_per_tok + 1, rows, True)
+    assert path == ("gathered" if tokens * (cfg.num_experts_per_tok + 1) < rows else "dense")
+    with torch.no_grad():
+        for layer, ref in zip(model.model.layers, plain.model.layers):
+            if isinstance(layer.mlp, DeepseekMoE):
+                out, want = layer.mlp(h, static_shapes=True), ref.mlp(h)
+                torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture
 def fresh(tiny_mtp_factory):
     return loader.load_model(tiny_mtp_factory().path, dtype=torch.float32)
