@@ -1,7 +1,8 @@
 """Adaptive draft length and block verification, side by side in one run.
 
     python benchmark/adaptive.py [--sglang-python .venv-sglang/bin/python]
-        [--max-concurrency 1 4 16] [--num-prompts 32] [--output-len 64] [--repeats 1]
+        [--configs off mtp-k1 ...] [--max-concurrency 1 4 16] [--num-prompts 32]
+        [--output-len 64] [--repeats 1]
         [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving]
 
 Part 1 (`sglang.bench_serving`, held-out text, servers as in benchmark/serving.py): MTP off,
@@ -35,7 +36,8 @@ CONFIGS = {
 def serving_rows(a) -> list[dict]:
     runs = []
     for rep in range(a.repeats):  # round-robin: this VM's speed drifts over minutes
-        for name, args in CONFIGS.items():
+        for name in a.configs:
+            args = CONFIGS[name]
             proc, url = start_server(a.model_path, args + a.extra_server_args.split())
             try:
                 for c in a.max_concurrency:
@@ -105,6 +107,7 @@ def main() -> None:
         "--sglang-python", default=os.environ.get("SRT_SGLANG_PYTHON", ".venv-sglang/bin/python")
     )
     p.add_argument("--model-path", default=SHIPPED_MODEL)
+    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)

@@ -8,28 +8,36 @@ moving estimate of P(draft j accepted | drafts 1..j-1 accepted). The step takes 
 0..K_max that maximises sum_r E_r(K) / C(b, K): expected tokens per second. K = 0 verifies no
 draft: a one-token target forward whose token is sampled as in plain decoding, with the MTP
 pass deferred (MTPDecoder), so its cost is a plain decode step's; the first step with drafts
-after it pays the deferred passes (one MTP forward over the positions), which the cost
-table's minimum mostly leaves out: a switch costs about one MTP pass.
+after it pays the deferred passes (one MTP forward over the positions), which is kept out of
+its cost entry: a switch costs about one MTP pass.
 
-The cost table is measured while serving: every (bucket, K) is tried twice when its bucket is
-first seen, then each step's wall time joins its entry's last COST_WINDOW samples, and the
-entry is their minimum: interference (other processes, a cold cache) only ever makes a step
-slower, so the minimum is the step's own cost and one good sample corrects an unlucky entry.
-Every EXPLORE_EVERY-th step of a bucket re-measures the entry measured longest ago.
+The cost table is measured while serving. The first bucket seen tries every K twice; a later
+bucket tries K = 0 (the plain step it would mostly run anyway) and estimates its other entries
+from the nearest measured bucket, scaled by the two buckets' K = 0 costs, until a step
+measures them: trying every K at every new bucket made a short burst of 64 requests spend a
+third of its steps exploring dear K = 3 steps. Each step's wall time joins its entry's last
+COST_WINDOW samples, and the entry is their lower median: a spike (another process, a cold
+cache) does not move it, while the load that serving itself puts beside a step (streaming and
+detokenizing the tokens it emits, on the same cores) stays in; the minimum, used first, hid
+that load (served at 16 requests on 2 cores, a K = 1 step looked 1.6x a K = 0 step by its
+minimum and cost 2.2x by throughput). Every EXPLORE_EVERY-th step of a bucket re-measures the
+entry measured longest ago (an estimated one first).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps.
 """
 
 from __future__ import annotations
 
+import statistics
 from abc import ABC, abstractmethod
 from collections import Counter, deque
 from collections.abc import Sequence
 
 from srt_ascend.registry import Registry
 
-COST_WINDOW = 8  # step times an entry keeps (its cost is their minimum)
-ACCEPT_WEIGHT = 0.3  # weight of a new verify outcome in a request's acceptance estimate
+COST_WINDOW = 8  # step times an entry keeps (its cost is their lower median)
+ACCEPT_WEIGHT = 0.1  # weight of a new verify outcome in a request's acceptance estimate
+# (0.3 let one rejected draft swing a lone request's choice to K = 0 and back)
 WARM_SAMPLES = 2  # samples an entry needs before the policy trusts it
 EXPLORE_EVERY = 50  # steps of a bucket between two re-measurements of its stalest entry
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any draft was verified there
@@ -93,19 +101,39 @@ class CostTable:
         self.samples[key] += 1
         recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
         recent.append(seconds)
-        self.seconds[key] = min(recent)
+        self.seconds[key] = statistics.median_low(recent)
         self.measured_at[key] = self.steps[key[0]]
+
+    def cost(self, bucket: int, k: int) -> float | None:
+        """Seconds of a step with K = k in `bucket`: measured, or estimated from the nearest
+        bucket that measured both k and 0, times this bucket's K = 0 cost over that bucket's;
+        None when neither is known."""
+        if (bucket, k) in self.seconds:
+            return self.seconds[bucket, k]
+        refs = [b for b in self.buckets if (b, k) in self.seconds and (b, 0) in self.seconds]
+        if not refs or (bucket, 0) not in self.seconds:
+            return None
+        ref = min(refs, key=lambda b: abs(b - bucket))
+        return self.seconds[ref, k] * self.seconds[bucket, 0] / self.seconds[ref, 0]
 
     def to_measure(self, bucket: int) -> int | None:
         """The K this bucket's next step must run to keep the table honest: one with fewer
-        than WARM_SAMPLES samples (largest first), or every EXPLORE_EVERY-th step the stalest;
-        else None."""
+        than WARM_SAMPLES samples and no estimate (largest first; K = 0 first in a bucket
+        that can borrow the others), or every EXPLORE_EVERY-th step the stalest; else None."""
         self.steps[bucket] += 1
-        missing = [k for k in self.ks if self.samples[bucket, k] < WARM_SAMPLES]
+        borrows = any(b != bucket for b, _ in self.seconds)
+        if borrows and self.samples[bucket, 0] < WARM_SAMPLES:
+            return 0
+        missing = [  # under-sampled, unless estimated and never measured
+            k
+            for k in self.ks
+            if self.samples[bucket, k] < WARM_SAMPLES
+            and ((bucket, k) in self.seconds or self.cost(bucket, k) is None)
+        ]
         if missing:
             return missing[-1]
         if self.steps[bucket] % EXPLORE_EVERY == 0:
-            return min(self.ks, key=lambda k: self.measured_at[bucket, k])
+            return min(self.ks, key=lambda k: self.measured_at.get((bucket, k), -1))
         return None
 
     def snapshot(self) -> dict[str, dict[str, float]]:
@@ -168,7 +196,7 @@ class AdaptiveDraftLength(DraftLength):
         return max(
             self.costs.ks,
             key=lambda k: (
-                sum(expected_tokens(e, k) for e in estimates) / self.costs.seconds[bucket, k]
+                sum(expected_tokens(e, k) for e in estimates) / self.costs.cost(bucket, k)
             ),
         )
 

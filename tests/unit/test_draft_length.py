@@ -1,4 +1,4 @@
-"""Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, windowed minimum,
+"""Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, windowed median,
 re-measurement), the acceptance estimates, and the policy's choice of K; the metrics it
 exports and the flags."""
 
@@ -50,12 +50,14 @@ def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
     assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
 
 
-def test_cost_table_buckets_and_windowed_minimum() -> None:
+def test_cost_table_buckets_and_windowed_median() -> None:
     table = CostTable(BUCKETS, 2)
     assert [table.bucket(n) for n in (1, 3, 9, 16, 40)] == [1, 4, 16, 16, 16]
     table.observe(3, 1, 10.0)  # a cold start
     table.observe(4, 1, 2.0)
-    table.observe(4, 1, 6.0)  # interference: slower, never faster
+    assert table.seconds[4, 1] == 2.0  # lower median of (10, 2)
+    table.observe(4, 1, 2.0)
+    table.observe(4, 1, 6.0)  # a spike
     assert table.seconds[4, 1] == 2.0
     for _ in range(COST_WINDOW):  # the step really became slower: the window forgets 2.0
         table.observe(4, 1, 3.0)
@@ -73,6 +75,24 @@ def test_every_entry_is_measured_then_the_stalest_is_remeasured() -> None:
     table.observe(8, 1, 1.0)  # K = 2 is now the entry measured longest ago
     picks = [table.to_measure(8) for _ in range(EXPLORE_EVERY)]
     assert [k for k in picks if k is not None] == [2]
+
+
+def test_a_new_bucket_measures_k0_and_borrows_the_rest() -> None:
+    table = CostTable(BUCKETS, 2)
+    for k, seconds in ((0, 1.0), (1, 1.5), (2, 2.5)):
+        for _ in range(WARM_SAMPLES):
+            table.observe(1, k, seconds)
+    asked = []
+    while (k := table.to_measure(16)) is not None:
+        asked.append(k)
+        table.observe(16, k, 4.0)  # K = 0 costs 4x bucket 1's here
+    assert asked == [0, 0]
+    assert table.cost(16, 1) == 6.0 and table.cost(16, 2) == 10.0  # scaled by 4
+    assert table.cost(4, 1) is None  # nothing measured in bucket 4: no estimate
+    picks = [table.to_measure(16) for _ in range(EXPLORE_EVERY - 2)]
+    assert [k for k in picks if k is not None] == [1]  # the stalest: never measured
+    table.observe(16, 1, 9.0)  # measured: the estimate gives way
+    assert table.cost(16, 1) == 9.0 and table.to_measure(16) == 1  # its second sample
 
 
 def test_acceptance_stats_and_estimates_count_examined_positions_only() -> None:
