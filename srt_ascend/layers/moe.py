@@ -8,6 +8,7 @@ from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, linear
+from srt_ascend.layers.moe_all_to_all import AllToAllDispatch
 from srt_ascend.layers.weight_stack import WeightStack
 
 
@@ -186,7 +187,9 @@ class DeepseekMoE(nn.Module):
     has every token (attention is tensor-parallel), so dispatch needs no communication: a
     rank runs its experts over the tokens routed to them; the combine is the caller's
     all-reduce (a reduce-scatter + all-gather), to which the leader alone adds the shared
-    expert's output."""
+    expert's output. With data-parallel attention and `--moe-a2a-backend all_to_all`
+    (`tp.moe_all_to_all`) a rank holds only its DP group's tokens and sends each one to its
+    experts' ranks instead (`forward_all_to_all`)."""
 
     def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -208,6 +211,11 @@ class DeepseekMoE(nn.Module):
             inter = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
             self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, inter)
         self.runs_shared = tp.is_leader or not self.expert_parallel
+        self.all_to_all = (
+            AllToAllDispatch(tp, self.experts.n_experts)
+            if self.expert_parallel and tp.moe_all_to_all
+            else None
+        )
         self.shared_experts = (
             DenseMLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
@@ -268,3 +276,21 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None and self.runs_shared:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def forward_all_to_all(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
+        """x [T, H], this rank's DP group's tokens (alike on the group's ranks) -> the layer's
+        whole output for them (no caller all-reduce): this rank's share of the tokens is
+        routed, sent to the experts' ranks and combined back (`moe_all_to_all`), its shared
+        expert runs here, and the group's shares are gathered. Collective over all ranks."""
+        a2a, first = self.all_to_all, self.experts.first_expert
+        own = a2a.own_share(x)
+        weights, ids = self.gate(own)
+
+        def run_experts(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(rows.shape[0], 1, device=rows.device)  # weights: the sender's
+            return self.experts(rows, ones, (local + first).unsqueeze(1), static_shapes)
+
+        out = a2a.run(own, weights, ids, run_experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(own)
+        return a2a.gather_shares(out, x.shape[0])
