@@ -142,7 +142,7 @@ class RoutedExperts(nn.Module):
         flat_ids = self.local_ids(topk_ids).flatten()  # [T*k]; other ranks' experts sort last
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.n_experts + 1).tolist()
-        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
+        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, x.shape[-1])[order]
         outs, start = [], 0
         for e, n in enumerate(counts[: self.n_experts]):
             if n:
@@ -153,7 +153,7 @@ class RoutedExperts(nn.Module):
             outs.append(x.new_zeros(counts[-1], x.shape[-1]))
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
-        return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+        return unsorted.view(t, k, x.shape[-1]).sum(1).to(x.dtype)
 
     def forward_dense(
         self,

@@ -104,5 +104,5 @@ def combine(outputs: torch.Tensor, order: torch.Tensor, topk_weights: torch.Tens
     """outputs [T*k, H]: assignment order[i]'s expert output in row i -> [T, H] float32, the
     sum over k of topk_weights[t, k] * output of (t, k)."""
     t, k = topk_weights.shape
-    ys = torch.empty_like(outputs).index_put_((order,), outputs).view(t, k, -1)
+    ys = torch.empty_like(outputs).index_put_((order,), outputs).view(t, k, outputs.shape[-1])
     return (ys.float() * topk_weights.unsqueeze(-1)).sum(1)
