@@ -13,10 +13,12 @@ ATTENTION_BACKENDS = ("torch_native", "triton")
 # --attention-backend when the flag is not given, by platform name (others: torch_native)
 DEFAULT_ATTENTION_BACKEND = {"cuda": "triton"}
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
-# --moe-a2a-backend values served here, of SGLang's (none deepep mooncake nixl mori
-# ascend_fuseep flashinfer): "none" is torch.distributed's all-gather + all-reduce (every rank
-# already holds, or gathers, all tokens); the others are vendor all-to-all libraries.
-MOE_A2A_BACKENDS = ("none",)
+# --moe-a2a-backend values served here. "none" (SGLang's default and meaning): torch.distributed's
+# all-gather + all-reduce (every rank already holds, or gathers, all tokens). "all_to_all" (ours,
+# not an SGLang value): torch.distributed's all-to-all sends each token to its experts' ranks,
+# under expert parallelism with DP attention. SGLang's other values (deepep mooncake nixl mori
+# ascend_fuseep flashinfer) are vendor all-to-all libraries, not available here.
+MOE_A2A_BACKENDS = ("none", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,14 @@ class ServerArgs:
         if self.moe_a2a_backend not in MOE_A2A_BACKENDS:
             raise ValueError(
                 f"--moe-a2a-backend {self.moe_a2a_backend!r} is not available here (accepted: "
-                f"{', '.join(MOE_A2A_BACKENDS)}: all-gather + all-reduce over torch.distributed)"
+                f"{', '.join(MOE_A2A_BACKENDS)}: torch.distributed's collectives; SGLang's vendor "
+                "all-to-all libraries are not)"
+            )
+        if self.moe_a2a_backend == "all_to_all" and (self.ep_size == 1 or self.attn_dp_size == 1):
+            raise ValueError(
+                "--moe-a2a-backend all_to_all needs --ep-size > 1 and --enable-dp-attention "
+                "--dp-size > 1 (without DP attention every rank already holds every token: "
+                "nothing to dispatch)"
             )
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
@@ -478,8 +487,10 @@ class ServerArgs:
         a(
             "--moe-a2a-backend",
             default="none",
-            help="expert-parallel token dispatch/combine: none (all-gather + all-reduce over "
-            "torch.distributed); SGLang's vendor all-to-all backends are not available here",
+            help="expert-parallel token dispatch/combine over torch.distributed: none "
+            "(all-gather + all-reduce) or all_to_all (each token to its experts' ranks; needs "
+            "--ep-size > 1 and --enable-dp-attention); SGLang's vendor all-to-all backends are "
+            "not available here",
         )
         a(
             "--node-rank",

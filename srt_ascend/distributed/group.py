@@ -58,6 +58,9 @@ class TPGroup:
     # group's tokens first (`dp_gather`) and hand each group its rows back (`dp_scatter`).
     dp_size: int = 1
     attn: TPGroup | None = None
+    # --moe-a2a-backend all_to_all (expert parallelism under DP attention): MoE layers send
+    # each token to the ranks of its experts (`all_to_all`) instead of gathering every token.
+    moe_all_to_all: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -111,6 +114,23 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x, group=self.device_group)
         return torch.cat(parts, dim=dim)
+
+    def all_to_all(
+        self, x: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> torch.Tensor:
+        """x [sum(send_splits), ...]: block i of send_splits[i] rows goes to rank i. Returns
+        the blocks received [sum(recv_splits), ...], block i (recv_splits[i] rows) from rank
+        i; `x` itself with one rank. The splits are host integers on every rank, paired:
+        rank i's send_splits[j] is rank j's recv_splits[i]."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        self._count("all_to_all", x.numel() * x.element_size())
+        out = x.new_empty(sum(recv_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x, recv_splits, send_splits, group=self.device_group)
+        return out
 
     def dp_token_counts(self, n: int) -> list[int]:
         """Tokens of this forward in every DP group (index: DP rank), from each group's first
@@ -187,6 +207,7 @@ def init_tp_group(
     backend: str,
     expert_parallel: bool = False,
     dp_size: int = 1,
+    moe_all_to_all: bool = False,
 ) -> TPGroup:
     """Joins the group as this node's `local_rank` (blocks until every rank has joined);
     with `dp_size` > 1 also the attention group of its data-parallel group (every rank
@@ -206,4 +227,6 @@ def init_tp_group(
             device_group = dist.new_group(ranks) if step > 1 else None
             if g == rank // step:
                 attn = TPGroup(rank % step, step, device_group=device_group, counts=counts)
-    return TPGroup(rank, size, expert_parallel, world, cpu_group, counts, dp_size, attn)
+    return TPGroup(
+        rank, size, expert_parallel, world, cpu_group, counts, dp_size, attn, moe_all_to_all
+    )

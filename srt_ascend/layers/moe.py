@@ -8,6 +8,7 @@ from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, linear
+from srt_ascend.layers.moe_all_to_all import AllToAllDispatch
 from srt_ascend.layers.weight_stack import WeightStack
 
 
@@ -148,7 +149,7 @@ class RoutedExperts(nn.Module):
         flat_ids = self.local_ids(topk_ids).flatten()  # [T*k]; other ranks' experts sort last
         order = flat_ids.argsort(stable=True)
         counts = torch.bincount(flat_ids, minlength=self.n_experts + 1).tolist()
-        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, -1)[order]
+        xs = x.unsqueeze(1).expand(t, k, x.shape[-1]).reshape(t * k, x.shape[-1])[order]
         outs, start = [], 0
         for e, n in enumerate(counts[: self.n_experts]):
             if n:
@@ -159,7 +160,7 @@ class RoutedExperts(nn.Module):
             outs.append(x.new_zeros(counts[-1], x.shape[-1]))
         ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
         unsorted = torch.empty_like(ys).index_put_((order,), ys)
-        return unsorted.view(t, k, -1).sum(1).to(x.dtype)
+        return unsorted.view(t, k, x.shape[-1]).sum(1).to(x.dtype)
 
     def forward_dense(
         self,
@@ -204,7 +205,7 @@ class RoutedExperts(nn.Module):
         inter = gate_up.shape[-1] // 2
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]
         ys = bmm(act, w2.index_select(0, ids).transpose(1, 2)).squeeze(1)  # [T*k, H]
-        return (ys.float() * weights[:, None]).view(t, k, -1).sum(1).to(x.dtype)
+        return (ys.float() * weights[:, None]).view(t, k, x.shape[-1]).sum(1).to(x.dtype)
 
 
 class DeepseekMoE(nn.Module):
@@ -218,7 +219,9 @@ class DeepseekMoE(nn.Module):
     has every token (attention is tensor-parallel), so dispatch needs no communication: a
     rank runs its experts over the tokens routed to them; the combine is the caller's
     all-reduce (a reduce-scatter + all-gather), to which the leader alone adds the shared
-    expert's output."""
+    expert's output. With data-parallel attention and `--moe-a2a-backend all_to_all`
+    (`tp.moe_all_to_all`) a rank holds only its DP group's tokens and sends each one to its
+    experts' ranks instead (`forward_all_to_all`)."""
 
     def __init__(self, config, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -240,6 +243,11 @@ class DeepseekMoE(nn.Module):
             inter = tp.shard(config.moe_intermediate_size, "moe_intermediate_size")
             self.experts = RoutedExperts(config.n_routed_experts, config.hidden_size, inter)
         self.runs_shared = tp.is_leader or not self.expert_parallel
+        self.all_to_all = (
+            AllToAllDispatch(tp, self.experts.n_experts)
+            if self.expert_parallel and tp.moe_all_to_all
+            else None
+        )
         self.shared_experts = (
             DenseMLP(config.hidden_size, inter * config.n_shared_experts)
             if config.n_shared_experts
@@ -303,3 +311,21 @@ class DeepseekMoE(nn.Module):
         if self.shared_experts is not None and self.runs_shared:
             out = out + self.shared_experts(flat)
         return out.view(shape)
+
+    def forward_all_to_all(self, x: torch.Tensor, static_shapes: bool = False) -> torch.Tensor:
+        """x [T, H], this rank's DP group's tokens (alike on the group's ranks) -> the layer's
+        whole output for them (no caller all-reduce): this rank's share of the tokens is
+        routed, sent to the experts' ranks and combined back (`moe_all_to_all`), its shared
+        expert runs here, and the group's shares are gathered. Collective over all ranks."""
+        a2a, first = self.all_to_all, self.experts.first_expert
+        own = a2a.own_share(x)
+        weights, ids = self.gate(own)
+
+        def run_experts(rows: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+            ones = torch.ones(rows.shape[0], 1, device=rows.device)  # weights: the sender's
+            return self.experts(rows, ones, (local + first).unsqueeze(1), static_shapes)
+
+        out = a2a.run(own, weights, ids, run_experts)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(own)
+        return a2a.gather_shares(out, x.shape[0])

@@ -48,9 +48,10 @@ def dist_init_of(args: ServerArgs) -> DistInit:
 
 
 def join_group(args: ServerArgs, dist_init: DistInit, local_rank: int, backend: str) -> TPGroup:
-    """Joins this server's group of ranks as this node's `local_rank` (expert parallelism
-    and data-parallel attention as the flags say)."""
-    return init_tp_group(dist_init, local_rank, backend, args.ep_size > 1, args.attn_dp_size)
+    """Joins this server's group of ranks as this node's `local_rank` (expert parallelism,
+    data-parallel attention and the MoE dispatch as the flags say)."""
+    a2a = args.moe_a2a_backend == "all_to_all"
+    return init_tp_group(dist_init, local_rank, backend, args.ep_size > 1, args.attn_dp_size, a2a)
 
 
 def build_scheduler(

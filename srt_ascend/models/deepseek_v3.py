@@ -178,8 +178,11 @@ class DecoderLayer(nn.Module):
     Under data-parallel attention (`tp.dp_size` > 1) attention is split within this rank's
     DP group only (`tp.attn_group`, whose all-reduce sums its partial sums), and the MLP over
     all ranks: it runs on every DP group's tokens (`dp_gather`), and each group takes back the
-    total of its own rows (`dp_scatter`). A forward with no tokens (IDLE: a DP group without
-    requests) skips attention and still joins the MLP's collectives."""
+    total of its own rows (`dp_scatter`); with `--moe-a2a-backend all_to_all` a MoE layer
+    instead sends each token of its group to its experts' ranks and back
+    (`DeepseekMoE.forward_all_to_all`), while dense MLPs keep the gather. A forward with no
+    tokens (IDLE: a DP group without requests) skips attention and still joins the MLP's
+    collectives."""
 
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -212,6 +215,8 @@ class DecoderLayer(nn.Module):
             return x + self.tp.all_reduce(self._mlp(h, forward_batch))
         if not any(counts):  # every DP group idle: no MLP collective at all
             return x
+        if self.is_moe and self.mlp.all_to_all is not None:  # tokens go to their experts
+            return x + self.mlp.forward_all_to_all(h, _routing_free(forward_batch, h))
         every_group = self._mlp(self.tp.dp_gather(h, counts), forward_batch)
         return x + self.tp.dp_scatter(every_group, counts)
 

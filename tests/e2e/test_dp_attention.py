@@ -1,10 +1,12 @@
 """`--enable-dp-attention --dp-size 2 --tp-size 2` on CPU (gloo): two DP groups of one rank
 each, every group scheduling its own requests, the MLPs and experts over both groups'
-tokens; float32 greedy outputs equal one process's token for token with MTP off and with
-K = 2 drafts verified both ways. DP group 1 is idle while the first request runs alone, then
-prefills while group 0 decodes (group 0 runs idle prefill forwards), then both hold
-requests: every mix of prefill, decode, draft and idle forwards across the groups must keep
-their MLP collectives paired."""
+tokens; float32 greedy outputs equal one process's token for token. Configurations: experts
+split by intermediate rows (MTP off); experts partitioned (`--ep-size 2`) with the gather
+(`--moe-a2a-backend none`, K = 2 drafts, expand verify) and with the all-to-all dispatch
+(`all_to_all`, MTP off and K = 2 with FIA verify). DP group 1 is idle while the first request
+runs alone, then prefills while group 0 decodes (group 0 runs idle prefill forwards), then
+both hold requests: every mix of prefill, decode, draft and idle forwards across the groups
+must keep their MLP collectives paired."""
 
 from __future__ import annotations
 
@@ -23,10 +25,13 @@ PROMPTS = [
 ]
 GREEDY = {"temperature": 0, "max_new_tokens": 20}
 MTP = ("--speculative-algorithm", "MTP", "--speculative-num-steps", "2")
+EP = ("--ep-size", "2")
+A2A = (*EP, "--moe-a2a-backend", "all_to_all")
 CONFIGS = {
     "plain": (),
-    "mtp-expand": (*MTP, "--speculative-verify", "expand"),
-    "mtp-fia": (*MTP, "--speculative-verify", "fia"),
+    "ep-mtp-expand": (*EP, *MTP, "--speculative-verify", "expand"),
+    "ep-a2a": A2A,
+    "ep-a2a-mtp-fia": (*A2A, *MTP, "--speculative-verify", "fia"),
 }
 DP = ("--tp-size", "2", "--enable-dp-attention", "--dp-size", "2")
 

@@ -64,13 +64,27 @@ def test_dp_size_without_dp_attention_exit_2(launch_cli):
     ]
 
 
-def test_vendor_moe_a2a_backend_exit_2(launch_cli):
-    proc = launch_cli("--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep")
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ("--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "deepep"),
+            "--moe-a2a-backend 'deepep' is not available here (accepted: none, all_to_all: "
+            "torch.distributed's collectives; SGLang's vendor all-to-all libraries are not)",
+        ),
+        (
+            ("--tp-size", "2", "--ep-size", "2", "--moe-a2a-backend", "all_to_all"),
+            "--moe-a2a-backend all_to_all needs --ep-size > 1 and --enable-dp-attention "
+            "--dp-size > 1 (without DP attention every rank already holds every token: "
+            "nothing to dispatch)",
+        ),
+    ],
+    ids=["vendor", "all_to_all-without-dp-attention"],
+)
+def test_moe_a2a_backend_refused_exit_2(launch_cli, argv, line):
+    proc = launch_cli(*argv)
     assert proc.returncode == 2
-    assert error_lines(proc) == [
-        PREFIX + "--moe-a2a-backend 'deepep' is not available here (accepted: none: "
-        "all-gather + all-reduce over torch.distributed)"
-    ]
+    assert error_lines(proc) == [PREFIX + line]
 
 
 def test_tp_size_that_does_not_split_the_model_exit_2(launch_cli, e2e_model):

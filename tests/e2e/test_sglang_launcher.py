@@ -84,9 +84,9 @@ def test_sglang_launcher_without_mtp_is_untouched(sglang_python):
 
 def test_sglang_parallelism_flags_pass_through(sglang_python):
     """--tp-size, --dist-init-addr, --nnodes, --node-rank and data-parallel attention's flags
-    reach srt_ascend's ServerArgs."""
+    reach srt_ascend's ServerArgs (`--moe-a2a-backend all_to_all`, srt_ascend's own value, too)."""
     argv = "--tp-size 4 --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 1".split()
-    argv += "--enable-dp-attention --dp-size 2 --moe-a2a-backend none".split()
+    argv += "--enable-dp-attention --dp-size 2 --moe-a2a-backend all_to_all".split()
     code = (
         "import sys, json; from srt_ascend.sglang_plugin import translate;"
         "kwargs, unsupported = translate(sys.argv[1:]);"
@@ -106,4 +106,4 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
     assert (kwargs["tp_size"], kwargs["dist_init_addr"]) == (4, "10.0.0.1:5000")
     assert (kwargs["nnodes"], kwargs["node_rank"]) == (2, 1)
     assert (kwargs["enable_dp_attention"], kwargs["dp_size"]) == (True, 2)
-    assert kwargs["moe_a2a_backend"] == "none"
+    assert kwargs["moe_a2a_backend"] == "all_to_all"  # a value SGLang's parser does not know

@@ -9,7 +9,8 @@ host-to-device copy (`torch.tensor(x, device=...)`, `.to(device)`) and a host in
 a device tensor. The only read the step path may make goes through `utils.HOST_READS`, which
 the test answers with zeros and counts. Prefill, the MTP draft pass after it, plain decode, the
 draft chain, both verify layouts and the acceptance rules (greedy, rejection sampling and block
-verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way.
+verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way, and
+so does the MoE all-to-all dispatch (`--moe-a2a-backend all_to_all`) on one rank.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from srt_ascend.decoding.base import DecoderHandles, create_decoder
+from srt_ascend.distributed import SINGLE
+from srt_ascend.layers.moe_all_to_all import AllToAllDispatch
 from srt_ascend.managers.schedule_batch import Req
 from srt_ascend.model_executor import model_runner as model_runner_module
 from srt_ascend.model_executor.forward_batch import ForwardMode
@@ -230,3 +233,19 @@ def _run_steps(runner, args, reads: Counted) -> None:
     before = reads.count
     decoder.step(reqs)
     assert reads.count - before == 1
+
+
+def test_all_to_all_dispatch_reads_only_its_split_sizes(monkeypatch):
+    """`--moe-a2a-backend all_to_all`'s dispatch and combine on device tensors make one host
+    read, the split sizes. (A group of one rank: its all-to-alls are the identity, so what
+    runs is the bookkeeping around them: counts, order, expert ids, the weighted combine.)"""
+    reads = Counted()
+    monkeypatch.setattr(HOST_READS, "read", reads)
+    dispatch = AllToAllDispatch(SINGLE, 8)
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, Strict(fake):
+        x = torch.randn(5, 16, device=DEVICE)
+        weights = torch.rand(5, 2, device=DEVICE)
+        ids = torch.randint(0, 8, (5, 2), device=DEVICE)
+        out = dispatch.run(x, weights, ids, lambda rows, local: rows * local.unsqueeze(1))
+    assert out.shape == (5, 16) and out.device == DEVICE
+    assert reads.count == 1
