@@ -74,6 +74,7 @@ class Scheduler:
             DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
         )
         runner.capture_graphs(self.decoder.graph_kinds())
+        self._graphs_to_compile = True  # until compile_next_graph says none is left
         self.num_retractions = 0
         self.total_cached_tokens = 0
         self.total_prompt_tokens = 0
@@ -93,8 +94,13 @@ class Scheduler:
 
     def run_forever(self) -> None:
         """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
-        Under tensor parallelism a failed step raises: the ranks would no longer agree."""
-        while self._receive(block=not self.has_work()):
+        Under tensor parallelism a failed step raises: the ranks would no longer agree.
+        While no request is in the scheduler it compiles the queued graphs
+        (--enable-torch-compile), one per loop, so messages are read between two."""
+        while self._receive(block=not self.has_work() and not self._graphs_to_compile):
+            if not self.has_work() and self._graphs_to_compile:
+                self._compile_one_graph()
+                continue
             try:
                 worked = self.step()
             except Exception:  # a bug must not kill the server: fail the step's requests
@@ -105,6 +111,17 @@ class Scheduler:
                 worked = True
             if worked and not self.has_work():
                 self._check_when_idle()
+
+    def _compile_one_graph(self) -> None:
+        """One queued graph compiled and swapped in (every rank at the same point of the
+        loop: its warm-up forwards are collective under tensor parallelism). A failed
+        compile leaves that graph uncompiled; under tensor parallelism it raises."""
+        try:
+            self._graphs_to_compile = self.runner.compile_next_graph()
+        except Exception:
+            if self.tp.size > 1:
+                raise
+            logger.exception("torch.compile of a graph failed; it stays uncompiled")
 
     def _check_when_idle(self) -> None:
         problem = self.idle_invariant_problem()
@@ -482,6 +499,7 @@ class Scheduler:
             "graph_replays": dict(graphs.replays) if graphs else {},
             "graph_kv_window_replays": dict(graphs.window_replays) if graphs else {},
             "graph_compiled_replays": dict(graphs.compiled_replays) if graphs else {},
+            "torch_compile": graphs.compile_queue.progress() if graphs else {},
             **self.decoder.stats(),
         }
 
