@@ -56,13 +56,13 @@ def start_times(model: str, extra: list[str], cache_dir: str) -> dict:
             except OSError:
                 time.sleep(0.1)
         health_s = time.perf_counter() - t0
-        while not (progress := server_state(url)["torch_compile"])["ready"]:
+        while not (progress := server_state(url)["torch_compile"]).get("ready", True):
             time.sleep(0.5)
         return dict(
             health_s=round(health_s, 1),
             all_compiled_s=round(time.perf_counter() - t0, 1),
-            shapes=progress["total"],
-            compiled=progress["compiled"],
+            shapes=progress.get("total", 0),
+            compiled=progress.get("compiled", 0),
         )
     finally:
         proc.terminate()

@@ -7,9 +7,9 @@ graph on CUDA. Compiled artifacts go to inductor's FX graph cache on disk,
 $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/srt_ascend/inductor, so a restart with the same
 model and shapes skips inductor's code generation, autotuning and C++ builds.
 
-When shapes compile (--torch-compile-at-start, or by default while the server serves): by
-default the server starts serving at once with every shape captured uncompiled, and the
-scheduler compiles the queued shapes one at a time between steps while it has no request
+When shapes compile: with --torch-compile-at-start all of them before the server serves; by
+default the server serves at once with every shape captured uncompiled, and the scheduler
+compiles the queued shapes one at a time between steps while it has no request
 (`CompileQueue`: most-replayed shape first, then smallest bucket, smallest KV window, the
 decoder's kind order); each shape's compiled graph replaces its uncompiled one in one dict
 assignment between two steps, so no step sees a half-built shape. A request that arrives

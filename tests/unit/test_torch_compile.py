@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -198,6 +199,9 @@ class BlockingPlatform(TracingPlatform):
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=hold)
 
 
+NO_TOKENIZER = SimpleNamespace(eos_token_id=None)  # no request is decoded
+
+
 def test_idle_scheduler_compiles_and_stops_between_shapes(tiny_mtp_factory):
     args = ServerArgs(
         model_path=tiny_mtp_factory().path,
@@ -212,7 +216,7 @@ def test_idle_scheduler_compiles_and_stops_between_shapes(tiny_mtp_factory):
     )
     platform = BlockingPlatform()
     scheduler, thread = start_scheduler_thread(
-        lambda: build_scheduler(args, platform, None, lambda outputs: None)
+        lambda: build_scheduler(args, platform, NO_TOKENIZER, lambda outputs: None)
     )
     try:
         assert platform.compiling.wait(60), "the idle scheduler did not start compiling"
