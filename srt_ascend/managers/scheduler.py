@@ -47,6 +47,11 @@ from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# Rounds of the loop without a request (each waits up to 0.5 s for a message) before a graph
+# compiles: a client that sends its next request right after the last answer does not wait
+# for a compile (tens of seconds per graph on CPU).
+IDLE_ROUNDS_BEFORE_COMPILE = 4
+
 
 class Scheduler:
     def __init__(
@@ -95,11 +100,15 @@ class Scheduler:
     def run_forever(self) -> None:
         """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
         Under tensor parallelism a failed step raises: the ranks would no longer agree.
-        While no request is in the scheduler it compiles the queued graphs
-        (--enable-torch-compile), one per loop, so messages are read between two."""
-        while self._receive(block=not self.has_work() and not self._graphs_to_compile):
-            if not self.has_work() and self._graphs_to_compile:
+        Once it has had no request for IDLE_ROUNDS_BEFORE_COMPILE rounds of the loop, it
+        compiles the queued graphs (--enable-torch-compile), one per round, so messages are
+        read between two; counting rounds, not seconds, keeps tensor-parallel ranks in step."""
+        idle_rounds = 0
+        while self._receive(block=not self.has_work()):
+            idle_rounds = 0 if self.has_work() else idle_rounds + 1
+            if idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE and self._graphs_to_compile:
                 self._compile_one_graph()
+            if not self.has_work():
                 continue
             try:
                 worked = self.step()

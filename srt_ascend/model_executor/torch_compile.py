@@ -9,12 +9,13 @@ model and shapes skips inductor's code generation, autotuning and C++ builds.
 
 When shapes compile: with --torch-compile-at-start all of them before the server serves; by
 default the server serves at once with every shape captured uncompiled, and the scheduler
-compiles the queued shapes one at a time between steps while it has no request
-(`CompileQueue`: most-replayed shape first, then smallest bucket, smallest KV window, the
-decoder's kind order); each shape's compiled graph replaces its uncompiled one in one dict
-assignment between two steps, so no step sees a half-built shape. A request that arrives
-during a shape's compile waits for that one shape (40-50 s cold on 2 CPU cores; a cache hit
-is much shorter), then is served while the rest wait for the next idle moment.
+compiles the queued shapes one at a time between steps once it has had no request for about
+2 s (`Scheduler.run_forever`), in the order `CompileQueue` keeps: most-replayed shape first,
+then smallest bucket, smallest KV window, the decoder's kind order. Each shape's compiled
+graph replaces its uncompiled one in one dict assignment between two steps, so no step sees
+a half-built shape. A request that arrives during a shape's compile waits for that one shape
+(40-50 s cold on 2 CPU cores, about 5 s from a warm cache), then is served while the rest
+wait for the next idle moment.
 
 Why the scheduler thread and not a compile thread beside it (the rule; checked with torch
 2.13 on CPU): torch.compile is not thread safe (dynamo and inductor share global state:
