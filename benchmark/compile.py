@@ -44,6 +44,7 @@ def build(k: int, verify: str, buckets: list[int], prefix: int, compiled: bool) 
         enable_cpu_graph=True,
         enable_torch_compile=compiled,
         torch_compile_max_bs=max(buckets),
+        torch_compile_at_start=True,  # capture_s: the whole compile
         cuda_graph_bs=tuple(buckets),
     )
     runner = ModelRunner(args, get_platform("cpu"))

@@ -82,6 +82,8 @@ def free_port() -> int:
 
 
 def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    """A server on a free port, returned once it serves with every graph compiled (with
+    --enable-torch-compile it serves before: the measured runs must not compile)."""
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -103,6 +105,7 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
     for _ in range(600):
         try:
             urllib.request.urlopen(url + "/health", timeout=1)
+            wait_compiled(url)
             return proc, url
         except OSError:
             if proc.poll() is not None:
@@ -110,6 +113,12 @@ def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
             time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not become healthy")
+
+
+def wait_compiled(url: str) -> None:
+    """Until /server_info reports every graph compiled (at once without compiling)."""
+    while not server_state(url).get("torch_compile", {}).get("ready", True):
+        time.sleep(1)
 
 
 def bench(

@@ -83,6 +83,7 @@ class ServerArgs:
     cuda_graph_max_bs: int = 32
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
+    torch_compile_at_start: bool = False  # else serve at once, compile while idle
 
     def __post_init__(self) -> None:
         self.check()
@@ -574,6 +575,13 @@ class ServerArgs:
             default=32,
             help="largest batch-size bucket that is compiled; bigger buckets are captured "
             "uncompiled",
+        )
+        a(
+            "--torch-compile-at-start",
+            action="store_true",
+            help="with --enable-torch-compile, compile every shape before serving; by default "
+            "the server serves at once (uncompiled) and compiles one shape at a time while it "
+            "has no request, progress in /server_info",
         )
 
     @classmethod

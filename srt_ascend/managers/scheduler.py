@@ -47,6 +47,11 @@ from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
+# Rounds of the loop without a request (each waits up to 0.5 s for a message) before a graph
+# compiles: a client that sends its next request right after the last answer does not wait
+# for a compile (tens of seconds per graph on CPU).
+IDLE_ROUNDS_BEFORE_COMPILE = 4
+
 
 class Scheduler:
     def __init__(
@@ -74,6 +79,7 @@ class Scheduler:
             DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
         )
         runner.capture_graphs(self.decoder.graph_kinds())
+        self._graphs_to_compile = True  # until compile_next_graph says none is left
         self.num_retractions = 0
         self.total_cached_tokens = 0
         self.total_prompt_tokens = 0
@@ -93,8 +99,17 @@ class Scheduler:
 
     def run_forever(self) -> None:
         """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
-        Under tensor parallelism a failed step raises: the ranks would no longer agree."""
+        Under tensor parallelism a failed step raises: the ranks would no longer agree.
+        Once it has had no request for IDLE_ROUNDS_BEFORE_COMPILE rounds of the loop, it
+        compiles the queued graphs (--enable-torch-compile), one per round, so messages are
+        read between two; counting rounds, not seconds, keeps tensor-parallel ranks in step."""
+        idle_rounds = 0
         while self._receive(block=not self.has_work()):
+            idle_rounds = 0 if self.has_work() else idle_rounds + 1
+            if idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE and self._graphs_to_compile:
+                self._compile_one_graph()
+            if not self.has_work():
+                continue
             try:
                 worked = self.step()
             except Exception:  # a bug must not kill the server: fail the step's requests
@@ -105,6 +120,17 @@ class Scheduler:
                 worked = True
             if worked and not self.has_work():
                 self._check_when_idle()
+
+    def _compile_one_graph(self) -> None:
+        """One queued graph compiled and swapped in (every rank at the same point of the
+        loop: its warm-up forwards are collective under tensor parallelism). A failed
+        compile leaves that graph uncompiled; under tensor parallelism it raises."""
+        try:
+            self._graphs_to_compile = self.runner.compile_next_graph()
+        except Exception:
+            if self.tp.size > 1:
+                raise
+            logger.exception("torch.compile of a graph failed; it stays uncompiled")
 
     def _check_when_idle(self) -> None:
         problem = self.idle_invariant_problem()
@@ -482,6 +508,7 @@ class Scheduler:
             "graph_replays": dict(graphs.replays) if graphs else {},
             "graph_kv_window_replays": dict(graphs.window_replays) if graphs else {},
             "graph_compiled_replays": dict(graphs.compiled_replays) if graphs else {},
+            "torch_compile": graphs.compile_queue.progress() if graphs else {},
             **self.decoder.stats(),
         }
 

@@ -24,7 +24,10 @@ backend the kind runs through) to `ModelRunner.capture_graphs`, and names the ki
 runs a forward, so nothing here guesses a kind from a batch. The graph class comes from the
 platform: CUDA graphs, aclgraphs, or on CPU an eager replay over the same buffers, so the
 capture/pad/replay logic runs in every test. Buckets up to `compile_max_bs`
-(--enable-torch-compile) capture the forward compiled (model_executor/torch_compile.py).
+(--enable-torch-compile) capture the forward compiled (model_executor/torch_compile.py): at
+capture, or (`capture(defer_compile=True)`) captured uncompiled first and compiled one shape
+per `compile_next` call, which swaps the compiled graph in; the caller runs it between steps,
+in the thread that replays (the rule is in torch_compile.py's docstring).
 """
 
 from __future__ import annotations
@@ -36,12 +39,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-from tqdm import tqdm
 
 from srt_ascend.layers.attention.base import AttentionBackend
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
-from srt_ascend.model_executor.torch_compile import CompiledForward, allow_compiled_shapes
+from srt_ascend.model_executor.torch_compile import (
+    CompiledForward,
+    CompileQueue,
+    Shape,
+    allow_compiled_shapes,
+)
 from srt_ascend.utils import to_device
 
 if TYPE_CHECKING:
@@ -142,6 +149,11 @@ class _Buffers:
         self.req_pool_indices, self.seq_lens = z(max_rows), z(max_rows)
         self.hidden = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
 
+    def zero_(self) -> None:
+        """Back to what capture saw: every row padding (KV length 0, KV slot 0)."""
+        for t in vars(self).values():  # every field is a static buffer
+            t.zero_()
+
 
 @dataclass
 class _Captured:
@@ -186,7 +198,8 @@ class GraphRunner:
         max_tokens = max(k.tokens_per_req for k in self.kinds.values()) * max_bs
         max_rows = max(self._num_rows(k, max_bs) for k in self.kinds.values())
         self.buf = _Buffers(max_tokens, max_rows, hidden_size, dtype, platform.device)
-        self.graphs: dict[tuple[str, int, int], _Captured] = {}  # (kind, bucket, KV window)
+        self.graphs: dict[Shape, _Captured] = {}  # (kind, bucket, KV window)
+        self.compile_queue = CompileQueue([], [])  # compiled shapes not compiled yet
         self.replays: Counter[str] = Counter()  # per kind, reported in the internal state
         self.window_replays: Counter[int] = Counter()  # per KV window, likewise
         self.compiled_replays: Counter[str] = Counter()  # per kind, of compiled graphs
@@ -226,31 +239,58 @@ class GraphRunner:
 
     # capture ---------------------------------------------------------------------------
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, defer_compile: bool = False) -> None:
+        """Captures every shape: those of buckets up to `compile_max_bs` compiled, or with
+        `defer_compile` uncompiled for now and queued for `compile_next`."""
         self.platform.synchronize()  # static buffers were zeroed on the default stream
         shapes = [
-            (kind, bs, window)
+            (kind.name, bs, window)
             for bs in reversed(self.buckets)  # largest first: later graphs fit in its pool
             for kind in self.kinds.values()
             for window in reversed(self.kind_windows(kind))
         ]
-        n_compiled = sum(bs <= self.compile_max_bs for _, bs, _ in shapes)
-        if n_compiled:
-            allow_compiled_shapes(n_compiled)
-        with tqdm(total=n_compiled, desc="torch.compile", disable=not n_compiled) as progress:
-            for kind, bs, window in shapes:
-                self.graphs[kind.name, bs, window] = self._capture_one(kind, bs, window)
-                if bs <= self.compile_max_bs:
-                    progress.update()
+        to_compile = [s for s in shapes if s[1] <= self.compile_max_bs]
+        if to_compile:
+            allow_compiled_shapes(len(to_compile))
+        self.compile_queue = CompileQueue(to_compile, list(self.kinds))
+        for shape in shapes:
+            if defer_compile or shape[1] > self.compile_max_bs:
+                self.graphs[shape] = self._capture_one(self.kinds[shape[0]], *shape[1:], False)
         self.platform.synchronize()
+        if not defer_compile:
+            while self.compile_next():
+                pass
         logger.info(
-            "captured %d graphs (%s; %d compiled) for batch sizes %s, KV windows %s",
+            "captured %d graphs (%s; %d compiled, %d to compile while idle) for batch sizes "
+            "%s, KV windows %s",
             len(self.graphs),
             ", ".join(f"{name}: {n}" for name, n in self.graphs_per_kind().items()),
-            n_compiled,
+            self.compile_queue.compiled,
+            len(self.compile_queue),
             self.buckets,
             self.windows,
         )
+
+    @torch.inference_mode()
+    def compile_next(self) -> bool:
+        """Compiles the queued shape `CompileQueue` puts first and swaps its compiled graph
+        in for the uncompiled one; False when none is left. Its forwards run over the
+        zeroed static buffers (padding: KV slot 0 only). A failed compile raises, and the
+        shape keeps its uncompiled graph."""
+        if not self.compile_queue:
+            return False
+        name, bs, window = shape = self.compile_queue.pop()
+        compiled = False
+        try:
+            self.buf.zero_()
+            self.platform.synchronize()
+            captured = self._capture_one(self.kinds[name], bs, window, True)
+            self.platform.synchronize()
+            compiled = True
+        finally:
+            self.compile_queue.done(compiled)
+        self.graphs[shape] = captured
+        return True
 
     def _static_batch(self, kind: GraphKind, bs: int, window: int) -> ForwardBatch:
         b = self.buf
@@ -277,7 +317,7 @@ class GraphRunner:
             static_kv_len=window,
         )
 
-    def _capture_one(self, kind: GraphKind, bs: int, window: int) -> _Captured:
+    def _capture_one(self, kind: GraphKind, bs: int, window: int, compiled: bool) -> _Captured:
         fb = self._static_batch(kind, bs, window)
         hidden = self.buf.hidden[: fb.num_tokens] if kind.mtp_layer is not None else None
 
@@ -285,7 +325,6 @@ class GraphRunner:
             fb.attn_backend.init_forward_metadata(fb)
             return self.eager_forward(fb, kind, hidden)
 
-        compiled = bs <= self.compile_max_bs
         graph = self.platform.new_graph(compiled)
         fn = body
         if compiled:
@@ -339,6 +378,8 @@ class GraphRunner:
             return None
         window = self._window(kind, fb)
         g = self.graphs[kind.name, bucket, window]
+        if not g.compiled:
+            self.compile_queue.hit((kind.name, bucket, window))
         n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
         for dst, src, n, total in (
             (b.input_ids, fb.input_ids, n_tok, g.num_tokens),

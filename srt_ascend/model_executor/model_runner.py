@@ -106,7 +106,8 @@ class ModelRunner:
         for kinds whose attention gathers the whole window), where graphs are on
         (`--disable-cuda-graph`, `--enable-cpu-graph`, `--enable-torch-compile`, the
         platform's default); otherwise does nothing. Buckets up to --torch-compile-max-bs are
-        compiled with --enable-torch-compile."""
+        compiled with --enable-torch-compile: here with --torch-compile-at-start, else one
+        per `compile_next_graph` call (those buckets are captured uncompiled until then)."""
         args = self.server_args
         if not args.graphs_enabled(self.platform) or not kinds:
             return
@@ -124,7 +125,14 @@ class ModelRunner:
             smallest_kv_window,
             compile_max_bs(args.enable_torch_compile, args.torch_compile_max_bs, self.platform),
         )
-        self.graph_runner.capture()
+        self.graph_runner.capture(defer_compile=not args.torch_compile_at_start)
+
+    def compile_next_graph(self) -> bool:
+        """Compiles one more graph (--enable-torch-compile without --torch-compile-at-start)
+        and swaps it in; False when none is left. Run it between steps, in the thread that
+        runs the forwards (model_executor/torch_compile.py); a failed compile raises and
+        leaves that graph uncompiled."""
+        return self.graph_runner is not None and self.graph_runner.compile_next()
 
     def _kv_bytes_per_token(self) -> int:
         width = self.config.kv_lora_rank + self.config.qk_rope_head_dim

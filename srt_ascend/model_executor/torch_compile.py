@@ -6,15 +6,39 @@ and then captured like any forward: replayed by the C++ wrapper's code on CPU, i
 graph on CUDA. Compiled artifacts go to inductor's FX graph cache on disk,
 $TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/srt_ascend/inductor, so a restart with the same
 model and shapes skips inductor's code generation, autotuning and C++ builds.
+
+When shapes compile: with --torch-compile-at-start all of them before the server serves; by
+default the server serves at once with every shape captured uncompiled, and the scheduler
+compiles the queued shapes one at a time between steps once it has had no request for about
+2 s (`Scheduler.run_forever`), in the order `CompileQueue` keeps: most-replayed shape first,
+then smallest bucket, smallest KV window, the decoder's kind order. Each shape's compiled
+graph replaces its uncompiled one in one dict assignment between two steps, so no step sees
+a half-built shape. A request that arrives during a shape's compile waits for that one shape
+(40-50 s cold on 2 CPU cores, about 5 s from a warm cache), then is served while the rest
+wait for the next idle moment.
+
+Why the scheduler thread and not a compile thread beside it (the rule; checked with torch
+2.13 on CPU): torch.compile is not thread safe (dynamo and inductor share global state:
+pytorch#105943, #118260, #136833, #168042), dynamo's config, where `allow_compiled_shapes`
+raises the recompile limit, is per thread since torch 2.12 (#186537), and even a safe compile
+would hold the GIL through tracing and lowering, so each of the ~2,500 ops of an eager step,
+which releases the GIL, would wait up to the 5 ms switch interval to get it back; a second
+thread running the compile's warm-up forwards and autotune benchmarks also brings a second
+OpenMP team, which makes libgomp throttle the serving thread's spin-waits
+(`start_scheduler_thread`). So every forward, compiled or not, runs in the scheduler thread.
+A compile's forwards run over the static buffers zeroed first (`GraphRunner.compile_next`):
+they write KV only into the reserved padding slot 0 and read no request's KV.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 
 import torch
+from tqdm import tqdm
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +85,47 @@ class CompiledForward:
     def __call__(self) -> torch.Tensor:
         with torch.inference_mode(False), torch.no_grad():
             return self._fn()
+
+
+Shape = tuple[str, int, int]  # (kind name, batch bucket, KV window) of a captured graph
+
+
+class CompileQueue:
+    """The shapes still to compile and the order to compile them in: the shape served steps
+    replayed most (uncompiled) first, then the smallest bucket, the smallest KV window, and
+    the kind that comes first in `kind_order` (the decoder's: decode, verify, draft). Shows
+    a tqdm bar on stderr; `progress` is what /server_info reports."""
+
+    def __init__(self, shapes: Sequence[Shape], kind_order: Sequence[str]) -> None:
+        rank = {name: i for i, name in enumerate(kind_order)}
+        self._order = {s: (s[1], s[2], rank[s[0]]) for s in shapes}
+        self._hits: Counter[Shape] = Counter()
+        self.total, self.compiled = len(shapes), 0
+        self._bar = tqdm(total=self.total, desc="torch.compile", disable=not shapes)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def hit(self, shape: Shape) -> None:
+        """A step replayed `shape` uncompiled: it moves ahead of the shapes hit less."""
+        if shape in self._order:
+            self._hits[shape] += 1
+
+    def pop(self) -> Shape:
+        """Takes the next shape to compile off the queue (which must not be empty)."""
+        shape = min(self._order, key=lambda s: (-self._hits[s], self._order[s]))
+        del self._order[shape]
+        return shape
+
+    def done(self, compiled: bool) -> None:
+        """The shape last popped is finished with: `compiled`, or it failed (it then keeps
+        its uncompiled graph)."""
+        self.compiled += compiled
+        self._bar.update()
+        if not self._order:
+            self._bar.close()
+
+    def progress(self) -> dict[str, int | bool]:
+        """Shapes compiled so far, of `total`; `ready` once none is left to try (a shape
+        whose compile failed stays uncompiled and is not counted)."""
+        return {"compiled": self.compiled, "total": self.total, "ready": not self._order}

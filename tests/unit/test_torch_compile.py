@@ -2,22 +2,30 @@
 torch.compile(fullgraph=True, dynamic=False) with dynamo's eager backend (tracing only), so a
 graph break anywhere in a decode, verify (both layouts) or MTP draft forward fails here, and
 a replay that recompiled (a guard on per-step host values such as FIA's lengths) is counted.
-The compiled code itself (inductor) is checked end to end in
+Also the compile queue (serving at once, compiling while idle): its order, the swap of one
+shape at a time, what a compile writes into the KV pool, and a scheduler that stops between
+two shapes. The compiled code itself (inductor) is checked end to end in
 tests/engine/test_compile_lossless.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_graph_runner import Requests, make_runner
 
+from srt_ascend.managers.scheduler import start_scheduler_thread
+from srt_ascend.managers.tp_ranks import build_scheduler
 from srt_ascend.model_executor.model_runner import ModelRunner
-from srt_ascend.model_executor.torch_compile import compile_max_bs
+from srt_ascend.model_executor.torch_compile import CompileQueue, compile_max_bs
 from srt_ascend.platforms import EagerReplayGraph
 from srt_ascend.platforms.cpu import CpuPlatform
 from srt_ascend.platforms.npu import NpuPlatform
+from srt_ascend.server_args import ServerArgs
 
 
 class TracingPlatform(CpuPlatform):
@@ -34,9 +42,16 @@ class TracingPlatform(CpuPlatform):
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=count)
 
 
-def compiled_runner(path: str, verify: str, platform: TracingPlatform) -> ModelRunner:
+def compiled_runner(
+    path: str, verify: str, platform: TracingPlatform, at_start: bool = True
+) -> ModelRunner:
     return make_runner(
-        path, verify, platform=platform, enable_torch_compile=True, torch_compile_max_bs=2
+        path,
+        verify,
+        platform=platform,
+        enable_torch_compile=True,
+        torch_compile_max_bs=2,
+        torch_compile_at_start=at_start,
     )
 
 
@@ -90,3 +105,127 @@ def test_npu_compiles_through_torchair_where_installed():
     else:
         assert npu.compile_unavailable() is None
     assert isinstance(npu.new_graph(compiled=True), EagerReplayGraph)  # torchair's GE graph
+
+
+def test_compile_queue_puts_hit_shapes_first_then_small_buckets_windows_and_kinds():
+    shapes = [
+        ("verify", 4, 64),
+        ("decode", 4, 64),
+        ("verify", 1, 128),
+        ("decode", 1, 128),
+        ("verify", 1, 64),
+        ("decode", 1, 64),
+    ]
+    queue = CompileQueue(shapes, ["decode", "verify"])
+    queue.hit(("verify", 4, 64))
+    queue.hit(("verify", 4, 64))
+    queue.hit(("decode", 1, 128))
+    queue.hit(("decode", 9, 9))  # not queued (an uncompiled bucket): ignored
+    order = []
+    while queue:
+        order.append(queue.pop())
+        queue.done(compiled=order[-1] != ("decode", 4, 64))  # that one fails
+    assert order == [
+        ("verify", 4, 64),  # hit twice
+        ("decode", 1, 128),  # hit once
+        ("decode", 1, 64),  # then bucket, KV window, the kinds' order
+        ("verify", 1, 64),
+        ("verify", 1, 128),
+        ("decode", 4, 64),
+    ]
+    assert queue.progress() == {"compiled": 5, "total": 6, "ready": True}
+
+
+def kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every KV slot but the padding one (slot 0), of every layer."""
+    pool = runner.kv_pool
+    return [
+        t[1:].clone()
+        for layer in range(runner.num_layers)
+        for t in (pool.get_c_kv(layer), pool.get_k_pe(layer))
+    ]
+
+
+def test_deferred_compile_swaps_one_shape_at_a_time_without_touching_request_kv(
+    tiny_mtp_factory,
+):
+    platform = TracingPlatform()
+    runner = compiled_runner(tiny_mtp_factory().path, "fia", platform, at_start=False)
+    gr = runner.graph_runner
+    window = gr.static_kv_len
+    assert platform.compiles == 0
+    assert not any(g.compiled for g in gr.graphs.values())
+    assert gr.compile_queue.progress() == {"compiled": 0, "total": 4, "ready": False}
+    reqs = Requests(runner, lens=(5, 11))  # bucket 2: compiled, once its turn comes
+    try:
+        extend = reqs.kind("draft_extend")
+        fb = reqs.batch("draft_extend")
+        hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, generator=reqs.gen)
+        uncompiled = [gr.replay(fb, extend, hidden) for _ in range(2)][-1]
+        gr.replay(reqs.batch("decode"), reqs.kind("decode"))  # its inputs stay in the buffers
+        kv = kv_snapshot(runner)
+        assert runner.compile_next_graph()
+        assert platform.compiles == 1
+        assert gr.graphs[extend.name, 2, window].compiled  # replayed most: compiled first
+        for before, after in zip(kv, kv_snapshot(runner)):
+            torch.testing.assert_close(after, before, rtol=0, atol=0)  # slot 0 only
+        torch.testing.assert_close(gr.replay(fb, extend, hidden), uncompiled)
+        assert gr.compiled_replays[extend.name] == 1
+    finally:
+        for s in reqs.slots:
+            runner.allocator.free(s)
+        runner.req_to_token_pool.free(reqs.rows)
+    while runner.compile_next_graph():
+        pass
+    assert platform.compiles == 4
+    assert all(g.compiled == (bs <= 2) for (_, bs, _), g in gr.graphs.items())
+    assert gr.compile_queue.progress() == {"compiled": 4, "total": 4, "ready": True}
+
+
+class BlockingPlatform(TracingPlatform):
+    """Compiles hold in the backend until `release` is set; `compiling` says one started."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.compiling, self.release = threading.Event(), threading.Event()
+
+    def compile(self, fn):
+        def hold(gm, example_inputs):
+            self.compiles += 1
+            self.compiling.set()
+            assert self.release.wait(60)
+            return gm.forward
+
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=hold)
+
+
+NO_TOKENIZER = SimpleNamespace(eos_token_id=None)  # no request is decoded
+
+
+def test_idle_scheduler_compiles_and_stops_between_shapes(tiny_mtp_factory):
+    args = ServerArgs(
+        model_path=tiny_mtp_factory().path,
+        dtype="float32",
+        context_length=48,
+        max_running_requests=2,
+        max_total_tokens=512,
+        speculative_algorithm="MTP",
+        enable_torch_compile=True,
+        torch_compile_max_bs=2,
+        cuda_graph_bs=(1, 2),
+    )
+    platform = BlockingPlatform()
+    scheduler, thread = start_scheduler_thread(
+        lambda: build_scheduler(args, platform, NO_TOKENIZER, lambda outputs: None)
+    )
+    try:
+        assert platform.compiling.wait(60), "the idle scheduler did not start compiling"
+        scheduler.stop()  # while a shape compiles
+    finally:
+        platform.release.set()
+    start = time.monotonic()
+    thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert time.monotonic() - start < 30
+    progress = scheduler.runner.graph_runner.compile_queue.progress()
+    assert progress == {"compiled": 1, "total": 6, "ready": False}  # the rest never started
