@@ -506,7 +506,10 @@ class Scheduler:
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
-            "graph_kv_window_replays": dict(graphs.window_replays) if graphs else {},
+            # JSON object keys: the KV window as a string (/server_info serialises this)
+            "graph_kv_window_replays": (
+                {str(w): n for w, n in graphs.window_replays.items()} if graphs else {}
+            ),
             "graph_compiled_replays": dict(graphs.compiled_replays) if graphs else {},
             "torch_compile": graphs.compile_queue.progress() if graphs else {},
             **self.decoder.stats(),
