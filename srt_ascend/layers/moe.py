@@ -8,7 +8,7 @@ from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, linear
-from srt_ascend.layers.moe_all_to_all import AllToAllDispatch
+from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.weight_stack import WeightStack
 
 
@@ -144,7 +144,8 @@ class RoutedExperts(nn.Module):
         self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
         """Token copies are sorted by expert, each expert runs once over its contiguous slice,
-        and the results are put back in (token, k) order and summed: no scatter-add."""
+        and the results are put back in (token, k) order, weighted and summed (`combine`, as
+        the all-to-all path's owner ranks' outputs are): no scatter-add."""
         t, k = topk_ids.shape
         flat_ids = self.local_ids(topk_ids).flatten()  # [T*k]; other ranks' experts sort last
         order = flat_ids.argsort(stable=True)
@@ -158,9 +159,7 @@ class RoutedExperts(nn.Module):
                 start += n
         if counts[-1] or not outs:  # assignments to other ranks' experts add nothing here
             outs.append(x.new_zeros(counts[-1], x.shape[-1]))
-        ys = torch.cat(outs) * topk_weights.flatten()[order, None]  # [T*k, H] sorted
-        unsorted = torch.empty_like(ys).index_put_((order,), ys)
-        return unsorted.view(t, k, x.shape[-1]).sum(1).to(x.dtype)
+        return combine(torch.cat(outs), order, topk_weights).to(x.dtype)
 
     def forward_dense(
         self,
