@@ -2,7 +2,7 @@
 
     python benchmark/adaptive.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k1 ...] [--max-concurrency 1 4 16] [--num-prompts 32]
-        [--output-len 64] [--repeats 1]
+        [--output-len 64] [--output-len-spread 0.5] [--repeats 1]
         [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving]
 
 Part 1 (`sglang.bench_serving`, held-out text, servers as in benchmark/serving.py): MTP off,
@@ -111,6 +111,13 @@ def main() -> None:
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="output lengths uniform in [L(1-S), L(1+S)] per prompt (0: all L, so requests "
+        "decoded in lockstep finish together and their successors prefill in one batch)",
+    )
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--accept-prompts", type=int, default=16)
     p.add_argument("--extra-server-args", default="")

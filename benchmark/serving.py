@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -167,7 +168,9 @@ def bench(
 
 def dataset_args(a) -> list[str]:
     """bench_serving's dataset flags: random token ids, or held-out text as a local
-    ShareGPT-format file (prompt = snippet, fixed output length)."""
+    ShareGPT-format file (prompt = snippet; output length fixed, or with --output-len-spread S
+    drawn per prompt from [L(1-S), L(1+S)] with a fixed seed, the same in every config: a
+    filler answer of that many tokens, which bench_serving counts as the output length)."""
     if a.dataset == "random-ids":
         return [
             "--dataset-name",
@@ -179,22 +182,38 @@ def dataset_args(a) -> list[str]:
             "--random-range-ratio",
             "1.0",
         ]
+    spread = getattr(a, "output_len_spread", 0.0)
     if not getattr(a, "_heldout_file", None):
+        answers = ["-"] * a.num_prompts
+        if spread:
+            answers = filler_answers(a.model_path, a.output_len, spread, a.num_prompts)
         rows = [
-            {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": "-"}]}
-            for text in heldout_prompts(a.num_prompts)
+            {"conversations": [{"from": "human", "value": text}, {"from": "gpt", "value": ans}]}
+            for text, ans in zip(heldout_prompts(a.num_prompts), answers)
         ]
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
             json.dump(rows, f)
         a._heldout_file = f.name
-    return [
-        "--dataset-name",
-        "sharegpt",
-        "--dataset-path",
-        a._heldout_file,
-        "--sharegpt-output-len",
-        str(a.output_len),
-    ]
+    args = ["--dataset-name", "sharegpt", "--dataset-path", a._heldout_file]
+    return args if spread else [*args, "--sharegpt-output-len", str(a.output_len)]
+
+
+def filler_answers(model_path: str, length: int, spread: float, n: int) -> list[str]:
+    """n answers whose token counts (as bench_serving encodes them, BOS included) are drawn
+    uniformly from [length(1-spread), length(1+spread)] (seed 0)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    rng = random.Random(0)
+    lo, hi = round(length * (1 - spread)), round(length * (1 + spread))
+    out = []
+    for _ in range(n):
+        want = rng.randint(max(lo, 4), hi)
+        words = want
+        while len(tokenizer.encode(" the" * words)) > want:
+            words -= 1
+        out.append(" the" * words)
+    return out
 
 
 def main() -> None:
@@ -221,6 +240,12 @@ def main() -> None:
     )
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument(
+        "--output-len-spread",
+        type=float,
+        default=0.0,
+        help="held-out text: output lengths uniform in [L(1-S), L(1+S)] per prompt (0: all L)",
+    )
     p.add_argument("--extra-server-args", default="", help="e.g. '--dtype float32'")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG: TPOT and accept length vs K (matplotlib)")

@@ -109,8 +109,13 @@ class Decoder(ABC):
         lens: list[int],  # positions computed
         hidden: torch.Tensor,  # [sum(lens), D] main-model hidden states of those positions
         done: list[bool],  # whose prompt is now complete
+        next_batch: int,  # requests the next decode step will run (these included)
     ) -> None:
         """Called after every EXTEND forward, once the first tokens are committed."""
+
+    def calibrate(self) -> None:  # noqa: B027 - optional hook
+        """Called once the graphs are captured, before the first request: a decoder that
+        times its forwards does it here."""
 
     def sample_and_commit(self, reqs: list[StepRequest], logits: torch.Tensor) -> None:
         """One token per request from its row of `logits` [B, V] (penalties, sampling

@@ -79,6 +79,7 @@ class Scheduler:
             DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
         )
         runner.capture_graphs(self.decoder.graph_kinds())
+        self.decoder.calibrate()
         self._graphs_to_compile = True  # until compile_next_graph says none is left
         self.num_retractions = 0
         self.total_cached_tokens = 0
@@ -338,7 +339,8 @@ class Scheduler:
         if to_sample:
             logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
             self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
-        self.decoder.after_prefill(reqs, kv_before, lens, hidden, done)
+        next_batch = len(self.running) + sum(not r.finished for r, _ in to_sample)
+        self.decoder.after_prefill(reqs, kv_before, lens, hidden, done, next_batch)
         for r in reqs:
             if r.finished:
                 self.kv.release(r)

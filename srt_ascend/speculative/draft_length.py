@@ -5,23 +5,31 @@ Adaptive rule. A step with K drafts over a batch in graph bucket b costs C(b, K)
 target forward over 1+K tokens per request, K-1 draft steps, the MTP pass over 1+K). Request r
 is expected to emit E_r(K) = 1 + sum_{i=1..K} prod_{j<=i} a_r[j] tokens, where a_r[j] is r's
 moving estimate of P(draft j accepted | drafts 1..j-1 accepted). The step takes the K in
-0..K_max that maximises sum_r E_r(K) / C(b, K): expected tokens per second. K = 0 verifies no
+0..K_max that maximises sum_r E_r(K) / C(b, K): expected tokens per second, K = 0 unless
+another K promises SPEC_MARGIN times its rate. K = 0 verifies no
 draft: a one-token target forward whose token is sampled as in plain decoding, with the MTP
 pass deferred (MTPDecoder), so its cost is a plain decode step's; the first step with drafts
 after it pays the deferred passes (one MTP forward over the positions), which is kept out of
-its cost entry: a switch costs about one MTP pass.
+its cost entry: a switch costs about one MTP pass. A prefill whose next steps are expected to
+run K = 0 (`prefers_plain`) defers its MTP pass over the prompt the same way.
 
-The cost table is measured while serving. The first bucket seen tries every K twice; a later
-bucket tries K = 0 (the plain step it would mostly run anyway) and estimates its other entries
-from the nearest measured bucket, scaled by the two buckets' K = 0 costs, until a step
-measures them: trying every K at every new bucket made a short burst of 64 requests spend a
-third of its steps exploring dear K = 3 steps. Each step's wall time joins its entry's last
-COST_WINDOW samples, and the entry is their lower median: a spike (another process, a cold
-cache) does not move it, while the load that serving itself puts beside a step (streaming and
-detokenizing the tokens it emits, on the same cores) stays in; the minimum, used first, hid
-that load (served at 16 requests on 2 cores, a K = 1 step looked 1.6x a K = 0 step by its
-minimum and cost 2.2x by throughput). Every EXPLORE_EVERY-th step of a bucket re-measures the
-entry measured longest ago (an estimated one first).
+The cost table starts from a profile taken before serving (`profile_costs`): the step's
+forwards timed per bucket and K over a padding batch, P(b, K). Serving measures the steps it
+runs: each step's wall time joins its entry's last COST_WINDOW samples, and the entry is their
+lower median (a spike does not move it, while the load serving itself puts beside a step,
+streaming and detokenizing on the same cores, stays in). An entry not measured yet is its
+profile plus what the measured entry of its bucket nearest in K (or, with none in its bucket,
+of the nearest measured bucket) took beyond its own profile: the host work around a step's
+forwards, about the same for every K (3-5 ms per step at one request on 2 CPU cores, where the
+forwards' own ratios hold within 10% at 4 requests; scaling the profile instead made K = 1 look
+2.1x K = 0 at one request, against 1.7x measured). So no step runs a K only to learn its
+cost at start (trying every K at every new bucket made a burst of 64 requests spend a third
+of its steps exploring dear K = 3 steps). Each bucket measures a plausible K (expected tokens
+per second within PLAUSIBLE of the best's, an unmeasured entry costed at most its profile)
+that has fewer than WARM_SAMPLES samples every WARM_EVERY-th step, and its stalest plausible
+entry every EXPLORE_EVERY-th step: the estimates are off by 10-20% once serving runs beside
+the forwards, which only measuring corrects, and a K that cannot come close to the best is
+never worth a step to measure.
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps.
 """
@@ -29,18 +37,29 @@ verify steps.
 from __future__ import annotations
 
 import statistics
+import time
 from abc import ABC, abstractmethod
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from tqdm import tqdm
 
 from srt_ascend.registry import Registry
 
 COST_WINDOW = 8  # step times an entry keeps (its cost is their lower median)
 ACCEPT_WEIGHT = 0.1  # weight of a new verify outcome in a request's acceptance estimate
 # (0.3 let one rejected draft swing a lone request's choice to K = 0 and back)
-WARM_SAMPLES = 2  # samples an entry needs before the policy trusts it
+WARM_SAMPLES = 2  # samples a plausible entry gets soon after its bucket is first seen
+WARM_EVERY = 4  # steps of a bucket between two of those early measurements
 EXPLORE_EVERY = 50  # steps of a bucket between two re-measurements of its stalest entry
+PLAUSIBLE = 0.8  # a K whose expected tokens per second is at least this times the best's
+# Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
+# costs beyond its steps is not in the table (the passes that catch up deferred positions, the
+# MTP pass over prompts, requests that no longer finish together and so prefill their
+# successors one by one instead of in one batch)
+SPEC_MARGIN = 1.05
 PRIOR_ACCEPT = 0.5  # a position's acceptance before any draft was verified there
+PROFILE_RUNS = 2  # timed runs per profiled entry (after one warm-up); the minimum is kept
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -81,12 +100,19 @@ def update_estimate(estimate: list[float], k: int, accepted: int) -> None:
 
 
 class CostTable:
-    """Seconds per step by (batch bucket, K). A batch belongs to the smallest bucket that
-    holds it (the largest one when none does)."""
+    """Seconds per step by (batch bucket, K): measured while serving, else the start profile
+    scaled (module docstring). A batch belongs to the smallest bucket that holds it (the
+    largest one when none does)."""
 
-    def __init__(self, buckets: Sequence[int], max_k: int) -> None:
+    def __init__(
+        self, buckets: Sequence[int], max_k: int, profile: dict[tuple[int, int], float]
+    ) -> None:
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
+        missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
+        if missing:
+            raise ValueError(f"the cost profile lacks {missing}")
+        self.profile = profile
         self.seconds: dict[tuple[int, int], float] = {}
         self.samples: Counter[tuple[int, int]] = Counter()
         self.recent: dict[tuple[int, int], deque[float]] = {}
@@ -104,44 +130,47 @@ class CostTable:
         self.seconds[key] = statistics.median_low(recent)
         self.measured_at[key] = self.steps[key[0]]
 
-    def cost(self, bucket: int, k: int) -> float | None:
-        """Seconds of a step with K = k in `bucket`: measured, or estimated from the nearest
-        bucket that measured both k and 0, times this bucket's K = 0 cost over that bucket's;
-        None when neither is known."""
+    def cost(self, bucket: int, k: int) -> float:
+        """Seconds of a step with K = k in `bucket`: measured, or its profile plus what a
+        reference entry measured beyond its own profile (the host work around a step's
+        forwards), the reference being the entry nearest in K of the nearest bucket with a
+        measured entry (this one first); never below half the profile, and the raw profile
+        when nothing is measured yet."""
         if (bucket, k) in self.seconds:
             return self.seconds[bucket, k]
-        refs = [b for b in self.buckets if (b, k) in self.seconds and (b, 0) in self.seconds]
-        if not refs or (bucket, 0) not in self.seconds:
-            return None
-        ref = min(refs, key=lambda b: abs(b - bucket))
-        return self.seconds[ref, k] * self.seconds[bucket, 0] / self.seconds[ref, 0]
-
-    def to_measure(self, bucket: int) -> int | None:
-        """The K this bucket's next step must run to keep the table honest: one with fewer
-        than WARM_SAMPLES samples and no estimate (largest first; K = 0 first in a bucket
-        that can borrow the others), or every EXPLORE_EVERY-th step the stalest; else None."""
-        self.steps[bucket] += 1
-        borrows = any(b != bucket for b, _ in self.seconds)
-        if borrows and self.samples[bucket, 0] < WARM_SAMPLES:
-            return 0
-        missing = [  # under-sampled, unless estimated and never measured
-            k
-            for k in self.ks
-            if self.samples[bucket, k] < WARM_SAMPLES
-            and ((bucket, k) in self.seconds or self.cost(bucket, k) is None)
-        ]
-        if missing:
-            return missing[-1]
-        if self.steps[bucket] % EXPLORE_EVERY == 0:
-            return min(self.ks, key=lambda k: self.measured_at.get((bucket, k), -1))
-        return None
+        if not self.seconds:
+            return self.profile[bucket, k]
+        near = min({b for b, _ in self.seconds}, key=lambda b: abs(b - bucket))
+        ref = min((key for key in self.seconds if key[0] == near), key=lambda key: abs(key[1] - k))
+        extra = self.seconds[ref] - self.profile[ref]
+        return max(self.profile[bucket, k] + extra, self.profile[bucket, k] / 2)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
-        """{bucket: {K: seconds}} for /server_info and /metrics."""
-        out: dict[str, dict[str, float]] = {}
-        for (b, k), s in sorted(self.seconds.items()):
-            out.setdefault(str(b), {})[str(k)] = s
-        return out
+        """{bucket: {K: seconds}} as the policy sees them now, for /server_info and /metrics."""
+        return {str(b): {str(k): self.cost(b, k) for k in self.ks} for b in self.buckets}
+
+
+def profile_costs(
+    buckets: Sequence[int],
+    max_k: int,
+    run_step_forwards: Callable[[int, int], None],
+    synchronize: Callable[[], None],
+) -> dict[tuple[int, int], float]:
+    """Seconds of a step's forwards per (bucket, K): `run_step_forwards(bucket, k)` once to
+    warm up, then the minimum of PROFILE_RUNS timed runs, with a progress bar."""
+    keys = [(b, k) for b in buckets for k in range(max_k + 1)]
+    out = {}
+    for b, k in tqdm(keys, desc="profiling MTP step costs", unit="shape", mininterval=2.0):
+        run_step_forwards(b, k)
+        runs = []
+        for _ in range(PROFILE_RUNS):
+            synchronize()
+            started = time.perf_counter()
+            run_step_forwards(b, k)
+            synchronize()
+            runs.append(time.perf_counter() - started)
+        out[b, k] = min(runs)
+    return out
 
 
 DRAFT_LENGTHS: Registry[DraftLength] = Registry("draft length policy")
@@ -172,6 +201,18 @@ class DraftLength(ABC):
     def initial_estimate(self) -> list[float]:
         return self.acceptance.rates()
 
+    def calibrate(  # noqa: B027 - optional hook
+        self, run_step_forwards: Callable[[int, int], None], synchronize: Callable[[], None]
+    ) -> None:
+        """Once before serving: `run_step_forwards(bucket, k)` runs the forwards of a step
+        with K = k over a padding batch of `bucket` requests (a policy that costs steps
+        times them here)."""
+
+    def prefers_plain(self, batch: int) -> bool:
+        """Whether steps over `batch` requests are expected to run K = 0 (a prefill then
+        defers its MTP pass)."""
+        return False
+
     def stats(self) -> dict:
         return {"spec_draft_length_steps": {str(k): n for k, n in sorted(self.chosen.items())}}
 
@@ -186,19 +227,48 @@ class FixedDraftLength(DraftLength):
 class AdaptiveDraftLength(DraftLength):
     def __init__(self, max_k: int, buckets: Sequence[int]) -> None:
         super().__init__(max_k, buckets)
-        self.costs = CostTable(buckets, max_k)
+        self.buckets = buckets
+        self.costs: CostTable | None = None  # from `calibrate`, before the first step
+
+    def calibrate(self, run_step_forwards, synchronize) -> None:
+        profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
+        self.costs = CostTable(self.buckets, self.max_k, profile)
+
+    def _rates(
+        self, bucket: int, estimates: Sequence[list[float]], optimistic: bool = False
+    ) -> dict[int, float]:
+        """Expected tokens per second of each K for these requests in `bucket`; `optimistic`
+        costs an entry serving has not measured at most its profile (a reference entry that
+        ran slow for its own reasons must not keep the others from being tried)."""
+        rates = {}
+        for k in self.costs.ks:
+            cost = self.costs.cost(bucket, k)
+            if optimistic and (bucket, k) not in self.costs.seconds:
+                cost = min(cost, self.costs.profile[bucket, k])
+            rates[k] = sum(expected_tokens(e, k) for e in estimates) / cost
+        return rates
 
     def choose(self, estimates):
         bucket = self.costs.bucket(len(estimates))
-        forced = self.costs.to_measure(bucket)
-        if forced is not None:
-            return forced
-        return max(
-            self.costs.ks,
-            key=lambda k: (
-                sum(expected_tokens(e, k) for e in estimates) / self.costs.cost(bucket, k)
-            ),
-        )
+        self.costs.steps[bucket] += 1
+        step = self.costs.steps[bucket]
+        rates = self._rates(bucket, estimates)
+        best = max(rates, key=rates.__getitem__)
+        if rates[best] < SPEC_MARGIN * rates[0]:
+            best = 0
+        hopes = self._rates(bucket, estimates, optimistic=True)
+        plausible = [k for k in self.costs.ks if hopes[k] >= PLAUSIBLE * rates[best]]
+        if step % WARM_EVERY == 0:
+            cold = [k for k in plausible if self.costs.samples[bucket, k] < WARM_SAMPLES]
+            if cold:
+                return max(cold, key=hopes.__getitem__)
+        if step % EXPLORE_EVERY == 0:
+            return min(plausible, key=lambda k: self.costs.measured_at.get((bucket, k), -1))
+        return best
+
+    def prefers_plain(self, batch: int) -> bool:
+        rates = self._rates(self.costs.bucket(batch), [self.initial_estimate()] * batch)
+        return max(rates.values()) < SPEC_MARGIN * rates[0]
 
     def record(self, estimates, k, accepted, seconds):
         super().record(estimates, k, accepted, seconds)

@@ -40,6 +40,8 @@ from srt_ascend.speculative.mtp_worker import (
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 from srt_ascend.utils import HOST_READS, to_device
 
+PROFILE_CONTEXT = 256  # committed tokens per padding request when the step costs are profiled
+
 
 @dataclass
 class Verdict:
@@ -122,9 +124,44 @@ class MTPDecoder(Decoder):
             **self.draft_length.stats(),
         }
 
-    def after_prefill(self, reqs, starts, lens, hidden, done) -> None:
+    def calibrate(self) -> None:
+        self.draft_length.calibrate(self._padding_step, self.runner.platform.synchronize)
+
+    @torch.inference_mode()
+    def _padding_step(self, bs: int, k: int) -> None:
+        """The forwards of a step with K = k over `bs` padding requests (request row 0, a
+        context of PROFILE_CONTEXT tokens, every KV write into the padding slot 0): the K-1
+        draft steps, the verify forward and its logits, the MTP pass and its drafting head."""
+        runner, k1 = self.runner, k + 1
+        context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
+        loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
+        hidden = loc.new_zeros(bs, runner.config.hidden_size, dtype=runner.dtype)
+        rows = [0] * bs
+        for j in range(1, k):
+            fb = runner.build_forward_batch(
+                ForwardMode.DECODE, loc[:, 0], rows, [context + j] * bs, [1] * bs, loc[:, j]
+            )
+            runner.mtp.compute_logits(runner.forward_mtp(fb, hidden, j, self.step_kinds[j]))
+        verify = self.verifies[k]
+        out = runner.forward(verify.build(loc, rows, [context] * bs, loc), verify.kind)
+        runner.compute_logits(out)
+        if k:
+            flat = loc.reshape(-1)
+            fb = runner.build_forward_batch(
+                ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
+            )
+            out = runner.forward_mtp(fb, out, 0, self.worker.extend_kinds[k])
+            runner.mtp.compute_logits(out[:bs])
+
+    def after_prefill(self, reqs, starts, lens, hidden, done, next_batch) -> None:
         """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
-        that are still running get their first draft."""
+        that are still running get their first draft. When the next steps are expected to
+        run K = 0 the pass is deferred instead (`MTPWorker.defer`), as a K = 0 step defers
+        its own: a burst of prompts under load then costs what it costs without MTP."""
+        if self.draft_length.prefers_plain(next_batch):
+            self.worker.defer(reqs, starts, lens, hidden)
+            return
+        self.worker.catch_up(reqs)  # a chunk deferred before: its positions first
         next_tokens = []
         for r, s, n in zip(reqs, starts, lens):
             nxt = r.all_ids[s + 1 : s + n + 1]
@@ -193,7 +230,7 @@ class MTPDecoder(Decoder):
                 [not r.finished for r in reqs],
             )
         else:
-            self.worker.defer(reqs, starts, hidden)
+            self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)

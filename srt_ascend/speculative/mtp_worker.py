@@ -12,6 +12,7 @@ and the acceptance rule compares them there.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -131,23 +132,38 @@ class MTPWorker:
         out = self.h.forward(fb, hidden, 0, self.extend_kinds[k1 - 1])
         self._draft_first(reqs, out, [i * k1 + n - 1 for i, n in enumerate(accepted)], draft_rows)
 
-    def defer(self, reqs: list[StepRequest], starts: list[int], hidden: torch.Tensor) -> None:
-        """After a K = 0 step (one position per request, `hidden` [B, D] its target hidden):
-        the MTP pass over each unfinished request's position waits for `catch_up`, so a plain
-        decode step costs a plain decode forward. The hidden is copied once for the batch (a
-        graph replay's output buffer is overwritten by the next replay)."""
-        kept = hidden.clone()
-        for i, r in enumerate(reqs):
-            if r.finished:
-                continue
+    def defer(
+        self,
+        reqs: list[StepRequest],
+        starts: list[int],  # first position of each request's range
+        lens: list[int],  # positions of each request's range
+        hidden: torch.Tensor,  # [sum(lens), D] the target hidden at those positions
+    ) -> None:
+        """The MTP pass over these positions waits for `catch_up` (after a K = 0 step, one
+        position per request; after a prefill, the prompt's): the step costs what it costs
+        without MTP. Each unfinished request keeps its last MAX_DEFERRED positions' hidden,
+        copied once for the batch (a graph replay's output buffer is reused)."""
+        ends = itertools.accumulate(lens)
+        keep = [
+            (r, start + n - m, end - m, m)
+            for r, start, n, end in zip(reqs, starts, lens, ends)
+            if not r.finished and (m := min(n, MAX_DEFERRED))
+        ]
+        if not keep:
+            return
+        rows = [row for _, _, first, m in keep for row in range(first, first + m)]
+        kept = hidden.index_select(0, to_device(rows, hidden.device))
+        at = 0
+        for r, start, _, m in keep:
             s = state_of(r)
             if not s.deferred:
-                s.deferred_start = starts[i]
-            s.deferred.append(kept[i])
+                s.deferred_start = start
+            s.deferred.extend(kept[at : at + m])
+            at += m
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
             if len(s.deferred) > MAX_DEFERRED:
-                s.deferred.pop(0)
-                s.deferred_start += 1
+                s.deferred_start += len(s.deferred) - MAX_DEFERRED
+                del s.deferred[:-MAX_DEFERRED]
 
     @torch.inference_mode()
     def catch_up(self, reqs: list[StepRequest]) -> None:

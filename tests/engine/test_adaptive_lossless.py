@@ -1,7 +1,8 @@
 """Adaptive draft length keeps MTP lossless: float32 greedy outputs are token-identical to
 speculation off whatever K each step runs. A scripted policy walks the steps through a fixed
 sequence of K (0 included: a plain decode step whose MTP pass waits for the next step with
-drafts, which runs the deferred passes first), with
+drafts, which runs the deferred passes first), and prefills alternately run or defer their
+MTP pass over the prompt, with
 either verify layout, eagerly and through the per-K graph kinds; the real policy and block
 verification run the same prompts."""
 
@@ -37,14 +38,19 @@ CONFIGS = {  # name: (server args, K walk or None for the real policy)
 
 
 class ScriptedDraftLength(FixedDraftLength):
-    """Runs the steps through `walk`, over and over; learns like the real policies."""
+    """Runs the steps through `walk`, over and over, and defers every other prefill's MTP
+    pass; learns like the real policies."""
 
     def __init__(self, max_k: int, walk) -> None:
         super().__init__(max_k, [1])
         self.walk = itertools.cycle(walk)
+        self.defer = itertools.cycle((True, False))
 
     def choose(self, estimates):
         return next(self.walk)
+
+    def prefers_plain(self, batch):
+        return next(self.defer)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

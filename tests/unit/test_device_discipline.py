@@ -200,6 +200,7 @@ def _run_steps(runner, args, reads: Counted) -> None:
     decoder = create_decoder(
         args, DecoderHandles(runner, TableKV(runner.req_to_token_pool), _commit, [1])
     )
+    decoder.calibrate()  # adaptive K: the step forwards it profiles, over padding requests
     reqs = _requests()
     rows = runner.req_to_token_pool.alloc(len(reqs))
     for r, row in zip(reqs, rows):
@@ -221,7 +222,7 @@ def _run_steps(runner, args, reads: Counted) -> None:
         r.kv_len = n
     last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
     decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
-    decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs))
+    decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs), len(reqs))
     # decode steps: exactly one read each, plus one when some request returns logprobs
     for _ in range(3):
         before = reads.count

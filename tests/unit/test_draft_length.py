@@ -1,6 +1,6 @@
-"""Adaptive draft length on synthetic costs: the cost table (buckets, warm-up, windowed median,
-re-measurement), the acceptance estimates, and the policy's choice of K; the metrics it
-exports and the flags."""
+"""Adaptive draft length on synthetic costs: the start profile, the cost table (buckets,
+windowed median, profile scaled by what serving measured), the acceptance estimates, and the
+policy's choice of K (what it measures and when); the metrics it exports and the flags."""
 
 from __future__ import annotations
 
@@ -8,16 +8,20 @@ import pytest
 
 from srt_ascend.metrics import ServerMetrics
 from srt_ascend.server_args import ServerArgs, prepare_server_args
+from srt_ascend.speculative import draft_length
 from srt_ascend.speculative.draft_length import (
     ACCEPT_WEIGHT,
     COST_WINDOW,
     EXPLORE_EVERY,
+    PROFILE_RUNS,
+    WARM_EVERY,
     WARM_SAMPLES,
     AcceptanceStats,
     AdaptiveDraftLength,
     CostTable,
     FixedDraftLength,
     expected_tokens,
+    profile_costs,
     update_estimate,
 )
 
@@ -35,13 +39,31 @@ def step_seconds(bucket: int, k: int) -> float:
     return target + 0.25 * (max(1.0, tokens / 16) + (k - 1) * max(1.0, bucket / 16))
 
 
-def warmed(max_k: int, seconds=step_seconds) -> AdaptiveDraftLength:
+def profile(max_k: int, seconds=step_seconds) -> dict[tuple[int, int], float]:
+    return {(b, k): seconds(b, k) for b in BUCKETS for k in range(max_k + 1)}
+
+
+def profiled(max_k: int, seconds=step_seconds) -> AdaptiveDraftLength:
+    """A policy whose start profile is `seconds` (nothing measured while serving yet)."""
     policy = AdaptiveDraftLength(max_k, BUCKETS)
-    for b in BUCKETS:
-        for k in range(max_k + 1):
-            for _ in range(WARM_SAMPLES):
-                policy.costs.observe(b, k, seconds(b, k))
+    policy.calibrate(lambda b, k: clock.advance(seconds(b, k)), lambda: None)
     return policy
+
+
+class _Clock:
+    now = 0.0
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+clock = _Clock()
+
+
+@pytest.fixture(autouse=True)
+def fake_clock(monkeypatch):
+    """profile_costs times its forwards with this clock, which the synthetic forwards move."""
+    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock.now)
 
 
 def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
@@ -50,8 +72,22 @@ def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
     assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
 
 
+def test_profile_warms_up_then_keeps_the_fastest_run() -> None:
+    calls = []
+    durations = iter([9.0, 3.0, 2.0] * 2)  # warm-up (slow: first use), then the timed runs
+
+    def forwards(b, k):
+        calls.append((b, k))
+        clock.advance(next(durations))
+
+    assert profile_costs([1, 4], 0, forwards, lambda: None) == {(1, 0): 2.0, (4, 0): 2.0}
+    assert calls == [(1, 0)] * (1 + PROFILE_RUNS) + [(4, 0)] * (1 + PROFILE_RUNS)
+    with pytest.raises(ValueError, match="lacks"):
+        CostTable([1, 4], 1, {(1, 0): 1.0, (1, 1): 1.0, (4, 0): 1.0})
+
+
 def test_cost_table_buckets_and_windowed_median() -> None:
-    table = CostTable(BUCKETS, 2)
+    table = CostTable(BUCKETS, 2, profile(2))
     assert [table.bucket(n) for n in (1, 3, 9, 16, 40)] == [1, 4, 16, 16, 16]
     table.observe(3, 1, 10.0)  # a cold start
     table.observe(4, 1, 2.0)
@@ -62,37 +98,50 @@ def test_cost_table_buckets_and_windowed_median() -> None:
     for _ in range(COST_WINDOW):  # the step really became slower: the window forgets 2.0
         table.observe(4, 1, 3.0)
     assert table.seconds[4, 1] == 3.0
-    assert table.snapshot() == {"4": {"1": 3.0}}
 
 
-def test_every_entry_is_measured_then_the_stalest_is_remeasured() -> None:
-    table = CostTable(BUCKETS, 2)
-    asked = []
-    while (k := table.to_measure(8)) is not None:
-        asked.append(k)
-        table.observe(8, k, 1.0)
-    assert asked == [2, 2, 1, 1, 0, 0]  # largest K first, each WARM_SAMPLES times
-    table.observe(8, 1, 1.0)  # K = 2 is now the entry measured longest ago
-    picks = [table.to_measure(8) for _ in range(EXPLORE_EVERY)]
-    assert [k for k in picks if k is not None] == [2]
+def test_unmeasured_entries_are_the_profile_plus_the_nearest_measured_overhead() -> None:
+    prof = {(b, k): b * (1.0 + k) for b in BUCKETS for k in range(3)}
+    table = CostTable(BUCKETS, 2, prof)
+    assert table.cost(4, 2) == 12.0  # nothing measured: the profile itself
+    table.observe(4, 0, 6.0)  # serving spends 2 s beside the forwards of a K = 0 step
+    assert table.cost(4, 1) == 10.0 and table.cost(4, 2) == 14.0
+    assert table.cost(16, 1) == 34.0 and table.cost(1, 0) == 3.0  # other buckets: the same 2 s
+    table.observe(4, 2, 15.0)  # K = 2 measured 3 s over: K = 1 follows the nearer K (a tie:
+    assert table.cost(4, 1) in (10.0, 11.0)  # either neighbour's)
+    table.observe(16, 2, 44.0)  # bucket 16's own measurement wins over bucket 4's
+    assert table.cost(16, 0) == 16.0 + (44.0 - 48.0) and table.cost(8, 2) in (26.0, 27.0)
+    table.observe(8, 2, 1.0)  # far below its profile: never below half of it
+    assert table.cost(8, 0) == 4.0
+    assert table.snapshot()["4"] == {"0": 6.0, "1": table.cost(4, 1), "2": 15.0}
 
 
-def test_a_new_bucket_measures_k0_and_borrows_the_rest() -> None:
-    table = CostTable(BUCKETS, 2)
-    for k, seconds in ((0, 1.0), (1, 1.5), (2, 2.5)):
-        for _ in range(WARM_SAMPLES):
-            table.observe(1, k, seconds)
-    asked = []
-    while (k := table.to_measure(16)) is not None:
-        asked.append(k)
-        table.observe(16, k, 4.0)  # K = 0 costs 4x bucket 1's here
-    assert asked == [0, 0]
-    assert table.cost(16, 1) == 6.0 and table.cost(16, 2) == 10.0  # scaled by 4
-    assert table.cost(4, 1) is None  # nothing measured in bucket 4: no estimate
-    picks = [table.to_measure(16) for _ in range(EXPLORE_EVERY - 2)]
-    assert [k for k in picks if k is not None] == [1]  # the stalest: never measured
-    table.observe(16, 1, 9.0)  # measured: the estimate gives way
-    assert table.cost(16, 1) == 9.0 and table.to_measure(16) == 1  # its second sample
+def test_plausible_ks_are_measured_early_and_the_stalest_periodically() -> None:
+    close = {(b, k): (1.0, 1.0, 1.3)[k] for b in BUCKETS for k in range(3)}
+    policy = profiled(2, lambda b, k: close[b, k])
+    estimates = [[0.9, 0.9]]  # tokens per second: K = 2 2.08, K = 1 1.9 (plausible), K = 0 1
+    picks = []
+    for _ in range(3 * WARM_EVERY * WARM_SAMPLES):
+        k = policy.choose(estimates)
+        picks.append(k)
+        policy.record(estimates, k, [k], close[1, k])
+    assert picks[0] == 2  # the best by the profile runs first
+    assert policy.costs.samples[1, 1] == WARM_SAMPLES, picks  # then the plausible one, soon
+    assert policy.costs.samples[1, 0] == 0  # K = 0 cannot come close: never measured
+    policy.costs.steps[1] = EXPLORE_EVERY - 1
+    assert policy.choose(estimates) == 1  # the stalest plausible entry
+
+
+def test_a_k_far_from_the_best_is_never_measured() -> None:
+    policy = profiled(3)  # bucket 16: compute-bound, K = 3 costs about twice K = 0
+    estimates = [[0.3] * 3 for _ in range(16)]
+    chosen = set()
+    for _ in range(3 * EXPLORE_EVERY):
+        k = policy.choose(estimates)
+        chosen.add(k)
+        policy.record(estimates, k, [0] * 16, step_seconds(16, k))
+    assert chosen == {0}
+    assert policy.prefers_plain(16) and not FixedDraftLength(3, BUCKETS).prefers_plain(16)
 
 
 def test_acceptance_stats_and_estimates_count_examined_positions_only() -> None:
@@ -119,7 +168,7 @@ def test_acceptance_stats_and_estimates_count_examined_positions_only() -> None:
     ],
 )
 def test_policy_maximises_expected_tokens_per_second(batch, acceptance, want) -> None:
-    policy = warmed(3)
+    policy = profiled(3)
     estimates = [[acceptance] * 3 for _ in range(batch)]
     bucket = policy.costs.bucket(batch)
 
@@ -131,17 +180,22 @@ def test_policy_maximises_expected_tokens_per_second(batch, acceptance, want) ->
 
 
 def test_policy_learns_from_recorded_steps() -> None:
-    policy = warmed(2)
+    policy = profiled(2)
     estimates = [[0.9, 0.9]]
     assert policy.choose(estimates) == 2
-    for _ in range(30):  # K = 2 turns out slow in bucket 1; estimates stay high
-        policy.record(estimates, 2, [2], 100.0)
+
+    def served(k: int) -> float:  # K = 2 turns out slow in bucket 1; estimates stay high
+        return 100.0 if k == 2 else 2 * step_seconds(1, k)
+
+    for _ in range(2 * WARM_EVERY * WARM_SAMPLES):
+        k = policy.choose(estimates)
+        policy.record(estimates, k, [k], served(k))
     assert policy.choose(estimates) == 1
-    assert policy.stats()["spec_draft_length_steps"] == {"2": 30}
     low = [[0.0, 0.0]]
     for _ in range(20):  # a request whose drafts are always rejected
-        policy.record(low, 1, [0], step_seconds(1, 1))
+        policy.record(low, 1, [0], served(1))
     assert low[0][0] < 0.01 and policy.choose(low) == 0
+    assert {"1", "2"} <= set(policy.stats()["spec_draft_length_steps"])
 
 
 def test_fixed_policy_always_runs_k_and_keeps_the_counters() -> None:
@@ -155,7 +209,7 @@ def test_fixed_policy_always_runs_k_and_keeps_the_counters() -> None:
 
 def test_metrics_export_chosen_k_acceptance_and_costs() -> None:
     metrics = ServerMetrics("m", spec_enabled=True)
-    policy = warmed(1)
+    policy = profiled(1)
     state = {
         "num_running_reqs": 0,
         "num_queue_reqs": 0,
