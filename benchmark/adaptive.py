@@ -3,7 +3,7 @@
     python benchmark/adaptive.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k1 ...] [--max-concurrency 1 4 16] [--num-prompts 32]
         [--output-len 64] [--output-len-spread 0.5] [--repeats 1]
-        [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving]
+        [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving] [--skip-accept]
 
 Part 1 (`sglang.bench_serving`, held-out text, servers as in benchmark/serving.py): MTP off,
 fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency;
@@ -122,6 +122,7 @@ def main() -> None:
     p.add_argument("--accept-prompts", type=int, default=16)
     p.add_argument("--extra-server-args", default="")
     p.add_argument("--skip-serving", action="store_true", help="only part 2")
+    p.add_argument("--skip-accept", action="store_true", help="only part 1")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG: TPOT per concurrency and config")
     a = p.parse_args()
@@ -129,8 +130,9 @@ def main() -> None:
     serving = [] if a.skip_serving else serving_rows(a)
     if serving:
         print_table(serving)
-    accept = accept_rows(a)
-    print_accept_table(accept)
+    accept = [] if a.skip_accept else accept_rows(a)
+    if accept:
+        print_accept_table(accept)
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"serving": serving, "accept": accept}, f, indent=1)

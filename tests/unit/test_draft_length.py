@@ -14,6 +14,7 @@ from srt_ascend.speculative.draft_length import (
     COST_WINDOW,
     EXPLORE_EVERY,
     PROFILE_RUNS,
+    SPEC_MARGIN,
     WARM_EVERY,
     WARM_SAMPLES,
     AcceptanceStats,
@@ -177,6 +178,14 @@ def test_policy_maximises_expected_tokens_per_second(batch, acceptance, want) ->
 
     assert max(range(4), key=rate) == want
     assert policy.choose(estimates) == want
+
+
+def test_drafts_must_promise_a_margin_over_plain_decoding() -> None:
+    policy = profiled(1, lambda b, k: (1.0, 1.9)[k])  # K = 1 costs 1.9x a plain step
+    assert SPEC_MARGIN == 1.05
+    assert policy.choose([[0.96]]) == 0  # 1.96 / 1.9: 1.03x K = 0's tokens per second
+    assert policy.choose([[1.0]]) == 1  # 2 / 1.9: 1.053x
+    assert policy.prefers_plain(1)  # the prior acceptance, 0.5: 1.5 / 1.9
 
 
 def test_policy_learns_from_recorded_steps() -> None:
