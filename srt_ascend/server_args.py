@@ -142,10 +142,10 @@ class ServerArgs:
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
         only with --enable-cpu-graph or --enable-torch-compile (which compiles the graph
-        runner's forwards); never with --disable-cuda-graph, nor with data-parallel attention
-        (the MLPs run over every DP group's tokens, a count that changes each step; idle
-        forwards run eagerly too)."""
-        if self.disable_cuda_graph or self.attn_dp_size > 1:
+        runner's forwards); never with --disable-cuda-graph, nor with --moe-a2a-backend
+        all_to_all (its split sizes are host integers read per MoE layer). Under
+        data-parallel attention every rank replays the same graph (model_executor/dp_graph)."""
+        if self.disable_cuda_graph or self.moe_a2a_backend == "all_to_all":
             return False
         return platform.graphs_by_default or self.enable_cpu_graph or self.enable_torch_compile
 
