@@ -90,3 +90,20 @@ def test_an_idle_group_replays_the_agreed_graph_over_padding_only(runner):
         for i, kv in enumerate(before):
             after = pool.get_key_buffer(i)
             assert torch.equal(after[1:], kv[1:]), f"idle replay wrote KV of layer {i}"
+
+
+def test_a_batch_replays_at_a_larger_agreed_bucket(runner):
+    """A group whose batch is smaller than another's replays the agreed (larger) bucket: its
+    rows equal the eager forward's."""
+    gr = runner.graph_runner
+    reqs = Requests(runner, lens=(5, 11))
+    try:
+        fb = reqs.batch("decode")
+        kind = reqs.kind("decode")
+        assert gr.bucket_for(fb, kind) == 2
+        replayed = gr.try_replay(fb, kind, bucket=4)
+        torch.testing.assert_close(replayed, runner.forward_eager(fb), rtol=1e-4, atol=1e-5)
+    finally:
+        for s in reqs.slots:
+            runner.allocator.free(s)
+        runner.req_to_token_pool.free(reqs.rows)
