@@ -468,7 +468,8 @@ class ServerArgs:
             action="store_true",
             help="data-parallel attention: the --tp-size ranks form --dp-size groups, each "
             "scheduling its own requests with attention split over tp/dp ranks; MoE and MLP "
-            "layers run over every group's tokens on all ranks (graphs off)",
+            "layers run over every group's tokens on all ranks (graphs: every rank replays "
+            "the same bucket, padded)",
         )
         a(
             "--dp-size",
@@ -490,8 +491,8 @@ class ServerArgs:
             default="none",
             help="expert-parallel token dispatch/combine over torch.distributed: none "
             "(all-gather + all-reduce) or all_to_all (each token to its experts' ranks; needs "
-            "--ep-size > 1 and --enable-dp-attention); SGLang's vendor all-to-all backends are "
-            "not available here",
+            "--ep-size > 1 and --enable-dp-attention; runs eagerly: graphs off); SGLang's "
+            "vendor all-to-all backends are not available here",
         )
         a(
             "--node-rank",
