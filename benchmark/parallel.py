@@ -2,7 +2,8 @@
 expert) parallelism and data-parallel attention, with the step time beside them.
 
     python benchmark/parallel.py [--batch 4] [--input-len 64] [--output-len 32]
-        [--modes tp1 tp2 tp2-ep2 dp2 dp2-ep2 dp2-ep2-a2a] [--num-threads 1] [--json-out FILE]
+        [--modes tp1 tp2 tp2-ep2 dp2 dp2-graphs dp2-ep2 dp2-ep2-a2a] [--num-threads 1]
+        [--json-out FILE]
 
 For each mode, an Engine (float32, --device cpu unless --device is given) runs `batch`
 concurrent greedy requests twice: MTP off (decode steps) and MTP K=2 with FIA verify (verify
@@ -12,8 +13,11 @@ every decoder step; prefill steps are left out. The scheduler's one object broad
 DP attention, all-gather) per loop (its messages) is not counted. With DP attention
 (`dp2`: --tp-size 2 --enable-dp-attention --dp-size 2) the requests are spread over the two
 DP groups (round robin) and rank 0's steps are those of its group's half of the batch; each
-forward adds one all-gather of the groups' token counts (gloo, 8 bytes) and gathers every
-group's tokens before each MLP (`dp_gather`, padded to the larger group); with
+forward adds one all-gather of the groups' token counts and graph choices (gloo, 3 integers:
+24 bytes) and gathers every group's tokens before each MLP (`dp_gather`, padded to the larger
+group); `dp2-graphs` replays graphs (`--enable-cpu-graph`, buckets 1 2 4 8), whose gathers pad
+every group to the agreed bucket (on CPU a replay reruns the forward, so its collectives are
+counted; a CUDA graph's replays are not: the counters are host-side); with
 `--moe-a2a-backend all_to_all` (`dp2-ep2-a2a`) each MoE layer runs three all-to-alls instead
 (the per-expert counts, the token rows out, the expert outputs back). On this 2-core
 CPU two ranks are not expected to be faster than one; the counts are the point (the device
@@ -38,6 +42,7 @@ MODES = {
     "tp2": {"tp_size": 2},
     "tp2-ep2": {"tp_size": 2, "ep_size": 2},
     "dp2": DP2,
+    "dp2-graphs": {**DP2, "enable_cpu_graph": True, "cuda_graph_bs": (1, 2, 4, 8)},
     "dp2-ep2": {**DP2, "ep_size": 2},
     "dp2-ep2-a2a": {**DP2, "ep_size": 2, "moe_a2a_backend": "all_to_all"},
 }

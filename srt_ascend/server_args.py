@@ -142,10 +142,10 @@ class ServerArgs:
     def graphs_enabled(self, platform) -> bool:
         """Graphs are on by default where the platform has real ones (CUDA, NPU); on CPU
         only with --enable-cpu-graph or --enable-torch-compile (which compiles the graph
-        runner's forwards); never with --disable-cuda-graph, nor with data-parallel attention
-        (the MLPs run over every DP group's tokens, a count that changes each step; idle
-        forwards run eagerly too)."""
-        if self.disable_cuda_graph or self.attn_dp_size > 1:
+        runner's forwards); never with --disable-cuda-graph, nor with --moe-a2a-backend
+        all_to_all (its split sizes are host integers read per MoE layer). Under
+        data-parallel attention every rank replays the same graph (model_executor/dp_graph)."""
+        if self.disable_cuda_graph or self.moe_a2a_backend == "all_to_all":
             return False
         return platform.graphs_by_default or self.enable_cpu_graph or self.enable_torch_compile
 
@@ -468,7 +468,8 @@ class ServerArgs:
             action="store_true",
             help="data-parallel attention: the --tp-size ranks form --dp-size groups, each "
             "scheduling its own requests with attention split over tp/dp ranks; MoE and MLP "
-            "layers run over every group's tokens on all ranks (graphs off)",
+            "layers run over every group's tokens on all ranks (graphs: every rank replays "
+            "the same bucket, padded)",
         )
         a(
             "--dp-size",
@@ -490,8 +491,8 @@ class ServerArgs:
             default="none",
             help="expert-parallel token dispatch/combine over torch.distributed: none "
             "(all-gather + all-reduce) or all_to_all (each token to its experts' ranks; needs "
-            "--ep-size > 1 and --enable-dp-attention); SGLang's vendor all-to-all backends are "
-            "not available here",
+            "--ep-size > 1 and --enable-dp-attention; runs eagerly: graphs off); SGLang's "
+            "vendor all-to-all backends are not available here",
         )
         a(
             "--node-rank",

@@ -132,16 +132,18 @@ class TPGroup:
         dist.all_to_all_single(out, x, recv_splits, send_splits, group=self.device_group)
         return out
 
-    def dp_token_counts(self, n: int) -> list[int]:
-        """Tokens of this forward in every DP group (index: DP rank), from each group's first
-        rank's `n`: one all-gather of host integers over the gloo group (no device read)."""
+    def dp_exchange(self, values: list[int]) -> list[list[int]]:
+        """Every DP group's host integers `values` (index: DP rank; as many on every rank),
+        from each group's first rank: one all-gather over the gloo group (no device read).
+        The model runner's once-per-forward exchange: token count and graph choice."""
         import torch.distributed as dist
 
-        self._count("dp_counts", 8)
-        parts = [torch.zeros(1, dtype=torch.int64) for _ in range(self.size)]
-        dist.all_gather(parts, torch.tensor([n]), group=self.cpu_group)
+        mine = torch.tensor(values, dtype=torch.int64)
+        self._count("dp_counts", mine.numel() * mine.element_size())
+        parts = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(parts, mine, group=self.cpu_group)
         step = self.size // self.dp_size
-        return [int(parts[g * step]) for g in range(self.dp_size)]
+        return [parts[g * step].tolist() for g in range(self.dp_size)]
 
     def dp_gather(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [counts[dp_rank], H] -> every DP group's rows [sum(counts), H] in DP-rank order:

@@ -32,8 +32,8 @@ Host reads: the all-to-all's split sizes are host integers (torch.distributed ta
 one read per MoE layer and forward, of the rows this rank sends to and receives from each rank
 ([2, tp] integers, through `HOST_READS`; a device-to-host sync on an accelerator, a plain read
 on CPU). Everything else stays on the device (counts by `index_add_`, expert ids by
-`repeat_interleave` with a host `output_size`). Graphs: data-parallel attention turns graph
-capture off, so this path only runs eager.
+`repeat_interleave` with a host `output_size`). Graphs: those host reads cannot be captured,
+so this backend turns graphs off (`ServerArgs.graphs_enabled`) and this path only runs eager.
 """
 
 from __future__ import annotations

@@ -28,6 +28,11 @@ capture/pad/replay logic runs in every test. Buckets up to `compile_max_bs`
 capture, or (`capture(defer_compile=True)`) captured uncompiled first and compiled one shape
 per `compile_next` call, which swaps the compiled graph in; the caller runs it between steps,
 in the thread that replays (the rule is in torch_compile.py's docstring).
+
+Under data-parallel attention (`dp_size` > 1) a captured forward gathers its padded rows from
+every DP group before each MLP, and all ranks replay the same kind and bucket, or none does:
+model_executor/dp_graph.py states the rule, `demand` and `kind_at` serve it, and
+`try_replay(..., bucket=)` replays the agreed bucket (over padding only for an idle group).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 
 from srt_ascend.layers.attention.base import AttentionBackend
 from srt_ascend.layers.attention.fia_reference import MAX_QUERY_TOKENS_PER_REQ, to_cumulative
+from srt_ascend.model_executor import dp_graph
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.torch_compile import (
     CompiledForward,
@@ -185,8 +191,10 @@ class GraphRunner:
         kinds: Sequence[GraphKind],
         smallest_kv_window: int = MIN_KV_WINDOW,
         compile_max_bs: int = 0,
+        dp_size: int = 1,
     ) -> None:
         self.platform = platform
+        self.dp_size = dp_size  # DP attention groups whose tokens each MLP gathers
         self.compile_max_bs = compile_max_bs  # buckets up to this are compiled (0: none)
         self.eager_forward = eager_forward
         self.req_to_token_pool, self.kv_pool = req_to_token_pool, kv_pool
@@ -315,6 +323,8 @@ class GraphRunner:
             token_to_kv_pool=self.kv_pool,
             attn_backend=kind.backend,
             static_kv_len=window,
+            # every DP group's rows, padding included: fixed collective shapes (dp_graph)
+            dp_token_counts=[n_tok] * self.dp_size if self.dp_size > 1 else None,
         )
 
     def _capture_one(self, kind: GraphKind, bs: int, window: int, compiled: bool) -> _Captured:
@@ -355,8 +365,23 @@ class GraphRunner:
         longest = max(fb.seq_lens_cpu, default=0)
         return next(w for w in self.kind_windows(kind) if w >= longest)
 
+    def bucket_for(self, fb: ForwardBatch, kind: GraphKind) -> int | None:
+        """The smallest captured bucket of `kind` that holds `fb`, or None."""
+        return self._bucket(kind, fb) if kind.name in self.kinds else None
+
     def can_run(self, fb: ForwardBatch, kind: GraphKind) -> bool:
-        return kind.name in self.kinds and self._bucket(kind, fb) is not None
+        return self.bucket_for(fb, kind) is not None
+
+    def demand(self, fb: ForwardBatch, kind: GraphKind | None) -> list[int]:
+        """This rank's demand for the forward of `fb` under data-parallel attention
+        (dp_graph.demand): its tokens, and `kind` with its bucket where one holds `fb`."""
+        bucket = None if kind is None or fb.num_tokens == 0 else self.bucket_for(fb, kind)
+        index = None if bucket is None else list(self.kinds).index(kind.name)
+        return dp_graph.demand(fb.num_tokens, index, bucket)
+
+    def kind_at(self, index: int) -> GraphKind:
+        """The captured kind a demand names by `index`."""
+        return list(self.kinds.values())[index]
 
     def replay(
         self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None = None
@@ -368,14 +393,21 @@ class GraphRunner:
 
     @torch.inference_mode()
     def try_replay(
-        self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None = None
+        self,
+        fb: ForwardBatch,
+        kind: GraphKind,
+        hidden: torch.Tensor | None = None,
+        bucket: int | None = None,
     ) -> torch.Tensor | None:
         """Runs `fb` (eager-built, real rows only) through the captured graph of `kind`;
         returns the real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output
-        is reused), or None when no graph of that kind holds the batch."""
-        bucket = self._bucket(kind, fb) if kind.name in self.kinds else None
+        is reused), or None when no graph of that kind holds the batch. `bucket`: the one the
+        DP ranks agreed on (dp_graph), at least `fb`'s own; `fb` may then have no rows at all
+        (an idle DP group), and the graph runs over padding only."""
         if bucket is None:
-            return None
+            bucket = self.bucket_for(fb, kind)
+            if bucket is None:
+                return None
         window = self._window(kind, fb)
         g = self.graphs[kind.name, bucket, window]
         if not g.compiled:

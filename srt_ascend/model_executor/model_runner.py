@@ -15,6 +15,7 @@ from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt_ascend.model_executor.dp_graph import agree_replay, demand, token_counts
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import (
     MIN_KV_WINDOW,
@@ -107,10 +108,19 @@ class ModelRunner:
         (`--disable-cuda-graph`, `--enable-cpu-graph`, `--enable-torch-compile`, the
         platform's default); otherwise does nothing. Buckets up to --torch-compile-max-bs are
         compiled with --enable-torch-compile: here with --torch-compile-at-start, else one
-        per `compile_next_graph` call (those buckets are captured uncompiled until then)."""
+        per `compile_next_graph` call (those buckets are captured uncompiled until then).
+
+        Under data-parallel attention the graphs hold the MLPs' collectives over all ranks
+        (every rank captures the same shapes in the same order) and are never compiled:
+        torch.compile over those collectives is untested. Collectives inside CUDA graphs
+        need NCCL (HCCL for aclgraphs), which this CPU-tested code has not run."""
         args = self.server_args
         if not args.graphs_enabled(self.platform) or not kinds:
             return
+        compile_on = args.enable_torch_compile
+        if compile_on and self.tp.dp_size > 1:
+            logger.warning("--enable-torch-compile: data-parallel attention runs graphs uncompiled")
+            compile_on = False
         self.graph_runner = GraphRunner(
             self.platform,
             lambda fb, kind, hidden: self._forward(fb, kind.mtp_layer, hidden),
@@ -123,7 +133,8 @@ class ModelRunner:
             ),
             kinds,
             smallest_kv_window,
-            compile_max_bs(args.enable_torch_compile, args.torch_compile_max_bs, self.platform),
+            compile_max_bs(compile_on, args.torch_compile_max_bs, self.platform),
+            self.tp.dp_size,
         )
         self.graph_runner.capture(defer_compile=not args.torch_compile_at_start)
 
@@ -190,17 +201,45 @@ class ModelRunner:
             init_metadata=False,
         )
 
-    def _replay(self, fb: ForwardBatch, kind: GraphKind | None, hidden=None):
-        if kind is None or self.graph_runner is None:
-            return None
-        return self.graph_runner.try_replay(fb, kind, hidden)
+    def _run(
+        self,
+        fb: ForwardBatch,
+        kind: GraphKind | None,
+        mtp_step: int | None,
+        hidden: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """A replay of `kind`'s graph when one holds `fb`, else eager. Under data-parallel
+        attention with graphs, the ranks first exchange their demands and all replay the
+        agreed kind and bucket, or all run eagerly (model_executor/dp_graph.py)."""
+        graphs = self.graph_runner
+        if graphs is not None and self.tp.dp_size > 1:
+            demands = self.tp.dp_exchange(graphs.demand(fb, kind))
+            choice = agree_replay(demands)
+            if choice is not None:
+                agreed = graphs.kind_at(choice[0])
+                self._check_same_module(agreed, mtp_step)
+                return graphs.try_replay(fb, agreed, hidden, bucket=choice[1])
+            fb.dp_token_counts = token_counts(demands)
+            return self._forward(fb, mtp_step, hidden)
+        if graphs is not None and kind is not None:
+            out = graphs.try_replay(fb, kind, hidden)
+            if out is not None:
+                return out
+        return self.forward_eager(fb, mtp_step, hidden)
+
+    def _check_same_module(self, kind: GraphKind, mtp_step: int | None) -> None:
+        """The DP ranks agreed on `kind`; this rank runs the main model (mtp_step None) or
+        that MTP step. A mismatch means the ranks' forwards are out of step."""
+        layer = None if mtp_step is None else self.mtp.layer_for_step(mtp_step)
+        if kind.mtp_layer != layer:
+            mine = "the main model" if layer is None else f"MTP layer {layer}"
+            raise RuntimeError(f"DP ranks out of step: others replay {kind.name}, this runs {mine}")
 
     @torch.inference_mode()
     def forward(self, forward_batch: ForwardBatch, kind: GraphKind | None = None) -> torch.Tensor:
         """Main model forward: a replay of `kind`'s graph when one holds this batch, else
         eager. Returns final-normed hidden states [T, hidden]."""
-        out = self._replay(forward_batch, kind)
-        return self.forward_eager(forward_batch) if out is None else out
+        return self._run(forward_batch, kind, None, None)
 
     @torch.inference_mode()
     def forward_mtp(
@@ -213,23 +252,24 @@ class ModelRunner:
         """MTP draft forward for draft step `step` (input ids = token t+1, `hidden` = h_t);
         replayed from `kind`'s graph when one holds it. Returns the normed hidden the LM
         head reads."""
-        out = self._replay(forward_batch, kind, hidden)
-        return self.forward_eager(forward_batch, step, hidden) if out is None else out
+        return self._run(forward_batch, kind, step, hidden)
 
     @torch.inference_mode()
     def forward_eager(
         self, fb: ForwardBatch, mtp_step: int | None = None, hidden: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The main model (mtp_step None) or the MTP module at that draft step, never from a
-        graph: what every replay must reproduce."""
-        if self.tp.dp_size > 1:  # every DP group's token count, for the MLPs' gather
-            fb.dp_token_counts = self.tp.dp_token_counts(fb.num_tokens)
+        graph: what every replay must reproduce. Under data-parallel attention it exchanges
+        every DP group's token count for the MLPs' gather, stating that it runs no graph (so
+        the other ranks do not either: dp_graph)."""
+        if self.tp.dp_size > 1:
+            fb.dp_token_counts = token_counts(self.tp.dp_exchange(demand(fb.num_tokens)))
         return self._forward(fb, mtp_step, hidden)
 
     def _forward(self, fb: ForwardBatch, mtp_step: int | None, hidden: torch.Tensor | None):
         """`forward_eager` without its inference mode: what the graph runner captures or
-        compiles (a compiled graph must not enter inference mode inside). Graphs are off
-        under data-parallel attention, so DP token counts are set by `forward_eager` only."""
+        compiles (a compiled graph must not enter inference mode inside); a captured batch
+        carries its fixed DP token counts."""
         if fb.attn_metadata is None and not fb.forward_mode.is_idle():
             fb.attn_backend.init_forward_metadata(fb)
         if mtp_step is None:
@@ -241,13 +281,16 @@ class ModelRunner:
         """Under data-parallel attention, a forward over no tokens (ForwardMode.IDLE) of the
         main model (mtp_step None) or the MTP module: what a DP group without requests runs in
         place of each forward the others run, so that the MLPs' collectives over all ranks
-        pair up. Does nothing without DP attention (no other group waits)."""
+        pair up; with graphs, a replay of the graph the others replay, over padding only.
+        Does nothing without DP attention (no other group waits)."""
         if self.tp.dp_size == 1:
             return
         none = torch.empty(0, dtype=torch.int64)
         fb = self.build_forward_batch(ForwardMode.IDLE, none, [], [], [], none)
-        hidden = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
-        self.forward_eager(fb, mtp_step, hidden)
+        hidden = None
+        if mtp_step is not None:
+            hidden = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=self.device)
+        self._run(fb, None, mtp_step, hidden)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

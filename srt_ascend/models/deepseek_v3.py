@@ -182,7 +182,8 @@ class DecoderLayer(nn.Module):
     instead sends each token of its group to its experts' ranks and back
     (`DeepseekMoE.forward_all_to_all`), while dense MLPs keep the gather. A forward with no
     tokens (IDLE: a DP group without requests) skips attention and still joins the MLP's
-    collectives."""
+    collectives. A captured forward's counts are fixed (every group's padded rows), so its
+    gather and reduction have fixed shapes (model_executor/dp_graph.py)."""
 
     def __init__(self, config, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()

@@ -1,12 +1,14 @@
 """`--enable-dp-attention --dp-size 2 --tp-size 2` on CPU (gloo): two DP groups of one rank
 each, every group scheduling its own requests, the MLPs and experts over both groups'
 tokens; float32 greedy outputs equal one process's token for token. Configurations: experts
-split by intermediate rows (MTP off); experts partitioned (`--ep-size 2`) with the gather
-(`--moe-a2a-backend none`, K = 2 drafts, expand verify) and with the all-to-all dispatch
-(`all_to_all`, MTP off and K = 2 with FIA verify). DP group 1 is idle while the first request
-runs alone, then prefills while group 0 decodes (group 0 runs idle prefill forwards), then
-both hold requests: every mix of prefill, decode, draft and idle forwards across the groups
-must keep their MLP collectives paired."""
+split by intermediate rows (MTP off, eager); experts partitioned (`--ep-size 2`) with the
+gather (`--moe-a2a-backend none`) and graphs (`--enable-cpu-graph`: every rank replays the
+graph kind and bucket the ranks agree on, an idle group over padding only), MTP off and K = 2
+drafts with expand verify; and with the all-to-all dispatch (`all_to_all`, eager: MTP off and
+K = 2 with FIA verify). DP group 1 is idle while the first request runs alone, then prefills
+while group 0 decodes (group 0 runs idle prefill forwards), then both hold requests: every mix
+of prefill, decode, draft and idle forwards (replayed or eager) across the groups must keep
+their MLP collectives paired."""
 
 from __future__ import annotations
 
@@ -27,20 +29,26 @@ GREEDY = {"temperature": 0, "max_new_tokens": 20}
 MTP = ("--speculative-algorithm", "MTP", "--speculative-num-steps", "2")
 EP = ("--ep-size", "2")
 A2A = (*EP, "--moe-a2a-backend", "all_to_all")
+GRAPHS = ("--enable-cpu-graph", "--cuda-graph-bs", "1", "2", "--context-length", "512")
 CONFIGS = {
     "plain": (),
-    "ep-mtp-expand": (*EP, *MTP, "--speculative-verify", "expand"),
+    "graphs-ep": (*EP, *GRAPHS),
+    "graphs-ep-mtp-expand": (*EP, *MTP, "--speculative-verify", "expand", *GRAPHS),
     "ep-a2a": A2A,
     "ep-a2a-mtp-fia": (*A2A, *MTP, "--speculative-verify", "fia"),
 }
 DP = ("--tp-size", "2", "--enable-dp-attention", "--dp-size", "2")
+REPLAYED = {  # graph kinds rank 0 must have replayed
+    "graphs-ep": {"decode"},
+    "graphs-ep-mtp-expand": {"verify_expand", "draft_extend", "draft_step0"},
+}
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
 def dp_server(request, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp(f"dp2-{request.param}")
     with running_server(log_dir, *DP, *CONFIGS[request.param]) as s:
-        yield s
+        yield request.param, s
 
 
 def _generate(server, texts: list[str]) -> list[list[int]]:
@@ -70,11 +78,14 @@ def _stream_alone_then_batch(server) -> list[list[int]]:
 
 
 def test_dp_attention_greedy_equals_one_process(server, dp_server):
+    config, dp_server = dp_server
     expected = _generate(server, PROMPTS)
     assert _stream_alone_then_batch(dp_server) == expected
     assert _generate(dp_server, PROMPTS) == expected  # again: both groups, radix hits
     state = dp_server.wait_idle()
     assert state["dp_group_requests"] == [0, 0]
+    replayed = {kind for kind, n in state["graph_replays"].items() if n}
+    assert REPLAYED.get(config, set()) <= replayed, state["graph_replays"]
     assert (
         state["available_kv_tokens"] + state["cached_tokens_in_tree"]
         == state["max_total_num_tokens"]
