@@ -13,23 +13,20 @@ after it pays the deferred passes (one MTP forward over the positions), which is
 its cost entry: a switch costs about one MTP pass. A prefill whose next steps are expected to
 run K = 0 (`prefers_plain`) defers its MTP pass over the prompt the same way.
 
-The cost table starts from a profile taken before serving (`profile_costs`): the step's
-forwards timed per bucket and K over a padding batch, P(b, K). Serving measures the steps it
-runs: each step's wall time joins its entry's last COST_WINDOW samples, and the entry is their
-lower median (a spike does not move it, while the load serving itself puts beside a step,
-streaming and detokenizing on the same cores, stays in). An entry not measured yet is its
-profile plus what the measured entry of its bucket nearest in K (or, with none in its bucket,
-of the nearest measured bucket) took beyond its own profile: the host work around a step's
-forwards, about the same for every K (3-5 ms per step at one request on 2 CPU cores, where the
-forwards' own ratios hold within 10% at 4 requests; scaling the profile instead made K = 1 look
-2.1x K = 0 at one request, against 1.7x measured). So no step runs a K only to learn its
-cost at start (trying every K at every new bucket made a burst of 64 requests spend a third
-of its steps exploring dear K = 3 steps). Each bucket measures a plausible K (expected tokens
-per second within PLAUSIBLE of the best's, an unmeasured entry costed at most its profile)
-that has fewer than WARM_SAMPLES samples every WARM_EVERY-th step, and its stalest plausible
-entry every EXPLORE_EVERY-th step: the estimates are off by 10-20% once serving runs beside
-the forwards, which only measuring corrects, and a K that cannot come close to the best is
-never worth a step to measure.
+The costs come from a profile taken before serving (`profile_costs`): the step's forwards
+timed per bucket and K over a padding batch, P(b, K). Serving adds what the profile cannot
+see, the host work around a step's forwards (scheduling, sampling, commits, the serving
+threads beside the step on the same cores): C(b, K) = P(b, K) + O(b), where O(b) is the lower
+median of the last COST_WINDOW steps' (wall time - P(b, K of that step)) in bucket b, whatever
+K they ran (a bucket not seen yet takes the nearest seen bucket's). Measured on 2 CPU cores the
+quiet step times exceed the profile by about the same for every K (3-5 ms at one request,
+1-3 ms at four). Per-(bucket, K) step timings were tried first and misled the policy: each K
+is timed only under the conditions in which it gets chosen (K = 0 right after prefills, when
+new requests start with low estimates and arrivals load the cores), so a K = 0 step at four
+requests read 28 ms against 18 ms quiet, and K = 1 looked cheaper than it is; keeping them
+honest cost exploration steps, each with a catch-up pass, that a burst of 64 requests could
+not repay. With one shared term every K is always costed from the same evidence, and no step
+runs a K only to measure it.
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps.
 """
@@ -46,19 +43,18 @@ from tqdm import tqdm
 
 from srt_ascend.registry import Registry
 
-COST_WINDOW = 8  # step times an entry keeps (its cost is their lower median)
+COST_WINDOW = 8  # steps whose host work O(b) is the lower median of
 ACCEPT_WEIGHT = 0.1  # weight of a new verify outcome in a request's acceptance estimate
 # (0.3 let one rejected draft swing a lone request's choice to K = 0 and back)
-WARM_SAMPLES = 2  # samples a plausible entry gets soon after its bucket is first seen
-WARM_EVERY = 4  # steps of a bucket between two of those early measurements
-EXPLORE_EVERY = 50  # steps of a bucket between two re-measurements of its stalest entry
-PLAUSIBLE = 0.8  # a K whose expected tokens per second is at least this times the best's
 # Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
-# costs beyond its steps is not in the table (the passes that catch up deferred positions, the
+# costs beyond its steps is not in the costs (the passes that catch up deferred positions, the
 # MTP pass over prompts, requests that no longer finish together and so prefill their
 # successors one by one instead of in one batch)
 SPEC_MARGIN = 1.05
-PRIOR_ACCEPT = 0.5  # a position's acceptance before any draft was verified there
+# A position's acceptance before any draft was verified there: optimistic (DeepSeek-V3 reports
+# 85-90% for its MTP drafts), so that where drafting can pay it gets tried and the estimates
+# learn; the policy runs no step only to learn (0.5 kept a lone request on K = 0 for good)
+PRIOR_ACCEPT = 0.9
 PROFILE_RUNS = 2  # timed runs per profiled entry (after one warm-up); the minimum is kept
 
 
@@ -100,9 +96,9 @@ def update_estimate(estimate: list[float], k: int, accepted: int) -> None:
 
 
 class CostTable:
-    """Seconds per step by (batch bucket, K): measured while serving, else the start profile
-    scaled (module docstring). A batch belongs to the smallest bucket that holds it (the
-    largest one when none does)."""
+    """Seconds per step by (batch bucket, K): the start profile plus the bucket's host work
+    measured while serving (module docstring). A batch belongs to the smallest bucket that
+    holds it (the largest one when none does)."""
 
     def __init__(
         self, buckets: Sequence[int], max_k: int, profile: dict[tuple[int, int], float]
@@ -113,37 +109,24 @@ class CostTable:
         if missing:
             raise ValueError(f"the cost profile lacks {missing}")
         self.profile = profile
-        self.seconds: dict[tuple[int, int], float] = {}
-        self.samples: Counter[tuple[int, int]] = Counter()
-        self.recent: dict[tuple[int, int], deque[float]] = {}
-        self.measured_at: dict[tuple[int, int], int] = {}  # bucket step of the last sample
-        self.steps: Counter[int] = Counter()  # steps per bucket
+        self.recent: dict[int, deque[float]] = {}  # per bucket: wall time - profile, per step
+        self.host: dict[int, float] = {}  # per bucket: O(b), the lower median of `recent`
 
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        key = (self.bucket(batch), k)
-        self.samples[key] += 1
-        recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
-        recent.append(seconds)
-        self.seconds[key] = statistics.median_low(recent)
-        self.measured_at[key] = self.steps[key[0]]
+        bucket = self.bucket(batch)
+        recent = self.recent.setdefault(bucket, deque(maxlen=COST_WINDOW))
+        recent.append(seconds - self.profile[bucket, k])
+        self.host[bucket] = statistics.median_low(recent)
 
     def cost(self, bucket: int, k: int) -> float:
-        """Seconds of a step with K = k in `bucket`: measured, or its profile plus what a
-        reference entry measured beyond its own profile (the host work around a step's
-        forwards), the reference being the entry nearest in K of the nearest bucket with a
-        measured entry (this one first); never below half the profile, and the raw profile
-        when nothing is measured yet."""
-        if (bucket, k) in self.seconds:
-            return self.seconds[bucket, k]
-        if not self.seconds:
-            return self.profile[bucket, k]
-        near = min({b for b, _ in self.seconds}, key=lambda b: abs(b - bucket))
-        ref = min((key for key in self.seconds if key[0] == near), key=lambda key: abs(key[1] - k))
-        extra = self.seconds[ref] - self.profile[ref]
-        return max(self.profile[bucket, k] + extra, self.profile[bucket, k] / 2)
+        """P(b, K) + O(b), O from the nearest bucket that ran a step (0 before any did),
+        never below half the profile (a profile taken on a busier machine than serving)."""
+        near = min(self.host, key=lambda b: abs(b - bucket), default=None)
+        host = 0.0 if near is None else self.host[near]
+        return max(self.profile[bucket, k] + host, self.profile[bucket, k] / 2)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{bucket: {K: seconds}} as the policy sees them now, for /server_info and /metrics."""
@@ -234,41 +217,23 @@ class AdaptiveDraftLength(DraftLength):
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
         self.costs = CostTable(self.buckets, self.max_k, profile)
 
-    def _rates(
-        self, bucket: int, estimates: Sequence[list[float]], optimistic: bool = False
-    ) -> dict[int, float]:
-        """Expected tokens per second of each K for these requests in `bucket`; `optimistic`
-        costs an entry serving has not measured at most its profile (a reference entry that
-        ran slow for its own reasons must not keep the others from being tried)."""
-        rates = {}
-        for k in self.costs.ks:
-            cost = self.costs.cost(bucket, k)
-            if optimistic and (bucket, k) not in self.costs.seconds:
-                cost = min(cost, self.costs.profile[bucket, k])
-            rates[k] = sum(expected_tokens(e, k) for e in estimates) / cost
-        return rates
+    def _rates(self, bucket: int, estimates: Sequence[list[float]]) -> dict[int, float]:
+        """Expected tokens per second of each K for these requests in `bucket`."""
+        return {
+            k: sum(expected_tokens(e, k) for e in estimates) / self.costs.cost(bucket, k)
+            for k in self.costs.ks
+        }
+
+    def _best(self, rates: dict[int, float]) -> int:
+        best = max(rates, key=rates.__getitem__)
+        return best if rates[best] >= SPEC_MARGIN * rates[0] else 0
 
     def choose(self, estimates):
-        bucket = self.costs.bucket(len(estimates))
-        self.costs.steps[bucket] += 1
-        step = self.costs.steps[bucket]
-        rates = self._rates(bucket, estimates)
-        best = max(rates, key=rates.__getitem__)
-        if rates[best] < SPEC_MARGIN * rates[0]:
-            best = 0
-        hopes = self._rates(bucket, estimates, optimistic=True)
-        plausible = [k for k in self.costs.ks if hopes[k] >= PLAUSIBLE * rates[best]]
-        if step % WARM_EVERY == 0:
-            cold = [k for k in plausible if self.costs.samples[bucket, k] < WARM_SAMPLES]
-            if cold:
-                return max(cold, key=hopes.__getitem__)
-        if step % EXPLORE_EVERY == 0:
-            return min(plausible, key=lambda k: self.costs.measured_at.get((bucket, k), -1))
-        return best
+        return self._best(self._rates(self.costs.bucket(len(estimates)), estimates))
 
     def prefers_plain(self, batch: int) -> bool:
-        rates = self._rates(self.costs.bucket(batch), [self.initial_estimate()] * batch)
-        return max(rates.values()) < SPEC_MARGIN * rates[0]
+        estimates = [self.initial_estimate()] * batch
+        return self._best(self._rates(self.costs.bucket(batch), estimates)) == 0
 
     def record(self, estimates, k, accepted, seconds):
         super().record(estimates, k, accepted, seconds)
