@@ -1,14 +1,14 @@
 """Serving overhead at one request: the bare decode forward beside the step it serves.
 
     python benchmark/step_overhead.py [--compile] [--input-len 64] [--output-len 64]
-        [--num-prompts 16] [--context-length 256] [--py-spy] [--json-out FILE]
-        [--server-flags --num-threads 1 ...]
+        [--num-prompts 16] [--context-length 256] [--py-spy FILE [--gil]]
+        [--switch-interval S] [--json-out FILE] [--server-flags --num-threads 1 ...]
 
 One run, shipped checkpoint, bf16, MTP off, greedy, one request at a time:
 1. bare: a ModelRunner with the server's settings (graphs at batch 1; `--compile`:
    compiled) replays the decode forward back to back over one request with KV of the served
    mean length: the forward alone, and the least a step needs (batch build + forward + logits +
-   argmax read).
+   argmax read); compiled, also the forward without dynamo's guard evaluation.
 2. served: the same settings as a server (`launch_server.run` in a child process, with timers
    wrapped around the parts of a step and GC callbacks), and a streaming client here sends the
    prompts one after another to /generate; TPOT per request from the chunks' arrival times
@@ -16,9 +16,11 @@ One run, shipped checkpoint, bf16, MTP off, greedy, one request at a time:
 The breakdown is ms per decode step of each timed part during the measured requests, in the
 scheduler thread (the step) and in the event loop thread (output dispatch, detokenization,
 response building; the HTTP streaming itself is what the loop spends beyond them).
-`--py-spy` then repeats the client run under `py-spy record` (pip install py-spy; a tool, not
-a dependency) and prints each thread's most frequent frames: the sampler costs CPU itself, so
-those times are not comparable with the timed run.
+`--py-spy FILE` then repeats the client run under `py-spy record` (pip install py-spy; a tool,
+not a dependency; `--gil`: only the thread holding the GIL is sampled), keeps the raw samples
+in FILE and prints each thread's most frequent frames: the sampler costs CPU itself, so those
+times are not comparable with the timed run. `--switch-interval` sets the server's
+`sys.setswitchinterval` (an experiment on GIL hand-offs).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import torch
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
-# (label, owner, attribute, thread) of every timed part; nesting shown by the label's indent.
+# (label, "module:owner", method or None for a module function) of every timed part; the
+# label's indent shows nesting.
 PARTS = [
     ("step (decode)", "srt_ascend.managers.scheduler:Scheduler", "_run_decode"),
     ("  kv alloc", "srt_ascend.managers.kv_book:KVBook", "alloc_running"),
@@ -414,5 +417,4 @@ def report(res: dict) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     main()
