@@ -142,7 +142,13 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
-        """(index, output) for every step of every request, in arrival order."""
+        """(index, output) for every step of every request, in arrival order. One request
+        (the usual body) is iterated directly: no task per step."""
+        if len(reqs) == 1:
+            async with contextlib.aclosing(self.run(reqs[0])) as gen:
+                async for out in gen:
+                    yield 0, out
+            return
         gens = [self.run(r) for r in reqs]
         pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
         try:

@@ -41,17 +41,28 @@ class KVBook:
         host bookkeeping, the device table gets them with one async copy."""
         prefix = [r.kv_len for r in reqs]
         seq = [r.kv_len + n for r, n in zip(reqs, lens)]
-        last = [int(self.host[r.req_pool_idx, r.kv_len - 1]) if r.kv_len else -1 for r in reqs]
-        loc = self.allocator.alloc_extend(prefix, seq, last)
+        rows = [r.req_pool_idx for r in reqs]
+        loc = self._take_slots(rows, prefix, seq)
         if loc is None:
             self.tree.evict(sum(lens) + len(reqs) * self.page_size)
-            loc = self.allocator.alloc_extend(prefix, seq, last)
+            loc = self._take_slots(rows, prefix, seq)
         if loc is None:
             return None
-        self.req_to_token_pool.write([r.req_pool_idx for r in reqs], prefix, loc, lens)
+        self.req_to_token_pool.write(rows, prefix, loc, lens)
         for r, n in zip(reqs, lens):
             r.alloc_len = r.kv_len + n
         return loc
+
+    def _take_slots(self, rows: list[int], prefix: list[int], seq: list[int]):
+        """The allocator's slots for positions prefix..seq-1 of each row, or None. One new
+        position per request after KV it has (a plain decode step) takes the allocator's
+        decode path, with the last slots read in one host gather: a step's bookkeeping is a
+        handful of host ops, not a dozen per request."""
+        if all(s - p == 1 and p > 0 for p, s in zip(prefix, seq)):
+            last = self.host[rows, [p - 1 for p in prefix]]
+            return self.allocator.alloc_decode(seq, last)
+        last = [int(self.host[r, p - 1]) if p else -1 for r, p in zip(rows, prefix)]
+        return self.allocator.alloc_extend(prefix, seq, last)
 
     def alloc_extend(self, reqs: list[Req], lens: list[int]) -> torch.Tensor:
         """Slots for an admitted prefill batch (admission already counted them)."""

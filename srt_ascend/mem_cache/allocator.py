@@ -160,10 +160,14 @@ class TokenToKVPoolAllocator:
         ``last_loc[i]`` is the slot of position ``seq_len[i] - 2``. Continues in the current
         page unless ``last_loc`` is at a page end. Returns [batch] slots or None (no change).
         """
+        if len(seq_lens) != len(last_loc):
+            raise ValueError("seq_lens and last_loc must have equal lengths")
+        if self.page_size == 1:  # every position is a page of its own: take len(seq) pages
+            if len(seq_lens) > self._free_pages.numel():
+                return None
+            return self._take_pages(len(seq_lens)).clone()
         seq = torch.as_tensor(seq_lens, dtype=torch.int64, device=self.device)
         last = torch.as_tensor(last_loc, dtype=torch.int64, device=self.device)
-        if seq.shape != last.shape:
-            raise ValueError("seq_lens and last_loc must have equal lengths")
         if self.page_size > 1 and bool(
             ((last + 1) % self.page_size != (seq - 1) % self.page_size).any()
         ):

@@ -90,8 +90,13 @@ class ReqToTokenPool:
         if not rows:
             return
         slots = slots.to(device="cpu", dtype=torch.int64)
-        row_idx = torch.cat([torch.full((n,), r, dtype=torch.int64) for r, n in zip(rows, lens)])
-        col_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
+        if all(n == 1 for n in lens):  # a decode step: one position per row
+            row_idx, col_idx = torch.tensor(rows), torch.tensor(starts)
+        else:
+            row_idx = torch.cat(
+                [torch.full((n,), r, dtype=torch.int64) for r, n in zip(rows, lens)]
+            )
+            col_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         self.host[row_idx, col_idx] = slots
         if self.host is not self.req_to_token:
             both = to_device(torch.stack([row_idx, col_idx, slots]), self.device)
