@@ -70,18 +70,18 @@ def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
     assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
 
 
-def test_profile_warms_up_then_keeps_the_fastest_run() -> None:
+def test_profile_warms_up_keeps_the_fastest_run_and_interpolates() -> None:
     calls = []
-    durations = iter([9.0, 3.0, 2.0] * 2)  # warm-up (slow: first use), then the timed runs
+    durations = iter([9.0, 3.0, 2.0] * 3)  # warm-up (slow: first use), then the timed runs
 
     def forwards(b, k):
         calls.append((b, k))
-        clock.advance(next(durations))
+        clock.advance(next(durations) * b)
 
-    assert profile_costs([1, 4], 0, forwards, lambda: None) == {(1, 0): 2.0, (4, 0): 2.0}
-    assert calls == [(1, 0)] * (1 + PROFILE_RUNS) + [(4, 0)] * (1 + PROFILE_RUNS)
-    with pytest.raises(ValueError, match="lacks"):
-        CostTable([1, 4], 1, {(1, 0): 1.0, (1, 1): 1.0, (4, 0): 1.0})
+    # 1, 4 (a power of two) and 6 (the largest) are timed; 3 and 5 are interpolated
+    got = profile_costs([1, 3, 4, 5, 6], 0, forwards, lambda: None)
+    assert got == {(1, 0): 2.0, (3, 0): 6.0, (4, 0): 8.0, (5, 0): 10.0, (6, 0): 12.0}
+    assert calls == [(b, 0) for b in (1, 4, 6) for _ in range(1 + PROFILE_RUNS)]
 
 
 def test_costs_are_the_profile_plus_the_host_work_serving_measures() -> None:
