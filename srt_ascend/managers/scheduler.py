@@ -339,13 +339,15 @@ class Scheduler:
         if to_sample:
             logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
             self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
-        next_batch = len(self.running) + sum(not r.finished for r, _ in to_sample)
-        self.decoder.after_prefill(reqs, kv_before, lens, hidden, done, next_batch)
+        joining = [r for r, _ in to_sample if not r.finished]
+        self.decoder.after_prefill(
+            reqs, kv_before, lens, hidden, done, len(self.running) + len(joining)
+        )
         for r in reqs:
             if r.finished:
                 self.kv.release(r)
         self._outputs += [self._make_output(r, []) for r in prompt_only]
-        self.running.extend(r for r, _ in to_sample if not r.finished)
+        self.running.extend(joining)
         self._flush_outputs()
 
     def _collect_input_logprobs(self, req: Req, hidden: torch.Tensor, a: int) -> None:
