@@ -109,7 +109,7 @@ class Decoder(ABC):
         lens: list[int],  # positions computed
         hidden: torch.Tensor,  # [sum(lens), D] main-model hidden states of those positions
         done: list[bool],  # whose prompt is now complete
-        next_batch: int,  # requests the next decode step will run (these included)
+        next_batch: int,  # requests the next decode step is expected to run (these too)
     ) -> None:
         """Called after every EXTEND forward, once the first tokens are committed."""
 

@@ -340,9 +340,7 @@ class Scheduler:
             logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
             self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
         joining = [r for r, _ in to_sample if not r.finished]
-        self.decoder.after_prefill(
-            reqs, kv_before, lens, hidden, done, len(self.running) + len(joining)
-        )
+        self.decoder.after_prefill(reqs, kv_before, lens, hidden, done, self._next_batch(joining))
         for r in reqs:
             if r.finished:
                 self.kv.release(r)
@@ -396,6 +394,16 @@ class Scheduler:
         req.prefix_len, req.last_node = res.prefix_len, res.last_node
 
     # ---- decode -----------------------------------------------------------------------------
+
+    def _next_batch(self, joining: list[Req]) -> int:
+        """Requests the next decode step is expected to run: the running ones, those joining
+        now, and those the loop prefills first (waiting, the chunked one, and the ones that
+        arrived during this prefill, not received yet), within --max-running-requests. A
+        burst of arrivals is then planned for as a whole from its first prefill (the leader's
+        view: its only reader, adaptive K, runs on one rank)."""
+        coming = len(self.waiting) + (self.chunked_req is not None) + self.inbox.qsize()
+        expected = len(self.running) + len(joining) + coming
+        return min(expected, self.args.max_running_requests)
 
     def _run_decode(self) -> None:
         before = {id(r): len(r.output_ids) for r in self.running}

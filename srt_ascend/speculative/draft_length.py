@@ -14,19 +14,21 @@ its cost entry: a switch costs about one MTP pass. A prefill whose next steps ar
 run K = 0 (`prefers_plain`) defers its MTP pass over the prompt the same way.
 
 The costs come from a profile taken before serving (`profile_costs`): the step's forwards
-timed per bucket and K over a padding batch, P(b, K). Serving adds what the profile cannot
-see, the host work around a step's forwards (scheduling, sampling, commits, the serving
-threads beside the step on the same cores): C(b, K) = P(b, K) + O(b), where O(b) is the lower
-median of the last COST_WINDOW steps' (wall time - P(b, K of that step)) in bucket b, whatever
-K they ran (a bucket not seen yet takes the nearest seen bucket's). Measured on 2 CPU cores the
-quiet step times exceed the profile by about the same for every K (3-5 ms at one request,
-1-3 ms at four). Per-(bucket, K) step timings were tried first and misled the policy: each K
-is timed only under the conditions in which it gets chosen (K = 0 right after prefills, when
-new requests start with low estimates and arrivals load the cores), so a K = 0 step at four
-requests read 28 ms against 18 ms quiet, and K = 1 looked cheaper than it is; keeping them
-honest cost exploration steps, each with a catch-up pass, that a burst of 64 requests could
-not repay. With one shared term every K is always costed from the same evidence, and no step
-runs a K only to measure it.
+timed per bucket and K over a padding batch, P(b, K). Serving scales it by what it measures:
+C(b, K) = P(b, K) x S(b, K), where S(b, K) is the lower median of the last COST_WINDOW
+(wall time / P(b, K)) of the steps that ran K in bucket b; an entry not run yet borrows the
+scale of the bucket's other K (or the nearest bucket's). The profile gets the shape (how a
+step grows with its tokens), serving the level: served steps run slower than the profile's
+tight loop by about the same factor for every K, since the serving threads beside the step
+take the GIL and the cores between its operations, and a step with drafts has several times a
+plain step's operations. (One host-work term added to every K, the earlier model, put 15 ms
+on a K = 0 step at one request because K = 3 steps had run 15 ms over their profile: K = 3
+then looked twice as fast per token as K = 0 and ran at 0.94x of MTP off, at four requests
+0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it is a contender,
+so the two best entries stay measured: an entry that the profile's noise or a burst of load
+put too high or too low is corrected within a few of its steps. The profile is noisy on a
+shared CPU, so each entry is the fastest of several interleaved runs and no entry may cost
+more than a step over more tokens (`monotone`).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps.
 """
@@ -55,7 +57,23 @@ SPEC_MARGIN = 1.05
 # 85-90% for its MTP drafts), so that where drafting can pay it gets tried and the estimates
 # learn; the policy runs no step only to learn (0.5 kept a lone request on K = 0 for good)
 PRIOR_ACCEPT = 0.9
-PROFILE_RUNS = 2  # timed runs per profiled entry (after one warm-up); the minimum is kept
+# Every EXPLORE_EVERY-th step of a bucket runs the runner-up K instead of the best, when it
+# promises at least EXPLORE_WITHIN of the best's tokens per second (EXPLORE_UNMEASURED when
+# its cost was never measured in this bucket, only borrowed): the two contenders both stay
+# measured, so a cost that serving inflated (or the profile understated) is corrected by the
+# next measurement of it (at most 1/32 of the steps, each at most 20% slower once measured)
+EXPLORE_EVERY = 32
+EXPLORE_WITHIN = 0.8
+EXPLORE_UNMEASURED = 0.5
+# Timed runs per profiled entry, after one warm-up; the minimum is kept. The entries are timed
+# in interleaved rounds (a burst of interference then spoils one run of several entries, not
+# every run of one), an entry until it has PROFILE_MIN_RUNS runs and PROFILE_ENTRY_SECONDS of
+# them, at most PROFILE_MAX_RUNS: a short entry, whose ratio to the others a few milliseconds
+# of noise swings most, gets the most runs. On 2 CPU cores single profiles of one server put
+# K = 3 at 2.6x to 4.0x the cost of K = 0 at 4 requests (the policy's tie is at 3.3x).
+PROFILE_MIN_RUNS = 2
+PROFILE_MAX_RUNS = 8
+PROFILE_ENTRY_SECONDS = 0.2
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -96,9 +114,9 @@ def update_estimate(estimate: list[float], k: int, accepted: int) -> None:
 
 
 class CostTable:
-    """Seconds per step by (batch bucket, K): the start profile plus the bucket's host work
-    measured while serving (module docstring). A batch belongs to the smallest bucket that
-    holds it (the largest one when none does)."""
+    """Seconds per step by (batch bucket, K): the start profile scaled by what serving
+    measured (module docstring). A batch belongs to the smallest bucket that holds it (the
+    largest one when none does)."""
 
     def __init__(
         self, buckets: Sequence[int], max_k: int, profile: dict[tuple[int, int], float]
@@ -109,24 +127,39 @@ class CostTable:
         if missing:
             raise ValueError(f"the cost profile lacks {missing}")
         self.profile = profile
-        self.recent: dict[int, deque[float]] = {}  # per bucket: wall time - profile, per step
-        self.host: dict[int, float] = {}  # per bucket: O(b), the lower median of `recent`
+        self.recent: dict[tuple[int, int], deque[float]] = {}  # wall time / profile per step
+        self.scale: dict[tuple[int, int], float] = {}  # the lower median of `recent`
 
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
     def observe(self, batch: int, k: int, seconds: float) -> None:
-        bucket = self.bucket(batch)
-        recent = self.recent.setdefault(bucket, deque(maxlen=COST_WINDOW))
-        recent.append(seconds - self.profile[bucket, k])
-        self.host[bucket] = statistics.median_low(recent)
+        key = self.bucket(batch), k
+        recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
+        recent.append(seconds / self.profile[key])
+        self.scale[key] = statistics.median_low(recent)
+
+    def measured(self, bucket: int, k: int) -> bool:
+        return (bucket, k) in self.scale
 
     def cost(self, bucket: int, k: int) -> float:
-        """P(b, K) + O(b), O from the nearest bucket that ran a step (0 before any did),
-        never below half the profile (a profile taken on a busier machine than serving)."""
-        near = min(self.host, key=lambda b: abs(b - bucket), default=None)
-        host = 0.0 if near is None else self.host[near]
-        return max(self.profile[bucket, k] + host, self.profile[bucket, k] / 2)
+        """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
+        bucket's measured K, else the nearest measured bucket's, for this K if it has it),
+        1 before any step ran; never below half the profile."""
+        scale = self.scale.get((bucket, k))
+        if scale is None:
+            mine = [self.scale[bucket, j] for j in self.ks if (bucket, j) in self.scale]
+            if not mine:
+                seen = {b for b, _ in self.scale}
+                near = min(seen, key=lambda b: abs(b - bucket), default=None)
+                if near is not None:
+                    mine = (
+                        [self.scale[near, k]]
+                        if (near, k) in self.scale
+                        else [self.scale[near, j] for j in self.ks if (near, j) in self.scale]
+                    )
+            scale = statistics.median_low(mine) if mine else 1.0
+        return self.profile[bucket, k] * max(scale, 0.5)
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{bucket: {K: seconds}} as the policy sees them now, for /server_info and /metrics."""
@@ -141,23 +174,32 @@ def profile_costs(
 ) -> dict[tuple[int, int], float]:
     """Seconds of a step's forwards per (bucket, K), with a progress bar. The smallest and
     largest buckets and the powers of two between are timed: `run_step_forwards(bucket, k)`
-    once to warm up, then the minimum of PROFILE_RUNS timed runs. The buckets between them
-    are interpolated linearly in the batch size (at the default 64 requests this times 7 of
-    10 buckets, 60% of the work: about 9 s on 2 CPU cores instead of 14 s)."""
+    once each to warm up, then in rounds (PROFILE_MIN_RUNS above), keeping each entry's
+    fastest run. The buckets between are interpolated linearly in the batch size (at the
+    default 64 requests this times 7 of 10 buckets). Last, no entry may cost more than a
+    larger one (`monotone`)."""
     ordered = sorted(buckets)
     timed = [b for b in ordered if b in (ordered[0], ordered[-1]) or b & (b - 1) == 0]
     keys = [(b, k) for b in timed for k in range(max_k + 1)]
-    out = {}
-    for b, k in tqdm(keys, desc="profiling MTP step costs", unit="shape", mininterval=2.0):
-        run_step_forwards(b, k)
-        runs = []
-        for _ in range(PROFILE_RUNS):
-            synchronize()
-            started = time.perf_counter()
+    runs: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
+
+    def wanted(key) -> bool:
+        n, spent = len(runs[key]), sum(runs[key])
+        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
+
+    with tqdm(desc="profiling MTP step costs", unit="run", mininterval=2.0) as bar:
+        for b, k in keys:
             run_step_forwards(b, k)
-            synchronize()
-            runs.append(time.perf_counter() - started)
-        out[b, k] = min(runs)
+            bar.update()
+        while todo := [key for key in keys if wanted(key)]:
+            for b, k in todo:
+                synchronize()
+                started = time.perf_counter()
+                run_step_forwards(b, k)
+                synchronize()
+                runs[b, k].append(time.perf_counter() - started)
+                bar.update()
+    out = {key: min(r) for key, r in runs.items()}
     for b in ordered:
         if b in timed:
             continue
@@ -166,6 +208,20 @@ def profile_costs(
         w = (b - lo) / (hi - lo)
         for k in range(max_k + 1):
             out[b, k] = (1 - w) * out[lo, k] + w * out[hi, k]
+    return monotone(out)
+
+
+def monotone(costs: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Each (bucket, K) entry capped by every entry with as many requests and drafts or more:
+    a step over more tokens does not run faster, so an entry above a larger one is noise
+    (interference lengthens runs; nothing shortens them)."""
+    buckets = sorted({b for b, _ in costs})
+    following = dict(zip(buckets, buckets[1:]))
+    out = dict(costs)
+    for b, k in sorted(costs, reverse=True):  # the larger neighbours are already capped
+        for key in ((b, k + 1), (following.get(b), k)):
+            if key in out:
+                out[b, k] = min(out[b, k], out[key])
     return out
 
 
@@ -225,6 +281,7 @@ class AdaptiveDraftLength(DraftLength):
         super().__init__(max_k, buckets)
         self.buckets = buckets
         self.costs: CostTable | None = None  # from `calibrate`, before the first step
+        self.steps: Counter[int] = Counter()  # steps chosen per bucket
 
     def calibrate(self, run_step_forwards, synchronize) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
@@ -242,7 +299,17 @@ class AdaptiveDraftLength(DraftLength):
         return best if rates[best] >= SPEC_MARGIN * rates[0] else 0
 
     def choose(self, estimates):
-        return self._best(self._rates(self.costs.bucket(len(estimates)), estimates))
+        bucket = self.costs.bucket(len(estimates))
+        rates = self._rates(bucket, estimates)
+        best = self._best(rates)
+        self.steps[bucket] += 1
+        if self.steps[bucket] % EXPLORE_EVERY == 0:  # the runner-up, if it is a contender
+            others = [k for k in rates if k != best]
+            second = max(others, key=rates.__getitem__)
+            within = EXPLORE_WITHIN if self.costs.measured(bucket, second) else EXPLORE_UNMEASURED
+            if rates[second] >= within * rates[best]:
+                return second
+        return best
 
     def prefers_plain(self, batch: int) -> bool:
         estimates = [self.initial_estimate()] * batch

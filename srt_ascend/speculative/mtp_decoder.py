@@ -156,8 +156,9 @@ class MTPDecoder(Decoder):
     def after_prefill(self, reqs, starts, lens, hidden, done, next_batch) -> None:
         """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
         that are still running get their first draft. When the next steps are expected to
-        run K = 0 the pass is deferred instead (`MTPWorker.defer`), as a K = 0 step defers
-        its own: a burst of prompts under load then costs what it costs without MTP."""
+        run K = 0 (over `next_batch`, which counts the requests still arriving) the pass is
+        deferred instead (`MTPWorker.defer`), as a K = 0 step defers its own: a burst of
+        prompts under load then costs what it costs without MTP, from its first prefill."""
         if self.draft_length.prefers_plain(next_batch):
             self.worker.defer(reqs, starts, lens, hidden)
             return

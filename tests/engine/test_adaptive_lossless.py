@@ -75,3 +75,35 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
         assert {"verify_fia", "verify_expand_k0", "verify_fia_k1", "draft_extend_k1"} <= replayed
     assert sum(state["spec_accepted_per_position"]) > 0
+
+
+def test_a_burst_is_planned_from_its_first_prefill(model_path):
+    """Prompts longer than a prefill chunk prefill one chunk at a time while the others wait:
+    every prefill tells the decoder the batch the burst makes (4), not the requests that have
+    joined so far (0, 1, 2, 3), so the policy decides whether to defer the MTP pass over the
+    prompts for the batch the next decode steps will run."""
+    engine = Engine(
+        model_path=model_path,
+        dtype="float32",
+        max_running_requests=4,
+        chunked_prefill_size=64,
+        speculative_adaptive=True,
+        **SPEC,
+    )
+    seen = []
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        after_prefill = decoder.after_prefill
+
+        def spy(reqs, starts, lens, hidden, done, next_batch):
+            seen.append(next_batch)
+            after_prefill(reqs, starts, lens, hidden, done, next_batch)
+
+        decoder.after_prefill = spy
+        text = "the quick brown fox jumps over the lazy dog. " * 12
+        prompts = [f"{i}: {text}" for i in range(4)]
+        outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 4})
+    finally:
+        engine.shutdown()
+    assert all(len(o["output_ids"]) == 4 for o in outs)
+    assert len(seen) > 4 and set(seen) == {4}, seen

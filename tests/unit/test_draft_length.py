@@ -1,6 +1,7 @@
 """Adaptive draft length on synthetic costs: the start profile, the cost table (buckets,
-windowed median, profile scaled by what serving measured), the acceptance estimates, and the
-policy's choice of K; the metrics it exports and the flags."""
+windowed median, profile scaled by what serving measured), the acceptance estimates, the
+policy's choice of K and its exploration of the runner-up; the metrics it exports and the
+flags."""
 
 from __future__ import annotations
 
@@ -12,13 +13,18 @@ from srt_ascend.speculative import draft_length
 from srt_ascend.speculative.draft_length import (
     ACCEPT_WEIGHT,
     COST_WINDOW,
-    PROFILE_RUNS,
+    EXPLORE_EVERY,
+    EXPLORE_UNMEASURED,
+    EXPLORE_WITHIN,
+    PROFILE_MAX_RUNS,
+    PROFILE_MIN_RUNS,
     SPEC_MARGIN,
     AcceptanceStats,
     AdaptiveDraftLength,
     CostTable,
     FixedDraftLength,
     expected_tokens,
+    monotone,
     profile_costs,
     update_estimate,
 )
@@ -70,51 +76,78 @@ def test_expected_tokens_is_one_plus_the_survival_sum() -> None:
     assert expected_tokens([0.8, 0.5, 0.5], 3) == pytest.approx(1 + 0.8 + 0.4 + 0.2)
 
 
-def test_profile_warms_up_keeps_the_fastest_run_and_interpolates() -> None:
+def test_profile_warms_up_runs_in_rounds_keeps_the_fastest_run_and_interpolates() -> None:
     calls = []
-    durations = iter([9.0, 3.0, 2.0] * 3)  # warm-up (slow: first use), then the timed runs
+    slow = {(1, 0): 9.0, (4, 0): 9.0, (6, 0): 9.0}  # the first run of each: warm-up
 
     def forwards(b, k):
         calls.append((b, k))
-        clock.advance(next(durations) * b)
+        run = sum(c == (b, k) for c in calls)  # 1: warm-up, then the timed runs
+        clock.advance(slow.pop((b, k), 3.0 if run % 2 else 2.5) * b * 0.005)
 
     # 1, 4 (a power of two) and 6 (the largest) are timed; 3 and 5 are interpolated
     got = profile_costs([1, 3, 4, 5, 6], 0, forwards, lambda: None)
-    assert got == {(1, 0): 2.0, (3, 0): 6.0, (4, 0): 8.0, (5, 0): 10.0, (6, 0): 12.0}
-    assert calls == [(b, 0) for b in (1, 4, 6) for _ in range(1 + PROFILE_RUNS)]
+    assert got == pytest.approx({(b, 0): 0.0125 * b for b in (1, 3, 4, 5, 6)})
+    # warm-up round, then rounds over the entries still short of runs or of timed seconds
+    n_runs = {b: sum(c == (b, 0) for c in calls) - 1 for b in (1, 4, 6)}
+    assert calls[:3] == [(1, 0), (4, 0), (6, 0)] and calls[3:6] == calls[:3]
+    # PROFILE_ENTRY_SECONDS (0.2 s) of runs: bucket 1 (0.0125-0.015 s a run) stops at the
+    # count, bucket 4 (0.05-0.06 s) after 4 runs, bucket 6 (0.075-0.09 s) after 3
+    assert n_runs == {1: PROFILE_MAX_RUNS, 4: 4, 6: 3} and PROFILE_MIN_RUNS <= 3
 
 
-def test_costs_are_the_profile_plus_the_host_work_serving_measures() -> None:
+def test_profile_entries_never_exceed_a_larger_step() -> None:
+    # a burst of interference made (1, 1) and (2, 0) slower than steps over more tokens
+    costs = {(1, 0): 1.0, (1, 1): 5.0, (2, 0): 4.0, (2, 1): 3.0, (4, 0): 2.5, (4, 1): 6.0}
+    assert monotone(costs) == {
+        (1, 0): 1.0,
+        (1, 1): 3.0,  # capped by (2, 1)
+        (2, 0): 2.5,  # capped by (4, 0)
+        (2, 1): 3.0,
+        (4, 0): 2.5,
+        (4, 1): 6.0,
+    }
+
+
+def test_costs_are_the_profile_scaled_by_what_serving_measures() -> None:
     prof = {(b, k): b * (1.0 + k) for b in BUCKETS for k in range(3)}
     table = CostTable(BUCKETS, 2, prof)
     assert [table.bucket(n) for n in (1, 3, 9, 16, 40)] == [1, 4, 16, 16, 16]
     assert table.cost(4, 2) == 12.0  # nothing measured: the profile itself
-    table.observe(3, 0, 6.0)  # a K = 0 step in bucket 4 spends 2 s beside its forwards
-    assert [table.cost(4, k) for k in range(3)] == [6.0, 10.0, 14.0]  # every K: the same 2 s
-    assert table.cost(16, 1) == 34.0 and table.cost(1, 0) == 3.0  # unseen buckets: nearest
-    table.observe(4, 2, 20.0)  # a spike (8 s over): the lower median keeps 2
-    table.observe(4, 1, 11.0)  # 3 s over
-    assert table.host[4] == 3.0 and table.cost(4, 0) == 7.0  # median_low(2, 8, 3) = 3
-    for _ in range(COST_WINDOW):  # the host work really grew: the window forgets the rest
-        table.observe(4, 1, 13.0)
-    assert table.cost(4, 2) == 17.0
+    table.observe(3, 2, 18.0)  # a K = 2 step in bucket 4 runs 1.5x its profile
+    assert table.measured(4, 2) and not table.measured(4, 0)
+    # the bucket's other K borrow its scale, other buckets the nearest bucket's
+    assert [table.cost(4, k) for k in range(3)] == [6.0, 12.0, 18.0]
+    assert table.cost(16, 1) == 48.0 and table.cost(1, 0) == 1.5
+    table.observe(4, 0, 4.4)  # K = 0 measured: 1.1x, its own scale from now on
+    assert table.cost(4, 0) == pytest.approx(4.4) and table.cost(4, 2) == 18.0
+    assert table.cost(4, 1) == pytest.approx(8 * 1.1)  # median_low(1.1, 1.5)
+    table.observe(4, 0, 40.0)  # a spike: the lower median of (1.1, 10) keeps 1.1
+    table.observe(4, 0, 4.8)  # 1.2x
+    assert table.cost(4, 0) == pytest.approx(4.8)  # median_low(1.1, 10, 1.2) = 1.2
+    for _ in range(COST_WINDOW):  # K = 0 really got slower: the window forgets the rest
+        table.observe(4, 0, 8.0)
+    assert table.cost(4, 0) == 8.0
     table.observe(16, 0, 1.0)  # far below its profile: never below half of it
-    assert table.cost(16, 0) == 8.0 and table.cost(16, 2) == 33.0
-    assert table.snapshot()["4"] == {"0": 9.0, "1": 13.0, "2": 17.0}
+    assert table.cost(16, 0) == 8.0
+    assert table.snapshot()["4"] == {"0": 8.0, "1": 12.0, "2": 18.0}  # median_low(2, 1.5)
     with pytest.raises(ValueError, match="lacks"):
         CostTable([1, 4], 1, {(1, 0): 1.0, (1, 1): 1.0, (4, 0): 1.0})
 
 
-def test_a_compute_bound_bucket_never_drafts_and_its_prefills_defer() -> None:
+def test_a_compute_bound_bucket_drafts_once_only_and_its_prefills_defer() -> None:
     policy = profiled(3)  # bucket 16: K = 3 costs about twice K = 0
     estimates = [[0.3] * 3 for _ in range(16)]
-    chosen = set()
+    ran = []
     for _ in range(100):
         k = policy.choose(estimates)
-        chosen.add(k)
+        ran.append(k)
         policy.record(estimates, k, [0] * 16, step_seconds(16, k) + 0.5)
-    assert chosen == {0}
-    assert policy.prefers_plain(16) and not policy.prefers_plain(1)
+    # the runner-up, K = 1 (0.52x of K = 0's rate), runs once to measure it; measured, it is
+    # no contender (0.65x)
+    assert ran.count(1) == 1 and ran[EXPLORE_EVERY - 1] == 1 and set(ran) == {0, 1}
+    fresh = profiled(3)  # (the drafts above were all rejected: the prior learned that)
+    assert fresh.prefers_plain(16) and not fresh.prefers_plain(1)
     assert not FixedDraftLength(3, BUCKETS).prefers_plain(16)
 
 
@@ -165,15 +198,41 @@ def test_policy_learns_from_recorded_steps() -> None:
     policy = profiled(2)
     estimates = [policy.initial_estimate()]  # an optimistic prior: drafting gets tried
     assert policy.choose(estimates) == 2
-    for _ in range(COST_WINDOW):  # every step in bucket 1 takes 1 s beyond its forwards
-        policy.record(estimates, 2, [2], step_seconds(1, 2) + 1.0)
-    assert policy.costs.cost(1, 0) == pytest.approx(step_seconds(1, 0) + 1.0)
-    assert policy.choose(estimates) == 2  # the host work weighs on every K alike
+    for _ in range(COST_WINDOW):  # K = 2 steps take twice their profile when served
+        policy.record(estimates, 2, [2], 2 * step_seconds(1, 2))
+    assert policy.costs.cost(1, 0) == pytest.approx(2 * step_seconds(1, 0))  # borrowed
+    assert policy.choose(estimates) == 2  # the same factor for every K: still K = 2
     low = [policy.initial_estimate()]
     for _ in range(20):  # a request whose drafts are always rejected
         policy.record(low, 1, [0], step_seconds(1, 1))
     assert low[0][0] < 0.2 and policy.choose(low) == 0
     assert policy.stats()["spec_draft_length_steps"] == {"1": 20, "2": COST_WINDOW}
+
+
+def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
+    # the profile says K = 1 costs 1.5x a plain step; served, it costs 3x (K = 0: 1x)
+    policy = profiled(1, lambda b, k: (1.0, 1.5)[k])
+    served = {0: 1.0, 1: 3.0}
+    estimates = [[0.9]]
+    ran = []
+    for _ in range(4 * EXPLORE_EVERY):
+        k = policy.choose(estimates)
+        ran.append(k)
+        policy.record(estimates, k, [1] * k, served[k])
+        estimates[0][0] = 0.9  # hold the acceptance still
+    # K = 1 first (1.9 tokens / 1.5 s); measured at 3 s it loses to K = 0 (1.9 / 3 < 1 / 1),
+    # but the borrowed scale puts K = 0 at 2 s (0.79x of K = 1's rate), so K = 1 still runs
+    # until the bucket's EXPLORE_EVERY-th step measures K = 0, never measured so far (a
+    # contender down to EXPLORE_UNMEASURED); then K = 0 wins, and K = 1 is the runner-up at
+    # 0.63x of its rate: not a contender, never run again
+    assert ran[: EXPLORE_EVERY - 1] == [1] * (EXPLORE_EVERY - 1)
+    assert ran[EXPLORE_EVERY - 1] == 0
+    assert set(ran[EXPLORE_EVERY:]) == {0} and EXPLORE_UNMEASURED < 0.79 < EXPLORE_WITHIN
+    assert policy.costs.cost(1, 1) == 3.0 and policy.costs.cost(1, 0) == 1.0
+    # a runner-up within EXPLORE_WITHIN of the best runs once every EXPLORE_EVERY steps
+    close = profiled(1, lambda b, k: (1.0, 1.9 / 1.1)[k])  # K = 1: 1.1x K = 0's rate
+    picks = [close.choose([[0.9]]) for _ in range(2 * EXPLORE_EVERY)]
+    assert picks.count(0) == 2 and picks[EXPLORE_EVERY - 1] == 0 and EXPLORE_WITHIN < 1 / 1.1
 
 
 def test_fixed_policy_always_runs_k_and_keeps_the_counters() -> None:
