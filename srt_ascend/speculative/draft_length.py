@@ -45,23 +45,27 @@ from tqdm import tqdm
 
 from srt_ascend.registry import Registry
 
-COST_WINDOW = 8  # steps whose host work O(b) is the lower median of
+COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
 ACCEPT_WEIGHT = 0.1  # weight of a new verify outcome in a request's acceptance estimate
 # (0.3 let one rejected draft swing a lone request's choice to K = 0 and back)
 # Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
 # costs beyond its steps is not in the costs (the passes that catch up deferred positions, the
-# MTP pass over prompts, requests that no longer finish together and so prefill their
-# successors one by one instead of in one batch)
-SPEC_MARGIN = 1.05
+# MTP pass over prompts, which delays first tokens, requests that no longer finish together and
+# so prefill their successors one by one instead of in one batch). On 2 CPU cores at four
+# requests K = 3 and K = 0 tied in-process (4.65 vs 4.6 ms per token) while K = 2 and 3 served
+# at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting.
+SPEC_MARGIN = 1.15
 # A position's acceptance before any draft was verified there: optimistic (DeepSeek-V3 reports
 # 85-90% for its MTP drafts), so that where drafting can pay it gets tried and the estimates
-# learn; the policy runs no step only to learn (0.5 kept a lone request on K = 0 for good)
+# learn; the policy runs no drafts only to learn (0.5 kept a lone request on K = 0 for good)
 PRIOR_ACCEPT = 0.9
-# Every EXPLORE_EVERY-th step of a bucket runs the runner-up K instead of the best, when it
-# promises at least EXPLORE_WITHIN of the best's tokens per second (EXPLORE_UNMEASURED when
-# its cost was never measured in this bucket, only borrowed): the two contenders both stay
-# measured, so a cost that serving inflated (or the profile understated) is corrected by the
-# next measurement of it (at most 1/32 of the steps, each at most 20% slower once measured)
+# Every EXPLORE_EVERY-th step of a bucket runs the runner-up K instead of the best when it is
+# smaller (fewer drafts: no catch-up pass to pay, and a cheaper step) and promises at least
+# EXPLORE_WITHIN of the best's tokens per second (EXPLORE_UNMEASURED when its cost was never
+# measured in this bucket, only borrowed): a K = 0 that serving inflated, or drafts that the
+# profile understated, are corrected by the next measurement (at most 1/32 of the steps,
+# each at most 20% slower once measured). A larger K is never run only to measure it: from
+# K = 0 that would first catch up every deferred position (up to 64 per request).
 EXPLORE_EVERY = 32
 EXPLORE_WITHIN = 0.8
 EXPLORE_UNMEASURED = 0.5
@@ -304,11 +308,12 @@ class AdaptiveDraftLength(DraftLength):
         best = self._best(rates)
         self.steps[bucket] += 1
         if self.steps[bucket] % EXPLORE_EVERY == 0:  # the runner-up, if it is a contender
-            others = [k for k in rates if k != best]
-            second = max(others, key=rates.__getitem__)
-            within = EXPLORE_WITHIN if self.costs.measured(bucket, second) else EXPLORE_UNMEASURED
-            if rates[second] >= within * rates[best]:
-                return second
+            second = max(range(best), key=rates.__getitem__, default=None)
+            if second is not None:
+                measured = self.costs.measured(bucket, second)
+                within = EXPLORE_WITHIN if measured else EXPLORE_UNMEASURED
+                if rates[second] >= within * rates[best]:
+                    return second
         return best
 
     def prefers_plain(self, batch: int) -> bool:

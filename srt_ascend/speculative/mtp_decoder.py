@@ -9,9 +9,10 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
    from the last committed one); free the slots of rejected positions.
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
-0..K). K = 0 is a plain decode step: no draft verified, and step 5 is deferred (the MTP worker
-keeps the target hidden) until the request's next step with drafts, which first runs every
-deferred position in one MTP pass (`MTPWorker.catch_up`).
+0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
+without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
+request's next step with drafts, which first runs every deferred position in one MTP pass
+(`MTPWorker.catch_up`).
 """
 
 from __future__ import annotations
@@ -64,13 +65,10 @@ class MTPDecoder(Decoder):
         self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
             k, graph_buckets(args.cuda_graph_bs, args.max_running_requests)
         )
-        # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan)
-        # (K = 0 is one query per request whatever the layout: the decode attention's path)
+        # --speculative-verify as the device and model shape allow (ModelRunner.attention_plan);
+        # K = 0 is the plain decoder's step, through the decode kind
         strategy = VERIFY_STRATEGIES.get(runner.attention_plan.verify)
-        self.verifies = {
-            j: (strategy if j else VERIFY_STRATEGIES.get("expand"))(runner, j, suffix[j])
-            for j in ks
-        }
+        self.verifies = {j: strategy(runner, j, suffix[j]) for j in ks if j}
         self.accept = ACCEPT_METHODS[args.speculative_accept_method]
         backend = runner.attn_backend
         extend_kinds = {  # K = 0 steps defer their MTP pass: no kind
@@ -96,8 +94,9 @@ class MTPDecoder(Decoder):
             extend_kinds,
             self.step_kinds,
         )
+        self.plain_kind = self.decode_kind()
         self._kinds = [
-            self.decode_kind(),
+            self.plain_kind,
             *(v.kind for v in self.verifies.values()),
             *extend_kinds.values(),
             *{kind.name: kind for kind in self.step_kinds.values()}.values(),
@@ -137,6 +136,12 @@ class MTPDecoder(Decoder):
         loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
         hidden = loc.new_zeros(bs, runner.config.hidden_size, dtype=runner.dtype)
         rows = [0] * bs
+        if not k:  # the plain decode step
+            fb = runner.build_forward_batch(
+                ForwardMode.DECODE, loc[:, 0], rows, [context + 1] * bs, [1] * bs, loc[:, 0]
+            )
+            runner.compute_logits(runner.forward(fb, self.plain_kind))
+            return
         for j in range(1, k):
             fb = runner.build_forward_batch(
                 ForwardMode.DECODE, loc[:, 0], rows, [context + j] * bs, [1] * bs, loc[:, j]
@@ -145,13 +150,12 @@ class MTPDecoder(Decoder):
         verify = self.verifies[k]
         out = runner.forward(verify.build(loc, rows, [context] * bs, loc), verify.kind)
         runner.compute_logits(out)
-        if k:
-            flat = loc.reshape(-1)
-            fb = runner.build_forward_batch(
-                ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
-            )
-            out = runner.forward_mtp(fb, out, 0, self.worker.extend_kinds[k])
-            runner.mtp.compute_logits(out[:bs])
+        flat = loc.reshape(-1)
+        fb = runner.build_forward_batch(
+            ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
+        )
+        out = runner.forward_mtp(fb, out, 0, self.worker.extend_kinds[k])
+        runner.mtp.compute_logits(out[:bs])
 
     def after_prefill(self, reqs, starts, lens, hidden, done, next_batch) -> None:
         """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
@@ -194,10 +198,11 @@ class MTPDecoder(Decoder):
         if not reqs:
             self.idle_step()
             return []
+        if not k:
+            return self._plain_step(reqs, loc, started)
         loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
         caught_up = time.perf_counter()
-        if k:
-            self.worker.catch_up(reqs)
+        self.worker.catch_up(reqs)
         caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
         drafts = self.worker.draft_chain(reqs, loc)
         last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
@@ -220,23 +225,42 @@ class MTPDecoder(Decoder):
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             starts.append(start)
             committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
-        if k:
-            self.worker.draft_after_verify(
-                reqs,
-                starts,
-                loc,
-                hidden,
-                [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
-                committed,
-                [not r.finished for r in reqs],
-            )
-        else:
-            self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
+        self.worker.draft_after_verify(
+            reqs,
+            starts,
+            loc,
+            hidden,
+            [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
+            committed,
+            [not r.finished for r in reqs],
+        )
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)
         seconds = time.perf_counter() - started - caught_up
         self.draft_length.record(estimates, k, verdict.accept_len, seconds)
+        return reqs
+
+    def _plain_step(self, reqs: list[StepRequest], loc: torch.Tensor, started: float):
+        """K = 0: the plain decoder's step (one token per request through the decode kind,
+        sampled, with its logprobs, as without MTP), and the MTP pass over it deferred."""
+        starts = [r.kv_len for r in reqs]
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE,
+            [r.all_ids[-1] for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            [s + 1 for s in starts],
+            [1] * len(reqs),
+            loc,
+        )
+        hidden = self.runner.forward(fb, self.plain_kind)
+        for r in reqs:
+            r.kv_len += 1
+            self._count(r, 0, 0)
+        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
+        self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
+        estimates = [self._estimate(r) for r in reqs]
+        self.draft_length.record(estimates, 0, [0] * len(reqs), time.perf_counter() - started)
         return reqs
 
     def _estimate(self, req: StepRequest) -> list[float]:

@@ -73,7 +73,7 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         assert set(steps) == {str(k) for k in WALK}, steps
     if "graphs" in name:
         replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
-        assert {"verify_fia", "verify_expand_k0", "verify_fia_k1", "draft_extend_k1"} <= replayed
+        assert {"verify_fia", "decode", "verify_fia_k1", "draft_extend_k1"} <= replayed
     assert sum(state["spec_accepted_per_position"]) > 0
 
 

@@ -135,7 +135,7 @@ def test_costs_are_the_profile_scaled_by_what_serving_measures() -> None:
         CostTable([1, 4], 1, {(1, 0): 1.0, (1, 1): 1.0, (4, 0): 1.0})
 
 
-def test_a_compute_bound_bucket_drafts_once_only_and_its_prefills_defer() -> None:
+def test_a_compute_bound_bucket_never_drafts_and_its_prefills_defer() -> None:
     policy = profiled(3)  # bucket 16: K = 3 costs about twice K = 0
     estimates = [[0.3] * 3 for _ in range(16)]
     ran = []
@@ -143,11 +143,8 @@ def test_a_compute_bound_bucket_drafts_once_only_and_its_prefills_defer() -> Non
         k = policy.choose(estimates)
         ran.append(k)
         policy.record(estimates, k, [0] * 16, step_seconds(16, k) + 0.5)
-    # the runner-up, K = 1 (0.52x of K = 0's rate), runs once to measure it; measured, it is
-    # no contender (0.65x)
-    assert ran.count(1) == 1 and ran[EXPLORE_EVERY - 1] == 1 and set(ran) == {0, 1}
-    fresh = profiled(3)  # (the drafts above were all rejected: the prior learned that)
-    assert fresh.prefers_plain(16) and not fresh.prefers_plain(1)
+    assert set(ran) == {0}  # no larger K is run only to measure it
+    assert policy.prefers_plain(16) and not policy.prefers_plain(1)
     assert not FixedDraftLength(3, BUCKETS).prefers_plain(16)
 
 
@@ -187,11 +184,11 @@ def test_policy_maximises_expected_tokens_per_second(batch, acceptance, want) ->
 
 
 def test_drafts_must_promise_a_margin_over_plain_decoding() -> None:
-    policy = profiled(1, lambda b, k: (1.0, 1.9)[k])  # K = 1 costs 1.9x a plain step
-    assert SPEC_MARGIN == 1.05
-    assert policy.choose([[0.96]]) == 0  # 1.96 / 1.9: 1.03x K = 0's tokens per second
-    assert policy.choose([[1.0]]) == 1  # 2 / 1.9: 1.053x
-    assert policy.prefers_plain(1)  # the prior acceptance, 0.9: 1.9 / 1.9
+    policy = profiled(1, lambda b, k: (1.0, 1.7)[k])  # K = 1 costs 1.7x a plain step
+    assert SPEC_MARGIN == 1.15
+    assert policy.choose([[0.95]]) == 0  # 1.95 / 1.7: 1.147x K = 0's tokens per second
+    assert policy.choose([[1.0]]) == 1  # 2 / 1.7: 1.176x
+    assert policy.prefers_plain(1)  # the prior acceptance, 0.9: 1.9 / 1.7
 
 
 def test_policy_learns_from_recorded_steps() -> None:
@@ -229,10 +226,10 @@ def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
     assert ran[EXPLORE_EVERY - 1] == 0
     assert set(ran[EXPLORE_EVERY:]) == {0} and EXPLORE_UNMEASURED < 0.79 < EXPLORE_WITHIN
     assert policy.costs.cost(1, 1) == 3.0 and policy.costs.cost(1, 0) == 1.0
-    # a runner-up within EXPLORE_WITHIN of the best runs once every EXPLORE_EVERY steps
-    close = profiled(1, lambda b, k: (1.0, 1.9 / 1.1)[k])  # K = 1: 1.1x K = 0's rate
+    # a smaller runner-up within reach of the best runs once every EXPLORE_EVERY steps
+    close = profiled(1, lambda b, k: (1.0, 1.9 / 1.2)[k])  # K = 1: 1.2x K = 0's rate
     picks = [close.choose([[0.9]]) for _ in range(2 * EXPLORE_EVERY)]
-    assert picks.count(0) == 2 and picks[EXPLORE_EVERY - 1] == 0 and EXPLORE_WITHIN < 1 / 1.1
+    assert picks.count(0) == 2 and picks[EXPLORE_EVERY - 1] == 0
 
 
 def test_fixed_policy_always_runs_k_and_keeps_the_counters() -> None:
