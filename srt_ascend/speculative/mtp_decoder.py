@@ -30,7 +30,7 @@ from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, greedy_accept
-from srt_ascend.speculative.draft_length import DRAFT_LENGTHS
+from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
 from srt_ascend.speculative.mtp_worker import (
     DraftHandles,
     Drafts,
@@ -104,6 +104,7 @@ class MTPDecoder(Decoder):
         self.num_verify = 0  # request-steps verified (each checks that step's K drafts)
         self.num_drafts = 0  # drafts verified
         self.num_accepted = 0  # drafts accepted
+        self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
 
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)
@@ -157,12 +158,18 @@ class MTPDecoder(Decoder):
         out = runner.forward_mtp(fb, out, 0, self.worker.extend_kinds[k])
         runner.mtp.compute_logits(out[:bs])
 
+    def _timed(self, seconds: float) -> float | None:
+        """A step's seconds for the cost table, None for the SETTLE_STEPS after a prefill."""
+        self.since_prefill += 1
+        return seconds if self.since_prefill > SETTLE_STEPS else None
+
     def after_prefill(self, reqs, starts, lens, hidden, done, next_batch) -> None:
         """MTP pass over an EXTEND batch's positions; requests whose prompt is complete and
         that are still running get their first draft. When the next steps are expected to
         run K = 0 (over `next_batch`, which counts the requests still arriving) the pass is
         deferred instead (`MTPWorker.defer`), as a K = 0 step defers its own: a burst of
         prompts under load then costs what it costs without MTP, from its first prefill."""
+        self.since_prefill = 0
         if self.draft_length.prefers_plain(next_batch):
             self.worker.defer(reqs, starts, lens, hidden)
             return
@@ -238,7 +245,7 @@ class MTPDecoder(Decoder):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)
         seconds = time.perf_counter() - started - caught_up
-        self.draft_length.record(estimates, k, verdict.accept_len, seconds)
+        self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
         return reqs
 
     def _plain_step(self, reqs: list[StepRequest], loc: torch.Tensor, started: float):
@@ -260,7 +267,8 @@ class MTPDecoder(Decoder):
         self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
         self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
         estimates = [self._estimate(r) for r in reqs]
-        self.draft_length.record(estimates, 0, [0] * len(reqs), time.perf_counter() - started)
+        seconds = self._timed(time.perf_counter() - started)
+        self.draft_length.record(estimates, 0, [0] * len(reqs), seconds)
         return reqs
 
     def _estimate(self, req: StepRequest) -> list[float]:

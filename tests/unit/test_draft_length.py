@@ -199,11 +199,14 @@ def test_policy_learns_from_recorded_steps() -> None:
         policy.record(estimates, 2, [2], 2 * step_seconds(1, 2))
     assert policy.costs.cost(1, 0) == pytest.approx(2 * step_seconds(1, 0))  # borrowed
     assert policy.choose(estimates) == 2  # the same factor for every K: still K = 2
+    before = policy.costs.snapshot()
+    policy.record(estimates, 2, [2], None)  # a step right after a prefill: not timed
+    assert policy.costs.snapshot() == before and policy.chosen[2] == COST_WINDOW + 1
     low = [policy.initial_estimate()]
     for _ in range(20):  # a request whose drafts are always rejected
         policy.record(low, 1, [0], step_seconds(1, 1))
     assert low[0][0] < 0.2 and policy.choose(low) == 0
-    assert policy.stats()["spec_draft_length_steps"] == {"1": 20, "2": COST_WINDOW}
+    assert policy.stats()["spec_draft_length_steps"] == {"1": 20, "2": COST_WINDOW + 1}
 
 
 def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
