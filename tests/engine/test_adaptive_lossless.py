@@ -14,7 +14,7 @@ import pytest
 from lossless import GREEDY, PROMPTS, assert_same_greedy
 
 from srt_ascend import Engine
-from srt_ascend.speculative.draft_length import FixedDraftLength
+from srt_ascend.speculative.draft_length import CostTable, FixedDraftLength
 
 N_PROMPTS = 24
 WALK = (3, 0, 1, 2, 0, 0, 3, 1, 2, 3)
@@ -61,6 +61,12 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         decoder = engine.tokenizer_manager.scheduler.decoder
         if walk is not None:
             decoder.draft_length = ScriptedDraftLength(3, walk)
+        elif name == "adaptive-fia":  # the real policy on costs where drafts pay (what the
+            # start profile measured on a shared CPU would decide whether any step drafts)
+            policy = decoder.draft_length
+            buckets = policy.costs.buckets
+            costs = {(b, k): 1.0 + 0.1 * k for b in buckets for k in range(4)}
+            policy.costs = CostTable(buckets, 3, costs)
         outs = engine.generate(PROMPTS[:N_PROMPTS], GREEDY, return_logprob=True)
         state = engine.get_internal_state()
     finally:
