@@ -24,9 +24,10 @@ take the GIL and the cores between its operations, and a step with drafts has se
 plain step's operations. (One host-work term added to every K, the earlier model, put 15 ms
 on a K = 0 step at one request because K = 3 steps had run 15 ms over their profile: K = 3
 then looked twice as fast per token as K = 0 and ran at 0.94x of MTP off, at four requests
-0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it is a contender,
-so the two best entries stay measured: an entry that the profile's noise or a burst of load
-put too high or too low is corrected within a few of its steps. The profile is noisy on a
+0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it has fewer drafts
+and is a contender, so a K = 0 that never runs where drafts do still gets measured; the
+SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
+tokens beside them). The profile is noisy on a
 shared CPU, so each entry is the fastest of several interleaved runs and no entry may cost
 more than a step over more tokens (`monotone`).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
