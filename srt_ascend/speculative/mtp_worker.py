@@ -202,11 +202,9 @@ class MTPWorker:
         """d_1 from each request's state, then draft steps 2..K: the module applied again to
         (its own output, its own token) at positions L-1 .. L+K-3 (L = committed length),
         writing MTP KV into the verify slots `loc` [B, K+1] allocated for positions
-        L-1 .. L-1+K (overwritten after verify); K = 0 drafts nothing. Everything
-        stays on the device."""
+        L-1 .. L-1+K (overwritten after verify), K >= 1 (a K = 0 step is the plain
+        decoder's). Everything stays on the device."""
         k = loc.shape[1] - 1
-        if k == 0:
-            return Drafts(loc.new_zeros(len(reqs), 0), None)
         states = [state_of(r) for r in reqs]
         tokens = [torch.stack([s.token for s in states])]  # [B] per draft position
         probs = [self._gather_probs(states, tokens[0])]
