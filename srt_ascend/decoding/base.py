@@ -125,6 +125,26 @@ class Decoder(ABC):
             lps = None if res.logprobs is None else res.logprobs.rows(i, i + 1)
             self.h.commit(r, [res.token_ids[i]], lps)
 
+    def decode_and_commit(
+        self, reqs: list[StepRequest], loc: torch.Tensor, kind: GraphKind
+    ) -> torch.Tensor:
+        """A plain decode step over requests whose slots `loc` [B] are allocated: each one's
+        last token through the main model (graph `kind` where captured), its KV counted,
+        the next token sampled and committed. Returns the hidden states [B, D]."""
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE,
+            [r.all_ids[-1] for r in reqs],
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len + 1 for r in reqs],
+            [1] * len(reqs),
+            loc,
+        )
+        hidden = self.runner.forward(fb, kind)
+        for r in reqs:
+            r.kv_len += 1
+        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
+        return hidden
+
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         """One decode step over the running batch (contract in the module docstring). A step

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, StepRequest
-from srt_ascend.model_executor.forward_batch import ForwardMode
 
 
 @DECODERS.register(PLAIN)
@@ -17,16 +16,5 @@ class PlainDecoder(Decoder):
         if not reqs:
             self.idle_step()
             return []
-        fb = self.runner.build_forward_batch(
-            ForwardMode.DECODE,
-            [r.all_ids[-1] for r in reqs],
-            [r.req_pool_idx for r in reqs],
-            [r.kv_len + 1 for r in reqs],
-            [1] * len(reqs),
-            loc,
-        )
-        hidden = self.runner.forward(fb, self.kind)
-        for r in reqs:
-            r.kv_len += 1
-        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
+        self.decode_and_commit(reqs, loc, self.kind)
         return reqs

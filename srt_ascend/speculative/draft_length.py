@@ -27,9 +27,8 @@ then looked twice as fast per token as K = 0 and ran at 0.94x of MTP off, at fou
 0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it has fewer drafts
 and is a contender, so a K = 0 that never runs where drafts do still gets measured; the
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
-tokens beside them). The profile is noisy on a
-shared CPU, so each entry is the fastest of several interleaved runs and no entry may cost
-more than a step over more tokens (`monotone`).
+tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
+several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps.
 """
@@ -77,13 +76,13 @@ EXPLORE_UNMEASURED = 0.5
 # of noise swings most, gets the most runs. On 2 CPU cores single profiles of one server put
 # K = 3 at 2.6x to 4.0x the cost of K = 0 at 4 requests (the policy's tie is at 3.3x).
 PROFILE_MIN_RUNS = 2
+PROFILE_MAX_RUNS = 8
+PROFILE_ENTRY_SECONDS = 0.2
 # Decode steps after a prefill that are not timed: the serving threads then answer the first
 # tokens (and the previous requests' last ones) beside the step. When they were timed, a lone
 # request's K = 1 steps, run at its start only, read 22.6 ms against 19 ms for a step of a
 # fixed K = 1 server, and K = 0 won the bucket at 0.92x of K = 1's throughput.
 SETTLE_STEPS = 2
-PROFILE_MAX_RUNS = 8
-PROFILE_ENTRY_SECONDS = 0.2
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -156,20 +155,22 @@ class CostTable:
         """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
         bucket's measured K, else the nearest measured bucket's, for this K if it has it),
         1 before any step ran; never below half the profile."""
-        scale = self.scale.get((bucket, k))
-        if scale is None:
-            mine = [self.scale[bucket, j] for j in self.ks if (bucket, j) in self.scale]
-            if not mine:
-                seen = {b for b, _ in self.scale}
-                near = min(seen, key=lambda b: abs(b - bucket), default=None)
-                if near is not None:
-                    mine = (
-                        [self.scale[near, k]]
-                        if (near, k) in self.scale
-                        else [self.scale[near, j] for j in self.ks if (near, j) in self.scale]
-                    )
-            scale = statistics.median_low(mine) if mine else 1.0
-        return self.profile[bucket, k] * max(scale, 0.5)
+        return self.profile[bucket, k] * max(self._scale(bucket, k), 0.5)
+
+    def _scale(self, bucket: int, k: int) -> float:
+        if (bucket, k) in self.scale:
+            return self.scale[bucket, k]
+        if mine := self._measured_scales(bucket):
+            return statistics.median_low(mine)
+        near = min({b for b, _ in self.scale}, key=lambda b: abs(b - bucket), default=None)
+        if near is None:
+            return 1.0
+        if (near, k) in self.scale:
+            return self.scale[near, k]
+        return statistics.median_low(self._measured_scales(near))
+
+    def _measured_scales(self, bucket: int) -> list[float]:
+        return [self.scale[bucket, j] for j in self.ks if (bucket, j) in self.scale]
 
     def snapshot(self) -> dict[str, dict[str, float]]:
         """{bucket: {K: seconds}} as the policy sees them now, for /server_info and /metrics."""

@@ -252,19 +252,9 @@ class MTPDecoder(Decoder):
         """K = 0: the plain decoder's step (one token per request through the decode kind,
         sampled, with its logprobs, as without MTP), and the MTP pass over it deferred."""
         starts = [r.kv_len for r in reqs]
-        fb = self.runner.build_forward_batch(
-            ForwardMode.DECODE,
-            [r.all_ids[-1] for r in reqs],
-            [r.req_pool_idx for r in reqs],
-            [s + 1 for s in starts],
-            [1] * len(reqs),
-            loc,
-        )
-        hidden = self.runner.forward(fb, self.plain_kind)
+        hidden = self.decode_and_commit(reqs, loc, self.plain_kind)
         for r in reqs:
-            r.kv_len += 1
             self._count(r, 0, 0)
-        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
         self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
         estimates = [self._estimate(r) for r in reqs]
         seconds = self._timed(time.perf_counter() - started)
