@@ -3,8 +3,8 @@
 The server runs `python -m srt_ascend.launch_server` on the shipped checkpoint (override with
 SRT_TEST_MODEL) with one CPU thread; every e2e test talks to it over HTTP. SGLang's own
 clients run in the interpreter named by SRT_SGLANG_PYTHON (default: `.venv-sglang/bin/python`
-in the repository when it exists, else this interpreter); their tests skip when that
-interpreter cannot import sglang.
+in the repository when it exists, else this interpreter); their tests fail when that
+interpreter cannot import sglang (scripts/setup_test_env.sh installs it).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def _sglang_python() -> str:
 
 @pytest.fixture(scope="session")
 def sglang_python() -> str:
-    """An interpreter that has sglang installed, else skip (a broken install fails later)."""
+    """An interpreter that has sglang installed (scripts/setup_test_env.sh installs it), else
+    the test fails: a missing client set is a set-up defect, not absent hardware."""
     python = _sglang_python()
     probe = subprocess.run(
         [python, "-c", "import importlib.util as u, sys; sys.exit(u.find_spec('sglang') is None)"],
@@ -176,10 +177,10 @@ def sglang_python() -> str:
         timeout=60,
     )
     if probe.returncode != 0:
-        pytest.skip(
-            f"sglang is not installed for {python}: install the lean sglang==0.5.23 "
-            "client set (see .ci/run) or point SRT_SGLANG_PYTHON at an interpreter "
-            "that has it"
+        pytest.fail(
+            f"sglang is not importable by {python}: run scripts/setup_test_env.sh (the lean "
+            f"sglang==0.5.23 client set) or point SRT_SGLANG_PYTHON at an interpreter that "
+            f"has it\n{probe.stderr[-2000:]}"
         )
     return python
 
