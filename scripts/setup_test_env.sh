@@ -29,7 +29,7 @@ if ! .venv-sglang/bin/python -c "import importlib.util as u, sys; sys.exit(u.fin
   .venv-sglang/bin/pip install -q --no-deps sglang==0.5.23 triton==3.3.1 torchvision==0.16.2
   .venv-sglang/bin/pip install -q -c "$constraints" aiohttp==3.14.5 apache-tvm-ffi==0.1.11 \
     compressed-tensors==0.20.1 datasets==5.2.0 gguf==0.19.0 msgspec==0.23.0 pillow==13.0.0 \
-    psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0 sentencepiece==0.2.3
+    ipython==8.12.3 psutil==7.2.2 pybase64==1.5.1 pyzmq==27.3.0 sentencepiece==0.2.3
   rm -f "$constraints"
 fi
 .venv-sglang/bin/python -c "import sglang, starlette, torch, transformers"
