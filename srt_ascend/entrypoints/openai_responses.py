@@ -181,23 +181,41 @@ class ResponsesServing:
         none fits, or with "disabled", the whole conversation goes on (the length check then
         refuses it). The cut is found by bisection: O(log turns) tokenizations."""
         system = [{"role": "system", "content": obj.instructions}] if obj.instructions else []
-        ids = await self.chat_ids(system + conversation)
-        if obj.truncation != "auto" or self._fits(len(ids), obj):
-            return ids, conversation
-        cuts = [i for i, m in enumerate(conversation) if i > 0 and m["role"] == "user"]
+        if obj.truncation == "auto":
+            best = await self._fitting(system, conversation, obj)
+            if best is None:
+                cuts = [i for i, m in enumerate(conversation) if i > 0 and m["role"] == "user"]
+                best = await self._earliest_fit(system, conversation, cuts, obj)
+            if best is not None:
+                return best
+        return await self.chat_ids(system + conversation), conversation
+
+    async def _earliest_fit(
+        self, system: list[dict], conversation: list[dict], cuts: list[int], obj: ResponsesRequest
+    ) -> tuple[list[int], list[dict]] | None:
+        """The conversation from the earliest of `cuts` (ascending) on that fits, by bisection
+        (a later cut keeps fewer tokens); None if none does."""
         best, lo, hi = None, 0, len(cuts) - 1
-        while lo <= hi:  # the earliest cut that fits: later cuts keep fewer tokens
+        while lo <= hi:
             mid = (lo + hi) // 2
-            kept = conversation[cuts[mid] :]
-            cut_ids = await self.chat_ids(system + kept)
-            if self._fits(len(cut_ids), obj):
-                best, hi = (cut_ids, kept), mid - 1
+            found = await self._fitting(system, conversation[cuts[mid] :], obj)
+            if found is not None:
+                best, hi = found, mid - 1
             else:
                 lo = mid + 1
-        return best if best is not None else (ids, conversation)
+        return best
 
-    def _fits(self, num_tokens: int, obj: ResponsesRequest) -> bool:
-        return num_tokens + (obj.max_output_tokens or 0) < self.serving.tm.context_len
+    async def _fitting(
+        self, system: list[dict], kept: list[dict], obj: ResponsesRequest
+    ) -> tuple[list[int], list[dict]] | None:
+        """(token ids, kept) when system + kept fits the context, else None (also when the
+        text is too long even to tokenize, or the template refuses that cut)."""
+        try:
+            ids = await self.chat_ids(system + kept)
+        except RequestError:
+            return None
+        fits = len(ids) + (obj.max_output_tokens or 0) < self.serving.tm.context_len
+        return (ids, kept) if fits else None
 
     def _finish(self, head: dict, obj: ResponsesRequest, conversation: list, out: dict) -> dict:
         """The completed response object (stored when `store`)."""
