@@ -20,7 +20,8 @@ JSON_TYPES = ("application/json",)
 
 class HTTPStatusError(Exception):
     """A refused request with its status code (401, 405, 413, 415, 503, ...); the app answers
-    it with the route's error shape (native or OpenAI)."""
+    it with the route's error shape (native, OpenAI or Responses; `param`: the field at fault,
+    which the Responses shape reports)."""
 
     def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
@@ -76,6 +77,9 @@ def openai_error_response(message: str, status_code: int = 400) -> ORJSONRespons
     return ORJSONResponse(openai_error_body(message, status_code), status_code=status_code)
 
 
+_HTTP_CODES = {s.value for s in HTTPStatus}
+
+
 def responses_error_body(message: str, status_code: int = 400, param: str | None = None) -> dict:
     """The Responses API's error body (SGLang's on /v1/responses*, `ResponsesError`): a
     refused request (4xx) is an `invalid_request_error`, naming the field at fault in `param`
@@ -85,9 +89,6 @@ def responses_error_body(message: str, status_code: int = 400, param: str | None
     else:
         kind = HTTPStatus(status_code).phrase if status_code in _HTTP_CODES else "error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
-
-
-_HTTP_CODES = {s.value for s in HTTPStatus}
 
 
 def responses_error_response(
