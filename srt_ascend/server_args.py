@@ -19,6 +19,9 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 # under expert parallelism with DP attention. SGLang's other values (deepep mooncake nixl mori
 # ascend_fuseep flashinfer) are vendor all-to-all libraries, not available here.
 MOE_A2A_BACKENDS = ("none", "all_to_all")
+# --grammar-backend values served here: xgrammar (SGLang's default). SGLang's outlines,
+# llguidance and none are not available.
+GRAMMAR_BACKENDS = ("xgrammar",)
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,9 @@ class ServerArgs:
     moe_a2a_backend: str = "none"  # expert-parallel dispatch/combine (MOE_A2A_BACKENDS)
     # constrained generation
     constrained_json_disable_any_whitespace: bool = False
+    grammar_backend: str = "xgrammar"  # GRAMMAR_BACKENDS
+    # SGLang's opt-in for user-supplied logit processors: refused (check), not implemented here
+    enable_custom_logit_processor: bool = False
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -208,9 +214,25 @@ class ServerArgs:
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
             raise ValueError("--cuda-graph-bs sizes must be >= 1")
+        self._check_sglang_features()
         self._check_parallel()
         if self.spec_enabled:
             self._check_speculative()
+
+    def _check_sglang_features(self) -> None:
+        """SGLang flags whose other values or features this server lacks: one line naming
+        the flag."""
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(
+                f"--grammar-backend {self.grammar_backend!r} is not available here "
+                f"(accepted: {', '.join(GRAMMAR_BACKENDS)})"
+            )
+        if self.enable_custom_logit_processor:
+            raise ValueError(
+                "--enable-custom-logit-processor is not supported: this server does not run "
+                "user-supplied logit processors (SGLang's custom_logit_processor and "
+                "custom_params request fields are refused with HTTP 400)"
+            )
 
     def _check_parallel(self) -> None:
         if self.tp_size < 1:
@@ -505,6 +527,18 @@ class ServerArgs:
             action="store_true",
             help="JSON-schema outputs are compact (no whitespace between JSON tokens) instead "
             "of allowing any whitespace there",
+        )
+        a(
+            "--grammar-backend",
+            default=d["grammar_backend"].default,
+            help="constrained-generation backend: xgrammar (the only one here; SGLang's "
+            "outlines, llguidance and none are refused)",
+        )
+        a(
+            "--enable-custom-logit-processor",
+            action="store_true",
+            help="refused (one error line): user-supplied logit processors (SGLang's "
+            "custom_logit_processor / custom_params) are not supported by this server",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import secrets
 
-from srt_ascend.entrypoints.http_utils import error_response, openai_error_response
+from srt_ascend.entrypoints.http_utils import route_error_response
 
 OPEN_PREFIXES = ("/health", "/metrics")
 ADMIN_PATHS = frozenset({"/flush_cache"})
@@ -55,7 +55,6 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing or wrong API key: send the header Authorization: Bearer <key>"
-        make = openai_error_response if path.startswith("/v1/") else error_response
-        response = make(message, 401)
+        response = route_error_response(path, message, 401)
         response.headers["WWW-Authenticate"] = "Bearer"
         await response(scope, receive, send)

@@ -28,13 +28,12 @@ from srt_ascend.entrypoints.http_utils import (
     HTTPStatusError,
     NativeError,
     ORJSONResponse,
-    error_response,
     install_openapi,
     is_json_type,
     json_body_spec,
-    openai_error_response,
     parse_body,
     read_json,
+    route_error_response,
     sse,
 )
 from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes
@@ -66,20 +65,21 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
             ApiKeyMiddleware, api_key=server_args.api_key, admin_api_key=server_args.admin_api_key
         )
 
-    def refuse(request: Request, message: str, status_code: int = 400) -> ORJSONResponse:
+    def refuse(
+        request: Request, message: str, status_code: int = 400, param: str | None = None
+    ) -> ORJSONResponse:
+        """The route's error shape: the Responses API's, SGLang's OpenAI one, or native."""
         if status_code == 400:
             serving.metrics.observe_bad_request()
-        if request.url.path.startswith("/v1/"):
-            return openai_error_response(message, status_code)
-        return error_response(message, status_code)
+        return route_error_response(request.url.path, message, status_code, param)
 
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
-        return refuse(request, str(exc))
+        return refuse(request, str(exc), param=exc.param)
 
     @app.exception_handler(HTTPStatusError)
     async def on_status_error(request: Request, exc: HTTPStatusError):
-        return refuse(request, str(exc), exc.status_code)
+        return refuse(request, str(exc), exc.status_code, exc.param)
 
     @app.exception_handler(ServerBusyError)
     async def on_busy(request: Request, exc: ServerBusyError):

@@ -3,6 +3,7 @@ bounded JSON body reader and the OpenAPI description of the request bodies."""
 
 from __future__ import annotations
 
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -19,11 +20,13 @@ JSON_TYPES = ("application/json",)
 
 class HTTPStatusError(Exception):
     """A refused request with its status code (401, 405, 413, 415, 503, ...); the app answers
-    it with the route's error shape (native or OpenAI)."""
+    it with the route's error shape (native, OpenAI or Responses; `param`: the field at fault,
+    which the Responses shape reports)."""
 
-    def __init__(self, status_code: int, message: str) -> None:
+    def __init__(self, status_code: int, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.param = param
 
 
 class ORJSONResponse(Response):
@@ -74,6 +77,39 @@ def openai_error_response(message: str, status_code: int = 400) -> ORJSONRespons
     return ORJSONResponse(openai_error_body(message, status_code), status_code=status_code)
 
 
+_HTTP_CODES = {s.value for s in HTTPStatus}
+
+
+def responses_error_body(message: str, status_code: int = 400, param: str | None = None) -> dict:
+    """The Responses API's error body (SGLang's on /v1/responses*, `ResponsesError`): a
+    refused request (4xx) is an `invalid_request_error`, naming the field at fault in `param`
+    where one is; other statuses carry their HTTP phrase as the type."""
+    if 400 <= status_code < 500:
+        kind = "invalid_request_error"
+    else:
+        kind = HTTPStatus(status_code).phrase if status_code in _HTTP_CODES else "error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status_code}}
+
+
+def responses_error_response(
+    message: str, status_code: int = 400, param: str | None = None
+) -> ORJSONResponse:
+    body = responses_error_body(message, status_code, param)
+    return ORJSONResponse(body, status_code=status_code)
+
+
+def route_error_response(
+    path: str, message: str, status_code: int = 400, param: str | None = None
+) -> ORJSONResponse:
+    """The error shape of the route at `path`: the Responses API's on /v1/responses*,
+    SGLang's OpenAI one on other /v1/ routes, SGLang's native one elsewhere."""
+    if path.startswith("/v1/responses"):
+        return responses_error_response(message, status_code, param)
+    if path.startswith("/v1/"):
+        return openai_error_response(message, status_code)
+    return error_response(message, status_code)
+
+
 def parse_body(model: type[BaseModel], body: Any) -> Any:
     """Validated request model; RequestError naming the first bad field otherwise. A
     top-level field the model does not have is refused unless it is null (clients may send
@@ -83,18 +119,19 @@ def parse_body(model: type[BaseModel], body: Any) -> Any:
     if model.model_config.get("extra") == "forbid":
         for key in [k for k in body if k not in model.model_fields]:
             if body[key] is not None:
-                raise RequestError(f"{key} is not supported by this server")
+                raise RequestError(f"{key} is not supported by this server", param=key)
             del body[key]
     try:
         obj = model.model_validate(body)
     except ValidationError as e:
         err = e.errors()[0]
         loc = ".".join(str(x) for x in err["loc"]) or "body"
-        raise RequestError(f"{loc}: {err['msg']}") from e
+        param = str(err["loc"][0]) if err["loc"] else None
+        raise RequestError(f"{loc}: {err['msg']}", param=param) from e
     unsupported = getattr(obj, "unsupported", None)
     bad = unsupported() if unsupported is not None else None
     if bad is not None:
-        raise RequestError(f"{bad} is not supported by this server")
+        raise RequestError(f"{bad} is not supported by this server", param=bad)
     return obj
 
 

@@ -5,8 +5,9 @@ Each prompt (times `n`) becomes one runtime request, built from the same samplin
 and request fields as a /generate body and checked by the same code, so a field is honoured or
 refused (400 naming it) alike on every route. Without `max_tokens` a chat request (and a
 completion with `max_tokens: null`) may generate up to the context length, as in SGLang.
-Streaming sends `data: {chunk}` with the text delta of one choice, an optional usage chunk
-(`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {"object": "error",
+Streaming sends `data: {chunk}` with the text delta of one choice (with
+`stream_options.continuous_usage_stats`, also that choice's usage so far), an optional usage
+chunk (`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {"object": "error",
 "message", "type", "param", "code"} (HTTP 400 for a bad request, 404 for an unknown model).
 """
 
@@ -41,7 +42,11 @@ from srt_ascend.entrypoints.openai_protocol import (
     CompletionRequest,
     OpenAIError,
 )
-from srt_ascend.entrypoints.openai_responses import ResponsesRequest, ResponsesServing
+from srt_ascend.entrypoints.openai_responses import (
+    ResponsesError,
+    ResponsesRequest,
+    ResponsesServing,
+)
 from srt_ascend.entrypoints.openai_score import ScoreRequest, ScoreServing
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
@@ -52,6 +57,7 @@ OPENAI_BODY_MODELS = [
     ResponsesRequest,
     ScoreRequest,
     OpenAIError,
+    ResponsesError,
 ]
 
 
@@ -257,7 +263,7 @@ class OpenAIServing:
 
         if obj.stream:
             await self.serving.attach_grammars(reqs)  # a bad grammar: 400, not a stream
-            return self._stream(reqs, head, prompt_tokens, obj.include_usage, choice)
+            return self._stream(reqs, head, prompt_tokens, obj, choice)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
         choices = []
         for i, o in enumerate(outs):
@@ -273,8 +279,20 @@ class OpenAIServing:
             }
         )
 
+    def _check_max_completion_tokens(self, obj: ChatCompletionRequest) -> None:
+        """SGLang's chat check, before templating: an output budget past the context length
+        is refused with SGLang's words (within it, the prompt + output check applies)."""
+        asked, ctx = obj.max_completion_tokens or obj.max_tokens, self.tm.context_len
+        if asked and asked > ctx:
+            raise RequestError(
+                f"max_completion_tokens is too large: {asked}."
+                f"This model supports at most {ctx} completion tokens.",
+                param="max_completion_tokens" if obj.max_completion_tokens else "max_tokens",
+            )
+
     async def chat_completions(self, request: Request):
         obj = parse_body(ChatCompletionRequest, await read_json(request))
+        self._check_max_completion_tokens(obj)
         ids = await self.chat_prompt(obj)
         self.serving.admit(obj.n)
         logprobs = (obj.top_logprobs or 0) if obj.logprobs else None
@@ -299,7 +317,7 @@ class OpenAIServing:
         if obj.stream:
             head["object"] = "chat.completion.chunk"
             await self.serving.attach_grammars(reqs)  # a bad grammar: 400, not a stream
-            return self._stream(reqs, head, len(ids), obj.include_usage, chunk_choice)
+            return self._stream(reqs, head, len(ids), obj, chunk_choice)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
         choices = []
         for i, o in enumerate(outs):
@@ -332,9 +350,12 @@ class OpenAIServing:
         reqs,
         head: dict,
         prompt_tokens: int,
-        include_usage: bool,
+        obj: CompletionRequest | ChatCompletionRequest,
         make_choice: Callable[[Choice, str, int, dict], dict],
     ) -> StreamingResponse:
+        """Chunks as the outputs come; each carries its choice's usage so far with
+        continuous_usage_stats, and a last chunk the whole usage with include_usage."""
+
         async def events() -> AsyncIterator[bytes]:
             choices = [Choice(i) for i in range(len(reqs))]
             created = int(time.time())
@@ -345,13 +366,15 @@ class OpenAIServing:
                     finished = out["meta_info"]["finish_reason"] is not None
                     if not delta and not finished and c.started:
                         continue
-                    body = make_choice(c, delta, lp_start, out["meta_info"])
+                    meta = out["meta_info"]
+                    body = make_choice(c, delta, lp_start, meta)
                     c.started = True
-                    yield sse({**head, "created": created, "choices": [body], "usage": None})
+                    used = usage(meta["prompt_tokens"], [out]) if obj.continuous_usage else None
+                    yield sse({**head, "created": created, "choices": [body], "usage": used})
             except RequestError as e:
                 yield sse(openai_error_body(str(e)))
             else:
-                if include_usage:
+                if obj.include_usage:
                     outs = [c.last for c in choices if c.last is not None]
                     yield sse(
                         {
@@ -408,7 +431,7 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         "/v1/responses",
         responses.create,
         methods=["POST"],
-        openapi_extra=json_body_spec(ResponsesRequest, OpenAIError),
+        openapi_extra=json_body_spec(ResponsesRequest, ResponsesError),
     )
     app.add_api_route("/v1/responses/{response_id}", responses.retrieve, methods=["GET"])
     app.add_api_route(

@@ -20,7 +20,8 @@ from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = False  # a last chunk with the usage of the whole request
+    continuous_usage_stats: bool = False  # every choice chunk carries its choice's usage so far
 
 
 class _SamplingFields(BaseModel):
@@ -100,6 +101,10 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):

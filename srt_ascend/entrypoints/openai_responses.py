@@ -4,8 +4,10 @@ server-sent events) and `GET /v1/responses/{id}` (retrieve a stored response).
 A request's `input` (a text, or messages) follows `instructions` (a system message) and, with
 `previous_response_id`, the earlier turns: that response's conversation (its inputs and its
 output, not its instructions). The chat template turns the conversation into the prompt; the
-sampling fields go through the same check as every other route. Responses with `store` (the
-default) are kept in memory, the most recent STORE_LIMIT of them.
+sampling fields go through the same check as every other route. With `truncation: "auto"` a
+conversation too long for the context loses its earliest turns (`"disabled"`, the default: the
+request is refused, 400). Responses with `store` (the default) are kept in memory, the most
+recent STORE_LIMIT of them. Errors have the Responses API's shape (`ResponsesError`).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ from srt_ascend.entrypoints.http_utils import (
     SSE_DONE,
     HTTPStatusError,
     ORJSONResponse,
-    openai_error_body,
     parse_body,
     read_json,
+    responses_error_body,
     sse,
 )
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
@@ -68,6 +70,19 @@ class TextConfig(BaseModel):
     format: TextFormat = Field(default_factory=TextFormat)
 
 
+class ResponsesErrorDetail(BaseModel):
+    message: str
+    type: str  # "invalid_request_error" for a refused request
+    param: str | None = None  # the request field at fault, where one is
+    code: int  # the HTTP status
+
+
+class ResponsesError(BaseModel):
+    """The error body of /v1/responses (SGLang's, the Responses API's shape)."""
+
+    error: ResponsesErrorDetail
+
+
 class ResponsesRequest(BaseModel):
     """`POST /v1/responses`; unknown fields are refused unless null, like every /v1 body."""
 
@@ -83,6 +98,9 @@ class ResponsesRequest(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    truncation: Literal["auto", "disabled"] | None = None  # None: "disabled"
     stream: bool = False
     store: bool = True
     text: TextConfig | None = None
@@ -109,6 +127,8 @@ class ResponsesRequest(BaseModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "presence_penalty": self.presence_penalty,
         }
         fmt = self.text.format if self.text else TextFormat()
         if fmt.type == "json_object":
@@ -131,16 +151,15 @@ class ResponsesServing:
             stored = self.store.get(obj.previous_response_id)
             if stored is None:
                 raise RequestError(
-                    f"previous_response_id: no stored response {obj.previous_response_id!r}"
+                    f"previous_response_id: no stored response {obj.previous_response_id!r}",
+                    param="previous_response_id",
                 )
             history = stored[1]
         return history + obj.messages()
 
     async def create(self, request: Request):
         obj = parse_body(ResponsesRequest, await read_json(request))
-        conversation = self._conversation(obj)
-        system = [{"role": "system", "content": obj.instructions}] if obj.instructions else []
-        ids = await self.chat_ids(system + conversation)
+        ids, conversation = await self._prompt(obj, self._conversation(obj))
         sp = clean_sampling_params(obj.sampling_params(), prefix="")
         if obj.max_output_tokens is None:
             sp["max_new_tokens"] = self.serving.tm.max_new_tokens_left(len(ids))
@@ -152,6 +171,51 @@ class ResponsesServing:
             return StreamingResponse(events, media_type="text/event-stream")
         out = await until_disconnected(request, self.serving.run_to_end(req))
         return ORJSONResponse(self._finish(head, obj, conversation, out))
+
+    async def _prompt(
+        self, obj: ResponsesRequest, conversation: list[dict]
+    ) -> tuple[list[int], list[dict]]:
+        """(prompt token ids, the conversation they hold). With truncation "auto" a prompt that
+        does not fit the context (with room for max_output_tokens) drops the fewest earliest
+        turns that make it fit, cutting before a user message (the instructions stay); when
+        none fits, or with "disabled", the whole conversation goes on (the length check then
+        refuses it). The cut is found by bisection: O(log turns) tokenizations."""
+        system = [{"role": "system", "content": obj.instructions}] if obj.instructions else []
+        if obj.truncation == "auto":
+            best = await self._fitting(system, conversation, obj)
+            if best is None:
+                cuts = [i for i, m in enumerate(conversation) if i > 0 and m["role"] == "user"]
+                best = await self._earliest_fit(system, conversation, cuts, obj)
+            if best is not None:
+                return best
+        return await self.chat_ids(system + conversation), conversation
+
+    async def _earliest_fit(
+        self, system: list[dict], conversation: list[dict], cuts: list[int], obj: ResponsesRequest
+    ) -> tuple[list[int], list[dict]] | None:
+        """The conversation from the earliest of `cuts` (ascending) on that fits, by bisection
+        (a later cut keeps fewer tokens); None if none does."""
+        best, lo, hi = None, 0, len(cuts) - 1
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            found = await self._fitting(system, conversation[cuts[mid] :], obj)
+            if found is not None:
+                best, hi = found, mid - 1
+            else:
+                lo = mid + 1
+        return best
+
+    async def _fitting(
+        self, system: list[dict], kept: list[dict], obj: ResponsesRequest
+    ) -> tuple[list[int], list[dict]] | None:
+        """(token ids, kept) when system + kept fits the context, else None (also when the
+        text is too long even to tokenize, or the template refuses that cut)."""
+        try:
+            ids = await self.chat_ids(system + kept)
+        except RequestError:
+            return None
+        fits = len(ids) + (obj.max_output_tokens or 0) < self.serving.tm.context_len
+        return (ids, kept) if fits else None
 
     def _finish(self, head: dict, obj: ResponsesRequest, conversation: list, out: dict) -> dict:
         """The completed response object (stored when `store`)."""
@@ -203,7 +267,7 @@ class ResponsesServing:
                     yield event("response.output_text.delta", **at, delta=text[len(sent) :])
                     sent = text
         except RequestError as e:
-            yield sse(openai_error_body(str(e)))
+            yield sse(responses_error_body(str(e), param=e.param))
             yield SSE_DONE
             return
         body = self._finish(head, obj, conversation, last)
@@ -217,7 +281,9 @@ class ResponsesServing:
     def retrieve(self, response_id: str) -> ORJSONResponse:
         stored = self.store.get(response_id)
         if stored is None:
-            raise HTTPStatusError(404, f"no stored response with id {response_id!r}")
+            raise HTTPStatusError(
+                404, f"Response with id '{response_id}' not found.", param="response_id"
+            )
         return ORJSONResponse(stored[0])
 
 
@@ -234,6 +300,7 @@ def _response_head(obj: ResponsesRequest) -> dict:
         "previous_response_id": obj.previous_response_id,
         "temperature": obj.temperature,
         "top_p": obj.top_p,
+        "truncation": obj.truncation or "disabled",
         "parallel_tool_calls": obj.parallel_tool_calls,
         "tool_choice": obj.tool_choice,
         "tools": [],

@@ -67,8 +67,11 @@ class ScoreServing:
         prompts = await self._prompts(obj)
         labels = obj.label_token_ids
         vocab = self.tm.runner.vocab_size
-        if any(not 0 <= t < vocab for t in labels):
-            raise RequestError(f"label_token_ids must be integers in [0, {vocab})")
+        if any(t < 0 for t in labels):
+            raise RequestError("label_token_ids must contain nonnegative integers")
+        for t in labels:
+            if t >= vocab:  # SGLang's words
+                raise RequestError(f"Token ID {t} is out of vocabulary (vocab size: {vocab})")
         self.serving.admit(len(prompts))
         # one prefill per item: the first label completes the prompt, and the logits at the
         # item's last position give every label's logprob (token_ids_logprob)

@@ -43,7 +43,12 @@ logger = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
-    """A bad request: the HTTP layer answers 400 with this message."""
+    """A bad request: the HTTP layer answers 400 with this message; `param` names the request
+    field at fault where one is (the Responses API reports it)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ServerBusyError(RuntimeError):

@@ -87,6 +87,28 @@ def test_moe_a2a_backend_refused_exit_2(launch_cli, argv, line):
     assert error_lines(proc) == [PREFIX + line]
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (
+            ("--grammar-backend", "outlines"),
+            "--grammar-backend 'outlines' is not available here (accepted: xgrammar)",
+        ),
+        (
+            ("--enable-custom-logit-processor",),
+            "--enable-custom-logit-processor is not supported: this server does not run "
+            "user-supplied logit processors (SGLang's custom_logit_processor and custom_params "
+            "request fields are refused with HTTP 400)",
+        ),
+    ],
+    ids=["grammar-backend", "custom-logit-processor"],
+)
+def test_sglang_flags_without_a_backend_here_exit_2(launch_cli, argv, line):
+    proc = launch_cli(*argv)
+    assert proc.returncode == 2
+    assert error_lines(proc) == [PREFIX + line]
+
+
 def test_tp_size_that_does_not_split_the_model_exit_2(launch_cli, e2e_model):
     proc = launch_cli("--model-path", e2e_model, "--device", "cpu", "--tp-size", "3")
     assert proc.returncode == 2
@@ -157,5 +179,7 @@ def test_help_documents_flags(launch_cli):
         "--cuda-graph-bs",
         "--graph-batch-sizes",
         "--cuda-graph-max-bs",
+        "--grammar-backend",
+        "--enable-custom-logit-processor",
     ):
         assert flag in proc.stdout

@@ -107,3 +107,35 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
     assert (kwargs["nnodes"], kwargs["node_rank"]) == (2, 1)
     assert (kwargs["enable_dp_attention"], kwargs["dp_size"]) == (True, 2)
     assert kwargs["moe_a2a_backend"] == "all_to_all"  # a value SGLang's parser does not know
+
+
+def test_sglang_grammar_backend_passes_through_and_others_exit_2(sglang_python):
+    """--grammar-backend reaches srt_ascend's ServerArgs (not the ignored-flags warning);
+    a backend this server lacks is one error line, exit 2, as on srt_ascend's own CLI."""
+    code = (
+        "import sys, json; from srt_ascend.sglang_plugin import translate;"
+        "print(json.dumps(translate(sys.argv[1:])))"
+    )
+    argv = ["--model-path", E2E_MODEL, "--grammar-backend", "xgrammar"]
+    proc = subprocess.run(
+        [sglang_python, "-c", code, *argv],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert kwargs["grammar_backend"] == "xgrammar" and unsupported == []
+    proc = subprocess.run(
+        _launch(sglang_python, "--grammar-backend", "llguidance", "--port", str(free_port())),
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=180,
+    )
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "error: --grammar-backend 'llguidance'" in lines[0], proc.stderr
