@@ -291,7 +291,7 @@ class TokenizerManager:
             state.in_ids_logprobs = out.input_token_ids_logprobs
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
-        text = trim_stop(state.decode.text, out.finish_reason, state.params.no_stop_trim)
+        text = trim_stop(state.decode.text, out.stop_text, state.params.no_stop_trim)
         meta = {
             "id": state.rid,
             "finish_reason": out.finish_reason,
