@@ -42,6 +42,7 @@ UNSUPPORTED_SAMPLING = (
 )
 IGNORED_SAMPLING = ("stream_interval",)  # a server-wide setting here
 RENAMED_SAMPLING = {"sampling_seed": "seed"}
+MAX_PARALLEL_SAMPLES = 64  # the largest `n`, as the /v1 routes cap it
 
 
 @dataclass
@@ -103,14 +104,18 @@ def clean_sampling_params(sp: Any, prefix: str = "sampling_params.") -> dict:
 
 def pop_n(sampling_params: list[dict]) -> int:
     """SGLang's parallel sample count, taken out of the sampling params (each sample is a
-    request of its own, n = 1); it must be the same for every prompt."""
-    ns = {sp.pop("n", 1) for sp in sampling_params}
-    if len(ns) > 1:
+    request of its own, n = 1); it must be the same for every prompt and at most
+    MAX_PARALLEL_SAMPLES (RequestError otherwise)."""
+    ns = [sp.pop("n", 1) for sp in sampling_params]
+    for n in ns:
+        if not _is_int(n) or not 1 <= n <= MAX_PARALLEL_SAMPLES:
+            raise RequestError(
+                f"sampling_params.n must be an integer >= 1 and at most "
+                f"{MAX_PARALLEL_SAMPLES}, got {n!r}"
+            )
+    if len(set(ns)) > 1:
         raise RequestError("sampling_params.n must be the same for every prompt")
-    n = ns.pop()
-    if not _is_int(n) or n < 1:
-        raise RequestError(f"sampling_params.n must be an integer >= 1, got {n!r}")
-    return n
+    return ns[0]
 
 
 @dataclass
@@ -268,7 +273,7 @@ class SamplingParamsBody(BaseModel):
     skip_special_tokens: bool | None = True
     spaces_between_special_tokens: bool | None = True
     no_stop_trim: bool | None = False
-    n: int | None = Field(1, ge=1)  # samples per prompt (the answer is then a list)
+    n: int | None = Field(1, ge=1, le=MAX_PARALLEL_SAMPLES)  # samples per prompt: a list back
     seed: int | None = None
     sampling_seed: int | None = None  # SGLang's name for seed
     # constrained generation, at most one: a JSON schema (as a JSON string), a regular

@@ -22,7 +22,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from srt_ascend.entrypoints.auth import ApiKeyMiddleware
-from srt_ascend.entrypoints.generate_input import AbortRequest, GenerateReqInput, GenerateRequest
+from srt_ascend.entrypoints.generate_input import (
+    AbortRequest,
+    GenerateItem,
+    GenerateReqInput,
+    GenerateRequest,
+)
 from srt_ascend.entrypoints.http_utils import (
     SSE_DONE,
     HTTPStatusError,
@@ -38,6 +43,7 @@ from srt_ascend.entrypoints.http_utils import (
 )
 from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes
 from srt_ascend.entrypoints.serving import ClientDisconnected, Serving, until_disconnected
+from srt_ascend.managers.io_struct import TokenizedGenerateReq
 from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -120,21 +126,12 @@ def _serving(request: Request) -> Serving:
 )
 async def generate(request: Request):
     serving = _serving(request)
-    obj = GenerateReqInput.from_json(await read_json(request))
+    # checking the body and building its requests take time linear in its size (token ids,
+    # prompts): both run in the tokenizer thread, not on the event loop
+    obj = await serving.tm.off_loop(GenerateReqInput.from_json, await read_json(request))
     serving.admit(len(obj.prompts) * obj.n)
-    reqs = [
-        serving.make_request(
-            it.input_ids,
-            it.sampling_params,
-            rid=it.rid,
-            return_logprob=it.return_logprob,
-            logprob_start_len=it.logprob_start_len,
-            top_logprobs_num=it.top_logprobs_num,
-            extra_key=it.extra_key,
-            token_ids_logprob=it.token_ids_logprob,
-        )
-        for it in await obj.items(serving.tm.tokenize_async)
-    ]
+    items = await obj.items(serving.tm.tokenize_async)
+    reqs = await serving.tm.off_loop(_make_requests, serving, items)
     serving.check_unique_rids(reqs)
     await serving.attach_grammars(reqs)
     if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
@@ -146,6 +143,22 @@ async def generate(request: Request):
     outs = await until_disconnected(request, serving.run_all(reqs))
     outs = [_finish_output(serving, obj, o) for o in outs]
     return ORJSONResponse(outs[0] if obj.is_single else outs)
+
+
+def _make_requests(serving: Serving, items: list[GenerateItem]) -> list[TokenizedGenerateReq]:
+    return [
+        serving.make_request(
+            it.input_ids,
+            it.sampling_params,
+            rid=it.rid,
+            return_logprob=it.return_logprob,
+            logprob_start_len=it.logprob_start_len,
+            top_logprobs_num=it.top_logprobs_num,
+            extra_key=it.extra_key,
+            token_ids_logprob=it.token_ids_logprob,
+        )
+        for it in items
+    ]
 
 
 @router.get("/health")

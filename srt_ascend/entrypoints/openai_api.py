@@ -200,11 +200,15 @@ class OpenAIServing:
             texts = list(p)
         else:
             ids = [list(p)] if all(isinstance(x, int) for x in p) else [list(x) for x in p]
-            for x in ids:
-                self.tm.validate_input_ids(x)
-            dec = self.tm.tokenizer.decode
-            return ids, [dec(x, skip_special_tokens=True) for x in ids]
+            return ids, await self.tm.off_loop(self._check_and_decode, ids)
         return [await self.tm.tokenize_async(t) for t in texts], texts
+
+    def _check_and_decode(self, prompts: list[list[int]]) -> list[str]:
+        """The echo text of token-id prompts, once they are checked as /generate checks them
+        (time linear in the ids: run off the event loop)."""
+        for ids in prompts:
+            self.tm.validate_input_ids(ids)
+        return [self.tm.tokenizer.decode(ids, skip_special_tokens=True) for ids in prompts]
 
     async def chat_prompt(self, obj: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in obj.messages]
@@ -222,20 +226,26 @@ class OpenAIServing:
         if not getattr(self.tm.tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template")
         cont = continue_final and messages[-1]["role"] == "assistant"
-        try:
-            text = self.tm.tokenizer.apply_chat_template(
+
+        def render() -> str:
+            return self.tm.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=not cont,
                 continue_final_message=cont,
                 **(template_kwargs or {}),
             )
+
+        try:  # the model's own template (a request's is refused), rendered off the event loop
+            text = await self.tm.off_loop(render)
         except Exception as e:  # jinja raises its own errors for malformed conversations
             raise RequestError(f"the chat template failed on these messages: {e}") from e
         return await self.tm.tokenize_async(text)
 
     async def completions(self, request: Request):
-        obj = parse_body(CompletionRequest, await read_json(request))
+        body = await read_json(request)
+        self.refuse_oversized(body, "prompt")
+        obj = parse_body(CompletionRequest, body)
         prompts, prompt_texts = await self._completion_prompts(obj)
         self.serving.admit(len(prompts) * obj.n)
         with_prompt_lp = obj.echo and obj.logprobs is not None
@@ -290,8 +300,28 @@ class OpenAIServing:
                 param="max_completion_tokens" if obj.max_completion_tokens else "max_tokens",
             )
 
+    def refuse_oversized(self, body: Any, field: str) -> None:
+        """Before the body is validated (pydantic holds the event loop for time linear in the
+        list): chat `messages` (each takes at least one token of the prompt) or a token-id
+        `prompt` longer than the context length cannot fit; RequestError (400)."""
+        value = body.get(field) if isinstance(body, dict) else None
+        if not isinstance(value, list) or len(value) <= self.tm.context_len:
+            return
+        if field == "messages":
+            unit = "messages"
+        elif isinstance(value[0], int):
+            unit = "tokens"
+        else:
+            return  # a batch of prompts: each is checked once parsed
+        raise RequestError(
+            f"{field}: {len(value)} {unit} cannot fit the model's context length "
+            f"({self.tm.context_len} tokens)"
+        )
+
     async def chat_completions(self, request: Request):
-        obj = parse_body(ChatCompletionRequest, await read_json(request))
+        body = await read_json(request)
+        self.refuse_oversized(body, "messages")
+        obj = parse_body(ChatCompletionRequest, body)
         self._check_max_completion_tokens(obj)
         ids = await self.chat_prompt(obj)
         self.serving.admit(obj.n)

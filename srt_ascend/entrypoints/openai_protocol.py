@@ -1,7 +1,8 @@
 """OpenAI request bodies (the fields SGLang's OpenAI server takes), as pydantic models.
 
 A top-level field this server does not know is refused (HTTP 400 naming it) unless it is null;
-wrong types fail validation (HTTP 400). `sampling_params()` maps a request, SGLang's extension
+wrong types fail validation (HTTP 400); booleans must be JSON booleans (no "yes" or 1), as on
+/generate. `sampling_params()` maps a request, SGLang's extension
 fields included (`regex`, `json_schema`, `ebnf`, `stop_regex`, `logit_bias`, `response_format`,
 `top_k`, `min_p`, ...), onto the sampling-parameter dict `/generate` takes, and `request_fields()`
 onto its top-level request fields (`lora_path`, `custom_logit_processor`,
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 
@@ -33,7 +34,7 @@ class _SamplingFields(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     n: int = Field(1, ge=1, le=64)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
@@ -47,10 +48,10 @@ class _SamplingFields(BaseModel):
     min_tokens: int | None = None
     repetition_penalty: float | None = None
     stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    spaces_between_special_tokens: bool | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    spaces_between_special_tokens: StrictBool | None = None
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
@@ -61,7 +62,7 @@ class _SamplingFields(BaseModel):
     # SGLang request fields, checked as /generate checks them (generate_input.UNSUPPORTED_FIELDS)
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | None = None
-    return_hidden_states: bool = False
+    return_hidden_states: StrictBool = False
 
     def request_fields(self) -> dict:
         """The fields that are top-level request fields on /generate."""
@@ -110,7 +111,7 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and SGLang's default; null: up to the context
-    echo: bool = False
+    echo: StrictBool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     suffix: str | None = None
     best_of: int | None = None
@@ -176,15 +177,15 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto"] | None = None  # "auto" with no tools is "none"
-    parallel_tool_calls: bool | None = None  # meaningful only with tools
+    parallel_tool_calls: StrictBool | None = None  # meaningful only with tools
     response_format: ResponseFormat | None = None
-    continue_final_message: bool = False  # extend the last (assistant) message, no new turn
-    separate_reasoning: bool = True  # no reasoning parser here: the content is all of it
-    stream_reasoning: bool = True  # (sglang-router sends both, at SGLang's defaults)
+    continue_final_message: StrictBool = False  # extend the last (assistant) message, no new turn
+    separate_reasoning: StrictBool = True  # no reasoning parser here: the content is all of it
+    stream_reasoning: StrictBool = True  # (sglang-router sends both, at SGLang's defaults)
     chat_template_kwargs: dict | None = None
 
     def sampling_params(self, max_new_tokens: int | None) -> dict:
@@ -204,6 +205,9 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        if (self.chat_template_kwargs or {}).get("chat_template") is not None:
+            # a template from the request would run arbitrary Jinja on the server
+            return "chat_template_kwargs.chat_template"
         return None
 
 

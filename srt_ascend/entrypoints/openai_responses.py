@@ -7,7 +7,8 @@ output, not its instructions). The chat template turns the conversation into the
 sampling fields go through the same check as every other route. With `truncation: "auto"` a
 conversation too long for the context loses its earliest turns (`"disabled"`, the default: the
 request is refused, 400). Responses with `store` (the default) are kept in memory, the most
-recent STORE_LIMIT of them. Errors have the Responses API's shape (`ResponsesError`).
+recent STORE_LIMIT of them within STORE_MAX_BYTES (response_store.py). Errors have the
+Responses API's shape (`ResponsesError`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Annotated, Literal
 
@@ -33,10 +33,10 @@ from srt_ascend.entrypoints.http_utils import (
     responses_error_body,
     sse,
 )
+from srt_ascend.entrypoints.response_store import ResponseStore
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
-STORE_LIMIT = 1024
 ChatIds = Callable[[list[dict]], Awaitable[list[int]]]  # chat messages -> prompt token ids
 
 
@@ -142,7 +142,7 @@ class ResponsesServing:
     def __init__(self, serving: Serving, chat_ids: ChatIds) -> None:
         self.serving = serving
         self.chat_ids = chat_ids
-        self.store: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.store = ResponseStore()
 
     def _conversation(self, obj: ResponsesRequest) -> list[dict]:
         """Earlier turns (from previous_response_id) followed by this input."""
@@ -236,9 +236,7 @@ class ResponsesServing:
         }
         if obj.store:
             turn = conversation + [{"role": "assistant", "content": out["text"]}]
-            self.store[body["id"]] = (body, turn)
-            while len(self.store) > STORE_LIMIT:
-                self.store.popitem(last=False)
+            self.store.put(body["id"], body, turn)
         return body
 
     async def _events(

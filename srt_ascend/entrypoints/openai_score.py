@@ -5,7 +5,8 @@ Each item is one prompt-logprob request: the prompt followed by the first label,
 token (`max_new_tokens` 0, `logprob_start_len` at the label), with `token_ids_logprob` = the
 labels, so the logits at the prompt's last position give every label's logprob in one prefill.
 Scores are exp(logprob), or a softmax over the labels' logprobs with `apply_softmax` (SGLang's
-rule).
+rule). A request takes at most MAX_SCORE_ITEMS items (HTTP 400 past it, before the body is
+validated).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from srt_ascend.entrypoints.http_utils import ORJSONResponse, parse_body, read_json
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
+
+MAX_SCORE_ITEMS = 1024  # items per request: each is a prefill of its own
 
 
 class ScoreRequest(BaseModel):
@@ -58,12 +61,17 @@ class ScoreServing:
             texts = [x + obj.query if obj.item_first else obj.query + x for x in items]
             return [await self.tm.tokenize_async(t) for t in texts]
         prompts = [x + obj.query if obj.item_first else obj.query + x for x in items]
-        for ids in prompts:
-            self.tm.validate_input_ids(ids)
+        await self.tm.off_loop(self._check_ids, prompts)
         return prompts
 
     async def score(self, request: Request) -> ORJSONResponse:
-        obj = parse_body(ScoreRequest, await read_json(request))
+        body = await read_json(request)
+        items = body.get("items") if isinstance(body, dict) else None
+        if isinstance(items, list) and len(items) > MAX_SCORE_ITEMS:
+            raise RequestError(
+                f"items: {len(items)} items; a request takes at most {MAX_SCORE_ITEMS}"
+            )
+        obj = parse_body(ScoreRequest, body)
         prompts = await self._prompts(obj)
         labels = obj.label_token_ids
         vocab = self.tm.runner.vocab_size
@@ -73,18 +81,7 @@ class ScoreServing:
             if t >= vocab:  # SGLang's words
                 raise RequestError(f"Token ID {t} is out of vocabulary (vocab size: {vocab})")
         self.serving.admit(len(prompts))
-        # one prefill per item: the first label completes the prompt, and the logits at the
-        # item's last position give every label's logprob (token_ids_logprob)
-        reqs = [
-            self.serving.make_request(
-                ids + labels[:1],
-                {"max_new_tokens": 0},
-                return_logprob=True,
-                logprob_start_len=len(ids),
-                token_ids_logprob=labels,
-            )
-            for ids in prompts
-        ]
+        reqs = await self.tm.off_loop(self._requests, prompts, labels)
         self.serving.check_unique_rids(reqs)
         outs = await until_disconnected(request, self.serving.run_all(reqs))
         scores = [
@@ -106,3 +103,26 @@ class ScoreServing:
                 },
             }
         )
+
+    def _check_ids(self, prompts: list[list[int]]) -> None:
+        """Token-id prompts checked as /generate checks them; one must hold a token (the
+        label's logprob is read after its last one)."""
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError(f"items[{i}]: query + item is empty: give at least one token")
+            self.tm.validate_input_ids(ids)
+
+    def _requests(self, prompts: list[list[int]], labels: list[int]) -> list:
+        """One prefill per item (built off the event loop: time linear in the items): the
+        first label completes the prompt, and the logits at the item's last position give
+        every label's logprob (token_ids_logprob)."""
+        return [
+            self.serving.make_request(
+                ids + labels[:1],
+                {"max_new_tokens": 0},
+                return_logprob=True,
+                logprob_start_len=len(ids),
+                token_ids_logprob=labels,
+            )
+            for ids in prompts
+        ]

@@ -47,13 +47,10 @@ class DecodeState:
         return self.text
 
 
-def trim_stop(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
-    """A matched stop string and whatever follows it are removed from the returned text."""
-    if no_stop_trim or not finish_reason or finish_reason.get("type") != "stop":
+def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
+    """The text a stop string or stop_regex matched (`stop_text`, None when the request did
+    not stop on one) and whatever follows it are removed from the returned text."""
+    if no_stop_trim or not stop_text:
         return text
-    matched = finish_reason.get("matched")
-    if isinstance(matched, str) and matched:
-        idx = text.find(matched)
-        if idx != -1:
-            return text[:idx]
-    return text
+    idx = text.find(stop_text)
+    return text[:idx] if idx != -1 else text

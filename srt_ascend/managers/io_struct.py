@@ -47,11 +47,14 @@ class ReqOutput:
 
     `new_token_ids` are the tokens committed this step (several with speculative decoding).
     `finish_reason` is set on the last message of a request; `meta` carries counters.
+    `stop_text` is the output text a stop string or stop_regex matched (what is trimmed;
+    `finish_reason["matched"]` is the stop string or the pattern, as SGLang reports it).
     """
 
     rid: str
     new_token_ids: list[int]
     finish_reason: dict | None = None
+    stop_text: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

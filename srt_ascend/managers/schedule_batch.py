@@ -14,9 +14,10 @@ from srt_ascend.sampling.sampling_params import SamplingParams
 @dataclass
 class FinishReason:
     kind: str  # "stop" | "length" | "abort"
-    matched: int | str | None = None
+    matched: int | str | None = None  # the stop token, stop string or stop_regex pattern
     length: int = 0
     message: str = ""
+    stop_text: str | None = None  # the output text a stop string / regex matched (trimmed)
 
     def to_json(self) -> dict:
         """SGLang's meta_info.finish_reason shape."""

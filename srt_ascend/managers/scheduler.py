@@ -534,6 +534,7 @@ class Scheduler:
             rid=req.rid,
             new_token_ids=new_tokens,
             finish_reason=req.finished_reason.to_json() if req.finished_reason else None,
+            stop_text=req.finished_reason.stop_text if req.finished_reason else None,
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,

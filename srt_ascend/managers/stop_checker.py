@@ -3,9 +3,8 @@ max_new_tokens, context length."""
 
 from __future__ import annotations
 
-import re
-
 from srt_ascend.managers.schedule_batch import FinishReason, Req
+from srt_ascend.sampling.sampling_params import compile_stop_regex
 
 # stop_regex is searched in the text of the output's last STOP_REGEX_TAIL_TOKENS tokens, so a
 # check costs the same at every length (a match longer than that text is not seen).
@@ -31,11 +30,12 @@ class StopChecker:
             if p.stop:
                 matched = self._stop_string(req)
                 if matched is not None:
-                    return FinishReason("stop", matched=matched)
+                    return FinishReason("stop", matched=matched, stop_text=matched)
             if p.stop_regex:
-                matched = self._stop_regex(req)
-                if matched is not None:
-                    return FinishReason("stop", matched=matched)
+                found = self._stop_regex(req)
+                if found is not None:
+                    pattern, text = found
+                    return FinishReason("stop", matched=pattern, stop_text=text)
         if len(req.output_ids) >= p.max_new_tokens:
             return FinishReason("length", length=p.max_new_tokens)
         if req.seq_len >= context_len:
@@ -52,11 +52,13 @@ class StopChecker:
                 return s
         return None
 
-    def _stop_regex(self, req: Req) -> str | None:
-        """The text matched by the first stop_regex found in the output's tail."""
+    def _stop_regex(self, req: Req) -> tuple[str, str] | None:
+        """(pattern, the text it matched) of the first stop_regex found in the output's tail.
+        RE2 searches in time linear in the tail, whatever the pattern (patterns were compiled,
+        and refused if RE2 cannot take them, when the request was made)."""
         tail = self.tokenizer.decode(req.output_ids[-STOP_REGEX_TAIL_TOKENS:])
         for pattern in req.sampling_params.stop_regex:
-            m = re.search(pattern, tail)
+            m = compile_stop_regex(pattern).search(tail)
             if m is not None:
-                return m.group(0)
+                return pattern, m.group(0)
         return None

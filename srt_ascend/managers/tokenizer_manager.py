@@ -11,9 +11,10 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from srt_ascend.constrained import GrammarBackend, GrammarError
 from srt_ascend.distributed import SINGLE
@@ -40,6 +41,7 @@ from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestError(ValueError):
@@ -137,8 +139,14 @@ class TokenizerManager:
                 f"the input ({len(text)} characters) is longer than the model's context length "
                 f"({self.context_len} tokens)"
             )
+        return await self.off_loop(self.tokenize, text)
+
+    async def off_loop(self, fn: Callable[..., T], *args) -> T:
+        """`fn(*args)` in the tokenizer thread, so that the event loop keeps serving (/health,
+        other streams) while one request's work that grows with its size (templating,
+        tokenizing, validating long inputs) runs. Requests take turns in that one thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._tokenize_pool, self.tokenize, text)
+        return await loop.run_in_executor(self._tokenize_pool, fn, *args)
 
     def num_in_flight(self) -> int:
         """Requests submitted and not yet finished (running or waiting in the scheduler)."""
@@ -296,7 +304,7 @@ class TokenizerManager:
             state.in_ids_logprobs = out.input_token_ids_logprobs
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
-        text = trim_stop(state.decode.text, out.finish_reason, state.params.no_stop_trim)
+        text = trim_stop(state.decode.text, out.stop_text, state.params.no_stop_trim)
         meta = {
             "id": state.rid,
             "finish_reason": out.finish_reason,

@@ -7,11 +7,13 @@ calls `normalize()` (canonical forms: stop as a list, greedy as top_k == 1) and 
 
 from __future__ import annotations
 
+import functools
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
+
+import re2
 
 # A temperature below this is greedy decoding (SGLang's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-6
@@ -27,6 +29,9 @@ _FLOAT_FIELDS = (
     "presence_penalty",
     "repetition_penalty",
 )
+# The longest stop_regex pattern taken (RE2 compiles in time linear in the pattern; this keeps
+# the compile on the event loop to a millisecond or so).
+STOP_REGEX_MAX_CHARS = 4096
 # Grammar parameters (SGLang's names), in the order SGLang checks them.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _BOOL_FIELDS = (
@@ -218,10 +223,7 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty.")
         # stop_token_ids outside [0, vocab_size) are accepted, as SGLang does: they never match.
         for pattern in _as_list(self.stop_regex):
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"stop_regex {pattern!r} is not a valid regex: {e}.") from e
+            compile_stop_regex(pattern)
         self._verify_logit_bias(vocab_size)
 
     def _verify_logit_bias(self, vocab_size: int) -> None:
@@ -231,11 +233,8 @@ class SamplingParams:
         if not isinstance(bias, dict):
             raise ValueError(f"logit_bias must be an object of token id -> bias, got {bias!r}.")
         for key, value in bias.items():
-            try:
-                token_id = int(key)
-            except (TypeError, ValueError):
-                token_id = -1
-            if isinstance(key, bool) or not 0 <= token_id < vocab_size:
+            token_id = _token_id_key(key)
+            if token_id is None or not 0 <= token_id < vocab_size:
                 raise ValueError(
                     f"logit_bias keys must be token ids in [0, {vocab_size - 1}], got {key!r}."
                 )
@@ -245,6 +244,49 @@ class SamplingParams:
                 or not math.isfinite(value)
             ):
                 raise ValueError(f"logit_bias values must be finite numbers, got {value!r}.")
+
+
+def _token_id_key(key: Any) -> int | None:
+    """A logit_bias key as a token id: an int, or a string of ASCII digits only (JSON object
+    keys are strings). None for anything else: Python's int() would also take "1_0", " 10 ",
+    "+10" or other scripts' digits, which OpenAI's API does not."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def compile_stop_regex(pattern: str) -> re2._Regexp:
+    """`pattern` compiled with RE2, whose search time is linear in the text (no catastrophic
+    backtracking can stall the scheduler); cached. ValueError (the request's 400) for a
+    pattern RE2 cannot take: a syntax error, a backreference or lookaround, a pattern longer
+    than STOP_REGEX_MAX_CHARS or one whose program exceeds RE2's memory budget."""
+    if len(pattern) > STOP_REGEX_MAX_CHARS:
+        raise ValueError(
+            f"stop_regex is {len(pattern)} characters long; at most {STOP_REGEX_MAX_CHARS} "
+            "are taken."
+        )
+    try:
+        return re2.compile(pattern, _RE2_OPTIONS)
+    except re2.error as e:
+        detail = e.args[0] if e.args else str(e)
+        if isinstance(detail, bytes):
+            detail = detail.decode(errors="replace")
+        raise ValueError(
+            f"stop_regex {pattern!r} is not a valid regex for RE2, the linear-time engine stop "
+            f"regexes run on (no backreferences or lookaround): {detail}."
+        ) from None
+
+
+def _re2_options() -> re2.Options:
+    options = re2.Options()
+    options.log_errors = False  # a bad pattern is the request's 400, not a server log line
+    return options
+
+
+_RE2_OPTIONS = _re2_options()
 
 
 def _as_list(value: str | list[str] | None) -> list[str]:

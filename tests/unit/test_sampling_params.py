@@ -61,6 +61,16 @@ def test_from_dict_rejects_unknown_fields_by_name() -> None:
         ("logit_bias", {"x": 1.0}, "logit_bias keys must be token ids"),
         ("logit_bias", {str(VOCAB): 1.0}, "logit_bias keys must be token ids"),
         ("logit_bias", {"3": float("inf")}, "logit_bias values must be finite"),
+        # int() would take these; a token id key is ASCII digits only
+        ("logit_bias", {"1_0": 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {" 10 ": 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"+10": 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"\u0661\u0660": 1.0}, "logit_bias keys must be token ids"),
+        ("logit_bias", {True: 1.0}, "logit_bias keys must be token ids"),
+        # RE2 (linear time) refuses what needs backtracking
+        ("stop_regex", r"(a)\1", "not a valid regex for RE2"),
+        ("stop_regex", ["ok", "(?=a)b"], "not a valid regex for RE2"),
+        ("stop_regex", "a" * 4097, "at most 4096 are taken"),
     ],
 )
 def test_verify_rejects_bad_values(field: str, value: object, message: str) -> None:
