@@ -221,11 +221,13 @@ def run(server_args: ServerArgs) -> None:
     tokenizer_manager = build_tokenizer_manager(server_args)
     import uvicorn
 
+    from srt_ascend.entrypoints.http_protocol import bounded_read_protocol
     from srt_ascend.entrypoints.http_server import create_app
 
     app = create_app(tokenizer_manager, server_args)
     config = uvicorn.Config(
         app,
+        http=bounded_read_protocol(server_args.request_read_timeout),
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level.lower(),

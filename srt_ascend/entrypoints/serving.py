@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -82,6 +81,15 @@ class Serving:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def probe_generation(self) -> None:
+        """One greedy token from the BOS token through the whole runtime (/health_generate's
+        probe; not counted in the request metrics)."""
+        bos = self.tm.tokenizer.bos_token_id
+        req = self.tm.make_request(
+            [bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0}
+        )
+        await _drain(self.tm.generate_one(req))
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (SGLang's text in logprob entries)."""
@@ -176,7 +184,8 @@ class Serving:
         return {**state, "avg_spec_accept_length": self.metrics.avg_spec_accept_length}
 
     def server_info(self) -> dict:
-        info = dataclasses.asdict(self.args)
+        """The server args with their secrets redacted (`ServerArgs.redacted`), plus sizes."""
+        info = self.args.redacted()
         info.update(
             served_model_name=self.args.model_name,
             tokenizer_path=self.args.tokenizer,
@@ -185,6 +194,11 @@ class Serving:
             context_length=self.tm.context_len,
         )
         return info
+
+
+async def _drain(gen: AsyncIterator) -> None:
+    async for _ in gen:
+        pass
 
 
 async def until_disconnected(request: Request, work: Awaitable):
