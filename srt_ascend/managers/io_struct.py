@@ -25,9 +25,14 @@ class TokenizedGenerateReq:
     grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
 
 
+ABORTED_BY_CLIENT = "aborted by the client"
+SERVER_SHUTTING_DOWN = "the server is shutting down"
+
+
 @dataclass
 class AbortReq:
     rid: str  # "" aborts everything
+    message: str = ABORTED_BY_CLIENT  # the abort finish_reason's message
 
 
 @dataclass
