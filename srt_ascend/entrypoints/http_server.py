@@ -145,7 +145,7 @@ async def generate(request: Request):
     serving.check_unique_rids(reqs)
     await serving.attach_grammars(reqs)
     if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
-        await until_disconnected(request, serving.cache_prompts(reqs[:: obj.n]))
+        await until_disconnected(request, serving.cache_prompts(reqs, obj.n))
     if obj.stream:
         return StreamingResponse(
             _stream_generate(serving, obj, reqs), media_type="text/event-stream"

@@ -63,18 +63,16 @@ class Serving:
         streams."""
         await asyncio.gather(*(self.tm.attach_grammar(r) for r in reqs))
 
-    async def cache_prompts(self, reqs: list[TokenizedGenerateReq]) -> None:
-        """Prefills each request's prompt once (a max_new_tokens=0 request), so that several
-        requests with that prompt (parallel samples) find it in the radix cache and share
-        its KV instead of each computing it (SGLang's way with n > 1). Not counted in the
-        request metrics."""
-
-        async def prefill(req: TokenizedGenerateReq) -> None:
-            async for _ in self.tm.generate_one(req):
-                pass
-
-        prefills = [self.tm.make_request(r.input_ids, {"max_new_tokens": 0}) for r in reqs]
-        tasks = [asyncio.ensure_future(prefill(r)) for r in prefills]
+    async def cache_prompts(self, reqs: list[TokenizedGenerateReq], n: int) -> None:
+        """Prefills each prompt once, so that its `n` parallel samples find it in the radix
+        cache and share its KV instead of each computing it (SGLang's way with n > 1). `reqs`
+        are the samples, prompt-major (n per prompt). Each prompt's prefill (a
+        max_new_tokens=0 request) carries its samples' cache salt, so it is cached where they
+        look and nowhere else, and a routing key it shares with them, so that under
+        data-parallel attention they all run in one group's cache. Not counted in the request
+        metrics."""
+        prefills = [self.tm.prefill_request(reqs[i : i + n]) for i in range(0, len(reqs), n)]
+        tasks = [asyncio.ensure_future(_drain(self.tm.generate_one(r))) for r in prefills]
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -236,6 +236,22 @@ class TokenizerManager:
             extra_key=extra_key,
         )
 
+    def prefill_request(self, samples: list[TokenizedGenerateReq]) -> TokenizedGenerateReq:
+        """A request that only prefills the prompt of `samples` (the parallel samples of one
+        prompt: same input ids and cache salt), to run before them so that they share its
+        KV through the radix cache. It has their salt (its KV is cached only where they
+        look) and a routing key set on them too (under data-parallel attention they all
+        run in the same group). Sets `routing_key` on `samples`."""
+        key = uuid.uuid4().hex
+        for r in samples:
+            r.routing_key = key
+        first = samples[0]
+        prefill = self.make_request(
+            first.input_ids, {"max_new_tokens": 0}, extra_key=first.extra_key
+        )
+        prefill.routing_key = key
+        return prefill
+
     def max_new_tokens_left(self, num_input_tokens: int) -> int:
         """The longest output a prompt of this length can have (SGLang's default when a chat
         or completion request leaves max_tokens unset: generate up to the context length)."""

@@ -1,7 +1,8 @@
 """Security of a real server: no route returns a secret (every route, GET and POST, with no
-key, the API key and the admin key; with both keys set and with the admin key alone), a slow
-request body is disconnected within --request-read-timeout, and a flood of /health_generate
-probes runs a bounded number of generations."""
+key, the API key and the admin key; with both keys set and with the admin key alone), a
+`cache_salt` keeps n > 1's shared prefill out of other tenants' cache, a slow request body is
+disconnected within --request-read-timeout, and a flood of /health_generate probes runs a
+bounded number of generations."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import socket
 import threading
 import time
+import uuid
 
 import pytest
 import requests
@@ -90,6 +92,33 @@ def test_no_route_returns_a_secret(which, request):
     info = server.get("/server_info", headers=_auth(info_key)).json()
     assert info["admin_api_key"] == REDACTED
     assert info["api_key"] == (REDACTED if which == "both_keys" else None)
+
+
+def _long_prompt() -> str:
+    """About 270 tokens no earlier request has sent."""
+    tag = uuid.uuid4().hex
+    return " ".join(f"w{tag[i % 32]}{i}" for i in range(90))
+
+
+def test_cache_salt_keeps_n_samples_prefill_out_of_the_unsalted_tree(keyed_server):
+    s, prompt = keyed_server, _long_prompt()
+    body = {
+        "text": prompt,
+        "sampling_params": {"n": 2, "max_new_tokens": 2},
+        "cache_salt": "tenant-a",
+    }
+    r = s.post("/generate", json=body, headers=_auth(KEY))
+    assert r.status_code == 200, r.text
+    samples = [o["meta_info"] for o in r.json()]
+    prompt_tokens = samples[0]["prompt_tokens"]
+    assert prompt_tokens > 200
+    # The samples found the salted prefill (the prompt was computed once, not n + 1 times).
+    assert all(m["cached_tokens"] >= prompt_tokens - 1 for m in samples), samples
+    # Another tenant (no salt) sees nothing of it.
+    plain = {"text": prompt, "sampling_params": {"max_new_tokens": 1}}
+    r = s.post("/generate", json=plain, headers=_auth(KEY))
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["cached_tokens"] == 0
 
 
 def _open_seconds(url: str, first: bytes, limit: float) -> float | None:

@@ -1,5 +1,6 @@
 """Server hardening without a model: secrets redacted from the server info, the bounded
-/health_generate probe, and the request read deadline (slow loris) on a real uvicorn server."""
+/health_generate probe, the request read deadline (slow loris) on a real uvicorn server, and
+the data-parallel routing of a prompt's samples with its prefill."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import uvicorn
 
 from srt_ascend.entrypoints.health import HealthProbe
 from srt_ascend.entrypoints.http_protocol import bounded_read_protocol
+from srt_ascend.managers.dp_scheduler import GroupRouter
 from srt_ascend.managers.tokenizer_manager import ServerBusyError
 from srt_ascend.server_args import REDACTED, SECRET_FIELDS, ServerArgs
 
@@ -221,3 +223,31 @@ def test_a_slow_answer_and_keep_alive_requests_are_not_cut():
             sock.sendall(b"POST /x HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\n\r\nab")
             second = _read_answer(sock)
             assert second.startswith(b"HTTP/1.1 200") and second.endswith(b"2"), second
+
+
+# ---- data-parallel routing ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["round_robin", "shortest_queue"])
+def test_a_prompts_samples_go_to_its_prefills_group(method):
+    router = GroupRouter(dp_size=2, method=method)
+    loads = [0, 0]
+    for prompt in range(6):
+        key = f"prompt-{prompt}"
+        prefill = router.group_of(key, loads)
+        samples = [router.group_of(key, loads) for _ in range(3)]
+        assert samples == [prefill] * 3
+        router.group_of(None, loads)  # an unrelated request between two prompts
+    assert sorted(loads) != [0, sum(loads)]  # both groups got work
+
+
+def test_router_balances_unkeyed_requests_and_forgets_old_keys():
+    router = GroupRouter(dp_size=2, method="round_robin")
+    loads = [0, 0]
+    assert [router.group_of(None, loads) for _ in range(4)] == [0, 1, 0, 1]
+    assert loads == [2, 2]
+    for keep, expected in ((2, 0), (1, 1)):  # keep=1: "a" is forgotten once "b" comes
+        router = GroupRouter(dp_size=2, method="shortest_queue", keep=keep)
+        assert router.group_of("a", [0, 0]) == 0
+        assert router.group_of("b", [5, 0]) == 1
+        assert router.group_of("a", [5, 0]) == expected
