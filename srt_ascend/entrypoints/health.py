@@ -56,15 +56,17 @@ class HealthProbe:
         return await asyncio.shield(self._running)
 
     async def _probe(self) -> bool:
+        """The one probe generation; its answer is recorded even if it is cancelled (the
+        server stopping), so later callers never wait on a dead probe."""
+        healthy = False
         try:
             await asyncio.wait_for(self.generate(), self.timeout)
             healthy = True
         except asyncio.TimeoutError:
             logger.error("health_generate: no token within %.0f s", self.timeout)
-            healthy = False
         except Exception:  # a failed generation is an unhealthy server, not a 500
             logger.exception("health_generate: the probe generation failed")
-            healthy = False
-        self._answer = (time.monotonic(), healthy)
-        self._running = None
+        finally:
+            self._answer = (time.monotonic(), healthy)
+            self._running = None
         return healthy

@@ -34,9 +34,9 @@ class BoundedReadH11Protocol(H11Protocol):
     fires the transport is closed."""
 
     read_timeout: float = 30.0
+    _read_deadline: asyncio.TimerHandle | None = None  # armed while a request is being read
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        self._read_deadline: asyncio.TimerHandle | None = None
         super().connection_made(transport)
         self._arm_read_deadline()
 

@@ -103,6 +103,29 @@ def test_health_probe_timeout_is_unhealthy_and_a_leaving_caller_does_not_cancel_
     asyncio.run(run())
 
 
+def test_a_cancelled_probe_does_not_wedge_later_checks():
+    """The probe's generation is cancelled (the server stopping): the callers see the
+    cancellation, and the next check runs a new probe instead of waiting on the dead one."""
+    rt = FakeRuntime(delay=0.0)
+    real = rt.generate
+
+    async def cancelled_once() -> None:
+        rt.generate = real
+        rt.generations += 1
+        raise asyncio.CancelledError
+
+    rt.generate = cancelled_once
+    probe = HealthProbe(rt.admit, lambda: rt.generate(), ttl=0.0)
+
+    async def run() -> None:
+        with pytest.raises(asyncio.CancelledError):
+            await probe.check()
+        assert await probe.check() is True
+        assert rt.generations == 2
+
+    asyncio.run(run())
+
+
 # ---- request read deadline (slow loris) -----------------------------------------------------
 
 
