@@ -198,3 +198,32 @@ def test_a_health_generate_flood_runs_few_generations(keyed_server):
     assert codes and set(codes) == {200}, set(codes)
     assert len(codes) > 64
     assert 1 <= generations <= elapsed / 1.0 + 2, (generations, len(codes))
+
+
+def test_a_rid_reused_right_after_a_disconnect_gets_its_own_answer(keyed_server):
+    """The issue's reproduction over HTTP, bounded to seconds: a streaming request's client
+    leaves after its first token and a new request with the same rid follows at once
+    (retried while the server still reports the rid in use). The new request must answer
+    its own prompt, never end with the abandoned request's abort. The deterministic form of
+    this race is tests/engine/test_request_identity.py."""
+    s = keyed_server
+    old = {"text": "def f(x):\n" * 20, "stream": True}
+    new = {"text": "import os\n", "sampling_params": {"max_new_tokens": 2, "temperature": 0}}
+    for i in range(10):
+        rid = f"reuse-{uuid.uuid4().hex}"
+        body = {**old, "rid": rid, "sampling_params": {"max_new_tokens": 500, "ignore_eos": True}}
+        with requests.post(
+            s.url + "/generate", json=body, headers=_auth(KEY), stream=True, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            next(line for line in r.iter_lines() if line.startswith(b"data: {"))
+        deadline = time.monotonic() + 10
+        while True:  # the server notices the disconnect at its next token
+            r = s.post("/generate", json={**new, "rid": rid}, headers=_auth(KEY))
+            if r.status_code != 400 or "duplicate" not in r.text:
+                break
+            assert time.monotonic() < deadline, r.text
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "length", (i, meta)
+        assert meta["completion_tokens"] == 2 and meta["id"] == rid
