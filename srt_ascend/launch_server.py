@@ -120,7 +120,10 @@ ABORT_GRACE_S = 10.0  # how long aborted requests get to send their last output
 
 async def drain(tokenizer_manager, timeout: float, abort_now: asyncio.Event) -> None:
     """Refuses new requests, waits up to `timeout` s (or until `abort_now`) for the running
-    ones, then aborts the rest (each gets a finish_reason abort output)."""
+    ones, then aborts the rest (each gets a finish_reason abort output whose message says
+    that the server is shutting down)."""
+    from srt_ascend.managers.io_struct import SERVER_SHUTTING_DOWN
+
     tm = tokenizer_manager
     tm.draining = True
     logger.info(
@@ -131,7 +134,7 @@ async def drain(tokenizer_manager, timeout: float, abort_now: asyncio.Event) -> 
         await asyncio.sleep(0.05)
     if tm.num_in_flight():
         logger.info("aborting the %d requests still in flight", tm.num_in_flight())
-        tm.abort("")
+        tm.abort("", SERVER_SHUTTING_DOWN)
         deadline = time.monotonic() + ABORT_GRACE_S
         while tm.num_in_flight() and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -221,11 +224,13 @@ def run(server_args: ServerArgs) -> None:
     tokenizer_manager = build_tokenizer_manager(server_args)
     import uvicorn
 
+    from srt_ascend.entrypoints.http_protocol import bounded_read_protocol
     from srt_ascend.entrypoints.http_server import create_app
 
     app = create_app(tokenizer_manager, server_args)
     config = uvicorn.Config(
         app,
+        http=bounded_read_protocol(server_args.request_read_timeout),
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level.lower(),

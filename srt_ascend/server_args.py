@@ -22,6 +22,9 @@ MOE_A2A_BACKENDS = ("none", "all_to_all")
 # --grammar-backend values served here: xgrammar (SGLang's default). SGLang's outlines,
 # llguidance and none are not available.
 GRAMMAR_BACKENDS = ("xgrammar",)
+# Fields holding secrets: never returned by an endpoint nor logged (`ServerArgs.redacted`).
+SECRET_FIELDS = ("api_key", "admin_api_key")
+REDACTED = "****"
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class ServerArgs:
     api_key: str | None = None
     admin_api_key: str | None = None
     max_request_body_mb: float = 32.0
+    request_read_timeout: float = 30.0  # seconds to receive a whole request (headers + body)
     max_queued_requests: int | None = None
     shutdown_timeout: float = 20.0
     # memory and scheduling
@@ -93,6 +97,16 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         self.check()
+
+    def redacted(self) -> dict:
+        """Every field as a dict, each set secret (SECRET_FIELDS) replaced by REDACTED; an
+        unset one stays None, so a reader still sees whether a key is configured. What
+        /server_info returns (SGLang's redaction)."""
+        info = dataclasses.asdict(self)
+        for name in SECRET_FIELDS:
+            if info[name] is not None:
+                info[name] = REDACTED
+        return info
 
     @property
     def tokenizer(self) -> str:
@@ -183,6 +197,8 @@ class ServerArgs:
             raise ValueError("--max-request-body-mb must be > 0")
         if not self.shutdown_timeout >= 0:
             raise ValueError("--shutdown-timeout must be >= 0")
+        if not self.request_read_timeout > 0:
+            raise ValueError("--request-read-timeout must be > 0")
         if self.api_key == "" or self.admin_api_key == "":
             raise ValueError("--api-key and --admin-api-key must not be empty")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
@@ -367,6 +383,13 @@ class ServerArgs:
             type=float,
             default=d["max_request_body_mb"].default,
             help="largest request body accepted (MiB); larger ones get HTTP 413",
+        )
+        a(
+            "--request-read-timeout",
+            type=float,
+            default=d["request_read_timeout"].default,
+            help="seconds a client has to send a whole request (headers and body) once its "
+            "connection opens or its request starts; slower ones are disconnected",
         )
         a(
             "--max-queued-requests",

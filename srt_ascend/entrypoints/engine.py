@@ -68,9 +68,6 @@ class Engine:
         ]
         n = pop_n(params)
         if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
-            self._run(
-                self._gather([tm.make_request(ids, {"max_new_tokens": 0}) for ids in ids_list])
-            )
             ids_list = [ids for ids in ids_list for _ in range(n)]
             params = [sp for sp in params for _ in range(n)]
             single = False
@@ -86,6 +83,9 @@ class Engine:
             )
             for ids, sp in zip(ids_list, params)
         ]
+        if n > 1:
+            prefills = [tm.prefill_request(reqs[i : i + n]) for i in range(0, len(reqs), n)]
+            self._run(self._gather(prefills))
         outs = self._run(self._gather(reqs))
         return outs[0] if single else outs
 

@@ -28,8 +28,10 @@ from srt_ascend.entrypoints.generate_input import (
     GenerateReqInput,
     GenerateRequest,
 )
+from srt_ascend.entrypoints.health import HealthProbe
 from srt_ascend.entrypoints.http_utils import (
     SSE_DONE,
+    BodyNotReceived,
     HTTPStatusError,
     NativeError,
     ORJSONResponse,
@@ -50,7 +52,6 @@ from srt_ascend.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 VERSION = "srt_ascend-0.1.0"
-HEALTH_TIMEOUT_S = 20.0
 
 
 def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> FastAPI:
@@ -65,6 +66,7 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
 
     app = FastAPI(title="srt_ascend", version=VERSION, lifespan=lifespan)
     app.state.serving = serving
+    app.state.health = HealthProbe(lambda: serving.admit(1), serving.probe_generation)
     app.state.max_body_bytes = server_args.max_request_body_bytes
     if server_args.api_key or server_args.admin_api_key:
         app.add_middleware(
@@ -102,6 +104,11 @@ def create_app(tokenizer_manager: TokenizerManager, server_args: ServerArgs) -> 
         logger.info("client left before the answer to %s; its requests were aborted", exc)
         return Response(status_code=499)
 
+    @app.exception_handler(BodyNotReceived)
+    async def on_body_not_received(request: Request, exc: BodyNotReceived):
+        logger.info("client left (or timed out) before sending the body of %s", exc)
+        return Response(status_code=499)
+
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -135,7 +142,7 @@ async def generate(request: Request):
     serving.check_unique_rids(reqs)
     await serving.attach_grammars(reqs)
     if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
-        await until_disconnected(request, serving.cache_prompts(reqs[:: obj.n]))
+        await until_disconnected(request, serving.cache_prompts(reqs, obj.n))
     if obj.stream:
         return StreamingResponse(
             _stream_generate(serving, obj, reqs), media_type="text/event-stream"
@@ -169,18 +176,13 @@ async def health(request: Request) -> Response:
 
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
-    """200 once a one-token generation goes through the whole runtime, else 503."""
-    tm = _serving(request).tm
-    if tm.draining:
+    """200 once a one-token generation went through the whole runtime, else 503 (also while
+    shutting down, or when the queue is full). Probes are bounded (HealthProbe): one
+    generation in flight, its answer reused for a second, admitted like any request."""
+    if _serving(request).tm.draining:
         return Response(status_code=503)
-    bos = tm.tokenizer.bos_token_id
-    req = tm.make_request([bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0})
-    try:
-        await asyncio.wait_for(_drain(tm.generate_one(req)), HEALTH_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        logger.error("health_generate: no token within %.0f s", HEALTH_TIMEOUT_S)
-        return Response(status_code=503)
-    return Response(status_code=200)
+    healthy = await request.app.state.health.check()
+    return Response(status_code=200 if healthy else 503)
 
 
 @router.get("/get_model_info")
@@ -246,11 +248,6 @@ async def metrics(request: Request):
     serving = _serving(request)
     body = serving.metrics.render(await serving.tm.internal_state())
     return Response(body, media_type=CONTENT_TYPE_LATEST)
-
-
-async def _drain(gen: AsyncIterator) -> None:
-    async for _ in gen:
-        pass
 
 
 # meta_info keys holding, per position, a list of logprob entries (or None)

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from srt_ascend.managers.tokenizer_manager import RequestError
 
@@ -148,17 +149,26 @@ def is_json_type(content_type: str | None) -> bool:
     return mime in JSON_TYPES or (mime.startswith("application/") and mime.endswith("+json"))
 
 
+class BodyNotReceived(Exception):
+    """The client went away (or was disconnected by the read deadline, see http_protocol)
+    before its whole request body arrived; there is nobody to answer."""
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The raw body, at most `limit` bytes (HTTPStatusError 413 beyond, read no further)."""
+    """The raw body, at most `limit` bytes (HTTPStatusError 413 beyond, read no further);
+    BodyNotReceived if the connection closes first."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HTTPStatusError(413, f"the request body is larger than {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPStatusError(413, f"the request body is larger than {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HTTPStatusError(413, f"the request body is larger than {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as e:
+        raise BodyNotReceived(f"{request.method} {request.url.path}") from e
     return b"".join(chunks)
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -64,24 +63,31 @@ class Serving:
         streams."""
         await asyncio.gather(*(self.tm.attach_grammar(r) for r in reqs))
 
-    async def cache_prompts(self, reqs: list[TokenizedGenerateReq]) -> None:
-        """Prefills each request's prompt once (a max_new_tokens=0 request), so that several
-        requests with that prompt (parallel samples) find it in the radix cache and share
-        its KV instead of each computing it (SGLang's way with n > 1). Not counted in the
-        request metrics."""
-
-        async def prefill(req: TokenizedGenerateReq) -> None:
-            async for _ in self.tm.generate_one(req):
-                pass
-
-        prefills = [self.tm.make_request(r.input_ids, {"max_new_tokens": 0}) for r in reqs]
-        tasks = [asyncio.ensure_future(prefill(r)) for r in prefills]
+    async def cache_prompts(self, reqs: list[TokenizedGenerateReq], n: int) -> None:
+        """Prefills each prompt once, so that its `n` parallel samples find it in the radix
+        cache and share its KV instead of each computing it (SGLang's way with n > 1). `reqs`
+        are the samples, prompt-major (n per prompt). Each prompt's prefill (a
+        max_new_tokens=0 request) carries its samples' cache salt, so it is cached where they
+        look and nowhere else, and a routing key it shares with them, so that under
+        data-parallel attention they all run in one group's cache. Not counted in the request
+        metrics."""
+        prefills = [self.tm.prefill_request(reqs[i : i + n]) for i in range(0, len(reqs), n)]
+        tasks = [asyncio.ensure_future(_drain(self.tm.generate_one(r))) for r in prefills]
         try:
             await asyncio.gather(*tasks)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def probe_generation(self) -> None:
+        """One greedy token from the BOS token through the whole runtime (/health_generate's
+        probe; not counted in the request metrics)."""
+        bos = self.tm.tokenizer.bos_token_id
+        req = self.tm.make_request(
+            [bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0}
+        )
+        await _drain(self.tm.generate_one(req))
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (SGLang's text in logprob entries)."""
@@ -176,7 +182,8 @@ class Serving:
         return {**state, "avg_spec_accept_length": self.metrics.avg_spec_accept_length}
 
     def server_info(self) -> dict:
-        info = dataclasses.asdict(self.args)
+        """The server args with their secrets redacted (`ServerArgs.redacted`), plus sizes."""
+        info = self.args.redacted()
         info.update(
             served_model_name=self.args.model_name,
             tokenizer_path=self.args.tokenizer,
@@ -185,6 +192,11 @@ class Serving:
             context_length=self.tm.context_len,
         )
         return info
+
+
+async def _drain(gen: AsyncIterator) -> None:
+    async for _ in gen:
+        pass
 
 
 async def until_disconnected(request: Request, work: Awaitable):

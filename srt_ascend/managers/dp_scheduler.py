@@ -9,8 +9,8 @@ of model forwards: the DP-idle rule. One loop, on every rank at once:
 1. schedule this group's prefill batch, if it has one (`_schedule_prefill`);
 2. exchange one report per rank (an all-gather of Python objects over all ranks): the
    leader's new messages, each new request tagged with the DP group it goes to
-   (--load-balance-method: in turn, or the group with the fewest requests), and whether it
-   stops; every DP group's outputs of the last loop (from its first rank); each rank's
+   (GroupRouter: --load-balance-method; a prompt's samples with its prefill), and whether
+   it stops; every DP group's outputs of the last loop (from its first rank); each rank's
    state: a prefill batch or not, running requests or not, how many requests it holds;
 3. run one phase everywhere: if any group has a prefill batch, every group prefills, and a
    group without one runs the same forwards over no tokens (`Decoder.idle_prefill`); else
@@ -27,12 +27,44 @@ group's outputs at once; the other groups' outputs reach it in the next exchange
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from srt_ascend.managers.io_struct import ReqOutput, TokenizedGenerateReq
 from srt_ascend.managers.scheduler import Scheduler, wire_form
 
 EVERY_GROUP = -1  # the DP group of a message every group handles (abort, flush)
+ROUTING_KEYS_KEPT = 4096  # routing keys remembered: a prompt's samples follow its prefill soon
+
+
+class GroupRouter:
+    """Picks the DP group of each new request (--load-balance-method: in turn, or the group
+    with the fewest requests). Requests with the same `routing_key` go to the group the
+    first of them went to (the parallel samples of a prompt and its shared prefill meet in
+    that group's radix cache); the last ROUTING_KEYS_KEPT keys are remembered."""
+
+    def __init__(self, dp_size: int, method: str, keep: int = ROUTING_KEYS_KEPT) -> None:
+        self.method = method
+        self.keep = keep
+        self._round_robin = itertools.cycle(range(dp_size))
+        self._groups: OrderedDict[str, int] = OrderedDict()  # routing key -> group
+
+    def group_of(self, routing_key: str | None, loads: list[int]) -> int:
+        """The group of a new request; counts it into `loads` (requests per group)."""
+        group = self._groups.get(routing_key) if routing_key is not None else None
+        if group is not None:
+            self._groups.move_to_end(routing_key)
+        else:
+            if self.method == "round_robin":
+                group = next(self._round_robin)
+            else:
+                group = min(range(len(loads)), key=lambda g: loads[g])
+            if routing_key is not None:
+                self._groups[routing_key] = group
+                if len(self._groups) > self.keep:
+                    self._groups.popitem(last=False)
+        loads[group] += 1
+        return group
 
 
 @dataclass
@@ -55,7 +87,7 @@ class DPAttentionScheduler(Scheduler):
         self._pending: list[ReqOutput] = []  # a non-leader group's outputs, sent next loop
         self._reports: list[RankReport] = []  # the last exchange's, one per rank
         self._leader_msgs: list[tuple[int, object]] = []  # the leader's, with reply futures
-        self._round_robin = itertools.cycle(range(self.tp.dp_size))
+        self._router = GroupRouter(self.tp.dp_size, server_args.load_balance_method)
         self._group_ranks = self.tp.size // self.tp.dp_size
 
     def run_forever(self) -> None:
@@ -120,16 +152,11 @@ class DPAttentionScheduler(Scheduler):
         return bool(report.running or report.queued or report.has_prefill)
 
     def _group_of(self, msg, loads: list[int]) -> int:
-        """The DP group a new request goes to (--load-balance-method), counted into `loads`;
-        every group for other messages."""
+        """The DP group a new request goes to (GroupRouter), counted into `loads`; every
+        group for other messages."""
         if not isinstance(msg, TokenizedGenerateReq):
             return EVERY_GROUP
-        if self.args.load_balance_method == "round_robin":
-            group = next(self._round_robin)
-        else:
-            group = min(range(self.tp.dp_size), key=lambda g: loads[g])
-        loads[group] += 1
-        return group
+        return self._router.group_of(msg.routing_key, loads)
 
     def _group_loads(self) -> list[int]:
         """Requests each DP group holds, by its first rank's last report (0 before any)."""

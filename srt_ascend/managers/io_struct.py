@@ -22,12 +22,20 @@ class TokenizedGenerateReq:
     token_ids_logprob: list[int] | None = None  # ids whose logprobs are reported per position
     stream: bool = False
     extra_key: str | None = None  # cache_salt: requests share cached prefixes only within one
+    # Requests with the same routing key go to the same data-parallel attention group (the
+    # samples of a prompt and its shared prefill: they meet in one radix cache).
+    routing_key: str | None = None
     grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
+
+
+ABORTED_BY_CLIENT = "aborted by the client"
+SERVER_SHUTTING_DOWN = "the server is shutting down"
 
 
 @dataclass
 class AbortReq:
     rid: str  # "" aborts everything
+    message: str = ABORTED_BY_CLIENT  # the abort finish_reason's message
 
 
 @dataclass

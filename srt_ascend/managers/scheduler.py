@@ -25,6 +25,7 @@ from srt_ascend.decoding import DecoderHandles, create_decoder
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
+    ABORTED_BY_CLIENT,
     AbortReq,
     FlushCacheReq,
     GetInternalStateReq,
@@ -191,7 +192,7 @@ class Scheduler:
         if isinstance(msg, TokenizedGenerateReq):
             self._add_request(msg)
         elif isinstance(msg, AbortReq):
-            self.abort(msg.rid)
+            self.abort(msg.rid, msg.message)
         elif isinstance(msg, FlushCacheReq):
             flushed = self.flush_cache()
             if msg.reply is not None:
@@ -471,9 +472,9 @@ class Scheduler:
 
     # ---- abort / flush / state --------------------------------------------------------------
 
-    def abort(self, rid: str) -> None:
-        """Aborts one request (or all with rid ""), freeing everything it holds."""
-        msg = "aborted by the client"
+    def abort(self, rid: str, msg: str = ABORTED_BY_CLIENT) -> None:
+        """Aborts one request (or all with rid ""), freeing everything it holds; `msg` is the
+        message of its abort finish_reason."""
         for r in list(self.waiting):
             if rid in ("", r.rid):
                 self.waiting.remove(r)

@@ -8,6 +8,8 @@ text, output_ids, meta_info), streaming or not.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import time
 import uuid
@@ -20,6 +22,7 @@ from srt_ascend.constrained import GrammarBackend, GrammarError
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
+    ABORTED_BY_CLIENT,
     MAX_TOP_LOGPROBS,
     AbortReq,
     FlushCacheReq,
@@ -59,7 +62,8 @@ class ServerBusyError(RuntimeError):
 
 @dataclass
 class ReqState:
-    rid: str
+    rid: str  # the client's request id
+    submission: str  # the id the scheduler knows this submission by (unique per process)
     params: SamplingParams
     queue: asyncio.Queue
     decode: DecodeState
@@ -79,7 +83,12 @@ class TokenizerManager:
         self.platform = get_platform(server_args.device)
         self.args = server_args.for_device(self.platform.name)  # per-device defaults
         self.tokenizer = load_tokenizer(server_args.tokenizer)
+        # Requests in flight by the client's rid, and by submission id: the scheduler's
+        # outputs are routed by the latter, so a rid reused right after its request was
+        # aborted never receives the aborted submission's last outputs.
         self.states: dict[str, ReqState] = {}
+        self._submissions: dict[str, ReqState] = {}
+        self._submission_ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
@@ -117,7 +126,7 @@ class TokenizerManager:
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
-            state = self.states.get(out.rid)
+            state = self._submissions.get(out.rid)  # None: an abandoned submission's
             if state is not None:
                 state.queue.put_nowait(out)
 
@@ -240,6 +249,22 @@ class TokenizerManager:
             extra_key=extra_key,
         )
 
+    def prefill_request(self, samples: list[TokenizedGenerateReq]) -> TokenizedGenerateReq:
+        """A request that only prefills the prompt of `samples` (the parallel samples of one
+        prompt: same input ids and cache salt), to run before them so that they share its
+        KV through the radix cache. It has their salt (its KV is cached only where they
+        look) and a routing key set on them too (under data-parallel attention they all
+        run in the same group). Sets `routing_key` on `samples`."""
+        key = uuid.uuid4().hex
+        for r in samples:
+            r.routing_key = key
+        first = samples[0]
+        prefill = self.make_request(
+            first.input_ids, {"max_new_tokens": 0}, extra_key=first.extra_key
+        )
+        prefill.routing_key = key
+        return prefill
+
     def max_new_tokens_left(self, num_input_tokens: int) -> int:
         """The longest output a prompt of this length can have (SGLang's default when a chat
         or completion request leaves max_tokens unset: generate up to the context length)."""
@@ -262,19 +287,22 @@ class TokenizerManager:
     async def generate_one(self, req: TokenizedGenerateReq) -> AsyncIterator[dict]:
         """Submits one request (once its grammar, if any, is compiled) and yields response
         dicts: one per step when streaming, else one at the end. Cancelling the iterator
-        aborts the request."""
+        aborts the request; its rid is free again at once (the scheduler knows the
+        submission by its own id, `ReqState.submission`)."""
         self.loop = self.loop or asyncio.get_running_loop()
         await self.attach_grammar(req)
         if req.rid in self.states:
             raise RequestError(f"duplicate request id {req.rid!r}")
         state = ReqState(
             req.rid,
+            f"{req.rid}#{next(self._submission_ids)}",
             req.sampling_params,
             asyncio.Queue(),
             DecodeState(req.sampling_params.skip_special_tokens),
         )
         self.states[req.rid] = state
-        self.scheduler.submit(req)
+        self._submissions[state.submission] = state
+        self.scheduler.submit(dataclasses.replace(req, rid=state.submission))
         try:
             while True:
                 out: ReqOutput = await state.queue.get()
@@ -287,8 +315,9 @@ class TokenizerManager:
                     return
         finally:
             if not state.finished:
-                self.abort(req.rid)
+                self.scheduler.submit(AbortReq(state.submission))
             self.states.pop(req.rid, None)
+            self._submissions.pop(state.submission, None)
 
     def _absorb(self, state: ReqState, out: ReqOutput, prompt_len: int) -> None:
         if out.new_token_ids and state.first_token_time is None:
@@ -337,8 +366,13 @@ class TokenizerManager:
 
     # ---- control ------------------------------------------------------------------------------
 
-    def abort(self, rid: str) -> None:
-        self.scheduler.submit(AbortReq(rid))
+    def abort(self, rid: str, message: str = ABORTED_BY_CLIENT) -> None:
+        """Aborts the request in flight with this rid (every request with rid ""); its
+        finish_reason carries `message`. An unknown rid is ignored."""
+        if rid == "":
+            self.scheduler.submit(AbortReq("", message))
+        elif (state := self.states.get(rid)) is not None:
+            self.scheduler.submit(AbortReq(state.submission, message))
 
     async def _ask(self, msg):
         self.scheduler.submit(msg)

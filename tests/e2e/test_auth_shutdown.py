@@ -117,6 +117,7 @@ def test_sigterm_drains_then_aborts_and_exits(tmp_path):
         assert short["meta_info"]["finish_reason"]["type"] == "length"
         assert short["meta_info"]["completion_tokens"] == 30
         assert long["meta_info"]["finish_reason"]["type"] == "abort"
+        assert long["meta_info"]["finish_reason"]["message"] == "the server is shutting down"
         assert long["meta_info"]["completion_tokens"] < 3000
         assert 2 <= elapsed < 25, elapsed
         assert "aborting the 1 requests still in flight" in s.log()

@@ -1,0 +1,87 @@
+"""Request identity in the TokenizerManager: a rid reused right after its request was
+abandoned (the client disconnected) gets its own outputs, never the abandoned request's abort;
+a shutdown's aborts say so; an unknown rid aborts nothing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from srt_ascend import Engine
+from srt_ascend.managers.io_struct import SERVER_SHUTTING_DOWN
+
+ROUNDS = 8
+
+
+@pytest.fixture(scope="module")
+def engine(model_path):
+    e = Engine(model_path=model_path, dtype="float32", max_total_tokens=4096)
+    yield e
+    e.shutdown()
+
+
+def _run(engine: Engine, coro):
+    return asyncio.run_coroutine_threadsafe(coro, engine.loop).result(timeout=300)
+
+
+async def _last(tm, req) -> dict:
+    last = None
+    async for out in tm.generate_one(req):
+        last = out
+    return last
+
+
+def test_a_rid_reused_after_a_disconnect_gets_its_own_outputs(engine):
+    """The first request streams a token, then its client leaves (the iterator closes: its
+    abort is sent); a new request with the same rid starts at once, before the scheduler
+    has handled that abort. The old code routed the abort's finish (by rid) to the new
+    request, which ended at once with finish_reason abort and the old prompt's length."""
+    tm = engine.tokenizer_manager
+    old_ids = tm.tokenize("def fibonacci(n):\n    " * 4)
+    new_ids = tm.tokenize("import os\n")
+
+    async def race(i: int) -> dict:
+        rid = f"reused-{i}"
+        old = tm.make_request(
+            old_ids, {"max_new_tokens": 200, "ignore_eos": True}, rid=rid, stream=True
+        )
+        gen = tm.generate_one(old)
+        await gen.__anext__()  # the first token: the old request is running
+        await gen.aclose()  # its client leaves
+        new = tm.make_request(new_ids, {"max_new_tokens": 3, "temperature": 0}, rid=rid)
+        return await _last(tm, new)
+
+    for i in range(ROUNDS):
+        meta = _run(engine, race(i))["meta_info"]
+        assert meta["finish_reason"]["type"] == "length", (i, meta)
+        assert meta["prompt_tokens"] == len(new_ids) and meta["completion_tokens"] == 3
+        assert meta["id"] == f"reused-{i}"
+    assert _run(engine, tm.internal_state())["num_running_reqs"] == 0
+
+
+def test_abort_by_rid_and_the_shutdown_message(engine):
+    tm = engine.tokenizer_manager
+    ids = tm.tokenize("class Stack:\n")
+
+    async def abort_while_running(message: str | None) -> dict:
+        req = tm.make_request(
+            ids, {"max_new_tokens": 500, "ignore_eos": True}, rid="victim", stream=True
+        )
+        gen = tm.generate_one(req)
+        await gen.__anext__()
+        tm.abort("no-such-rid")  # aborts nothing
+        if message is None:
+            tm.abort("victim")
+        else:
+            tm.abort("", message)
+        last = None
+        async for out in gen:
+            last = out
+        return last["meta_info"]
+
+    meta = _run(engine, abort_while_running(None))
+    assert meta["finish_reason"] == {"type": "abort", "message": "aborted by the client"}
+    assert meta["completion_tokens"] < 500
+    meta = _run(engine, abort_while_running(SERVER_SHUTTING_DOWN))
+    assert meta["finish_reason"]["message"] == SERVER_SHUTTING_DOWN
