@@ -68,6 +68,9 @@ class ServerArgs:
     moe_a2a_backend: str = "none"  # expert-parallel dispatch/combine (MOE_A2A_BACKENDS)
     # constrained generation
     constrained_json_disable_any_whitespace: bool = False
+    constrained_json_max_whitespace_cnt: int = 16  # 0: unbounded (SGLang's default)
+    grammar_compile_timeout: float = 30.0  # seconds one grammar may compile
+    grammar_max_size: int = 131072  # characters of a grammar's source
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -179,6 +182,12 @@ class ServerArgs:
             raise ValueError("--shutdown-timeout must be >= 0")
         if self.api_key == "" or self.admin_api_key == "":
             raise ValueError("--api-key and --admin-api-key must not be empty")
+        if self.constrained_json_max_whitespace_cnt < 0:
+            raise ValueError("--constrained-json-max-whitespace-cnt must be >= 0 (0: unbounded)")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
+        if self.grammar_max_size < 1:
+            raise ValueError("--grammar-max-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -505,6 +514,28 @@ class ServerArgs:
             action="store_true",
             help="JSON-schema outputs are compact (no whitespace between JSON tokens) instead "
             "of allowing any whitespace there",
+        )
+        a(
+            "--constrained-json-max-whitespace-cnt",
+            type=int,
+            default=d["constrained_json_max_whitespace_cnt"].default,
+            help="most consecutive whitespace characters between JSON tokens of a JSON-schema "
+            "output (0: unbounded, SGLang's default; a small model otherwise pads with "
+            "whitespace until its token limit)",
+        )
+        a(
+            "--grammar-compile-timeout",
+            type=float,
+            default=d["grammar_compile_timeout"].default,
+            help="seconds a request's grammar may compile; a longer one is stopped and the "
+            "request refused (400)",
+        )
+        a(
+            "--grammar-max-size",
+            type=int,
+            default=d["grammar_max_size"].default,
+            help="most characters in a request's grammar (regex, json_schema, ebnf, "
+            "structural_tag); a longer one is refused (400) before compiling",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

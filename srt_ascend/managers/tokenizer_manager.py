@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from srt_ascend.constrained import GrammarBackend, GrammarError
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
@@ -90,7 +90,7 @@ class TokenizerManager:
             self.tokenizer,
             self.runner.vocab_size,
             self.scheduler.stop_checker.eos_ids,
-            json_any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+            GrammarOptions.from_args(self.args),
         )
         self.draining = False  # set at shutdown: new requests are refused (503)
 
