@@ -4,6 +4,7 @@
 are cached by (kind, source), so concurrent requests with one schema share one compile and
 later ones get it at once. A grammar that does not compile fails its future with GrammarError
 carrying xgrammar's message (failures are cached too: the same source fails the same way).
+The cache is bounded in entries and in the compiled grammars' memory (CACHE_BYTES).
 
 Limits (GrammarOptions): a source longer than `max_size` characters is refused before it
 compiles; a compile running past `compile_timeout` seconds is stopped (its child process is
@@ -24,8 +25,10 @@ from srt_ascend.constrained.compile_worker import CompileLane, GrammarError, Jso
 
 CompiledGrammar = xgr.CompiledGrammar
 
-# The cache keeps the futures of this many distinct grammars (least recently used dropped).
+# The cache keeps the futures of at most this many distinct grammars, whose compiled grammars
+# take at most CACHE_BYTES together (least recently used dropped first; the newest is kept).
 CACHE_ENTRIES = 1024
+CACHE_BYTES = 1 << 30
 # Sources up to this many characters compile in the small lane, longer ones in the large lane.
 SMALL_SOURCE = 8192
 
@@ -74,7 +77,8 @@ class GrammarBackend:
         self._large = CompileLane(info, ws, options.compile_timeout, "large")
         self._small.start()  # the large lane's child starts at its first grammar
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
-        self._lock = threading.Lock()
+        self._bytes: dict[tuple[str, str], int] = {}  # compiled sizes of cached grammars
+        self._lock = threading.RLock()  # RLock: a done future's callback runs at once
 
     def compile(self, spec: tuple[str, str]) -> Future:
         """Future of the CompiledGrammar for (kind, source); GrammarError if it does not
@@ -94,10 +98,26 @@ class GrammarBackend:
             if fut is None:
                 lane = self._small if len(source) <= SMALL_SOURCE else self._large
                 fut = self._cache[spec] = lane.submit(kind, source)
-                if len(self._cache) > CACHE_ENTRIES:
-                    self._cache.popitem(last=False)
+                fut.add_done_callback(lambda f: self._account(spec, f))
             self._cache.move_to_end(spec)
+            self._evict()
             return fut
+
+    def _account(self, spec: tuple[str, str], fut: Future) -> None:
+        """Counts a compiled grammar's memory against CACHE_BYTES."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self._lock:
+            if self._cache.get(spec) is fut:
+                self._bytes[spec] = fut.result().memory_size_bytes
+                self._evict()
+
+    def _evict(self) -> None:
+        while len(self._cache) > 1 and (
+            len(self._cache) > CACHE_ENTRIES or sum(self._bytes.values()) > CACHE_BYTES
+        ):
+            spec, _ = self._cache.popitem(last=False)
+            self._bytes.pop(spec, None)
 
     def shutdown(self) -> None:
         """Stops both lanes' children; compiles not finished are cancelled or fail."""

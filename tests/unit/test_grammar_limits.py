@@ -14,7 +14,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, grammar_backend
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
 
 VOCAB = 8192
@@ -93,3 +93,18 @@ def test_options_from_server_args():
     assert GrammarOptions.from_args(args, bounded=False).compile_timeout is None
     unbounded = dataclasses.replace(args, constrained_json_max_whitespace_cnt=0)
     assert GrammarOptions.from_args(unbounded).json_max_whitespace is None
+
+
+def test_cache_is_bounded_by_compiled_bytes(tokenizer, monkeypatch):
+    monkeypatch.setattr(grammar_backend, "CACHE_BYTES", 12_000)  # about two small regexes
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS])
+    try:
+        specs = [("regex", f"[0-9]{{3}}-[a-z]+{i}") for i in range(4)]
+        first = backend.compile(specs[0])
+        assert first.result(timeout=120).memory_size_bytes > 4000
+        for spec in specs[1:]:
+            backend.compile(spec).result(timeout=120)
+        assert backend.compile(specs[-1]).done()  # the newest is kept
+        assert backend.compile(specs[0]) is not first  # the oldest was dropped: compiled anew
+    finally:
+        backend.shutdown()
