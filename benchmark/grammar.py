@@ -27,7 +27,7 @@ import torch
 from serving import CONFIGS, bench, start_server
 from transformers import AutoTokenizer
 
-from srt_ascend.constrained import Grammar, GrammarBackend, apply_token_bitmask
+from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions, apply_token_bitmask
 from srt_ascend.constrained.matcher import fill_grammar_bitmask
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -81,7 +81,9 @@ def mask_cost_rows(model_path: str, k: int = 2, steps: int = 50) -> list[dict]:
     through SCHEMA (each at its own depth)."""
     tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     vocab = len(tokenizer)
-    backend = GrammarBackend(tokenizer, vocab, [tokenizer.eos_token_id or 1], False)
+    backend = GrammarBackend(
+        tokenizer, vocab, [tokenizer.eos_token_id or 1], GrammarOptions(json_any_whitespace=False)
+    )
     compiled = backend.compile(("json_schema", json.dumps(SCHEMA))).result()
     sample = tokenizer.encode(
         '{"name": "srt", "id": 42, "tags": ["a", "b"], "active": true}', add_special_tokens=False

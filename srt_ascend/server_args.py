@@ -78,6 +78,9 @@ class ServerArgs:
     grammar_backend: str = "xgrammar"  # GRAMMAR_BACKENDS
     # SGLang's opt-in for user-supplied logit processors: refused (check), not implemented here
     enable_custom_logit_processor: bool = False
+    constrained_json_max_whitespace_cnt: int = 16  # 0: unbounded (SGLang's default)
+    grammar_compile_timeout: float = 30.0  # seconds one grammar may compile
+    grammar_max_size: int = 131072  # characters of a grammar's source
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -201,6 +204,12 @@ class ServerArgs:
             raise ValueError("--request-read-timeout must be > 0")
         if self.api_key == "" or self.admin_api_key == "":
             raise ValueError("--api-key and --admin-api-key must not be empty")
+        if self.constrained_json_max_whitespace_cnt < 0:
+            raise ValueError("--constrained-json-max-whitespace-cnt must be >= 0 (0: unbounded)")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError("--grammar-compile-timeout must be > 0")
+        if self.grammar_max_size < 1:
+            raise ValueError("--grammar-max-size must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 16:
             raise ValueError("--max-total-tokens must be >= 16")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -562,6 +571,28 @@ class ServerArgs:
             action="store_true",
             help="refused (one error line): user-supplied logit processors (SGLang's "
             "custom_logit_processor / custom_params) are not supported by this server",
+        )
+        a(
+            "--constrained-json-max-whitespace-cnt",
+            type=int,
+            default=d["constrained_json_max_whitespace_cnt"].default,
+            help="most consecutive whitespace characters between JSON tokens of a JSON-schema "
+            "output (0: unbounded, SGLang's default; a small model otherwise pads with "
+            "whitespace until its token limit)",
+        )
+        a(
+            "--grammar-compile-timeout",
+            type=float,
+            default=d["grammar_compile_timeout"].default,
+            help="seconds a request's grammar may compile; a longer one is stopped and the "
+            "request refused (400)",
+        )
+        a(
+            "--grammar-max-size",
+            type=int,
+            default=d["grammar_max_size"].default,
+            help="most characters in a request's grammar (regex, json_schema, ebnf, "
+            "structural_tag); a longer one is refused (400) before compiling",
         )
         a("--speculative-algorithm", default=None, help="MTP to enable speculative decoding")
         a("--speculative-num-steps", type=int, default=1, help="draft tokens per step K (1-15)")

@@ -5,6 +5,7 @@ from srt_ascend.constrained.grammar_backend import (
     CompiledGrammar,
     GrammarBackend,
     GrammarError,
+    GrammarOptions,
 )
 from srt_ascend.constrained.matcher import (
     Grammar,
@@ -17,6 +18,7 @@ __all__ = [
     "Grammar",
     "GrammarBackend",
     "GrammarError",
+    "GrammarOptions",
     "apply_token_bitmask",
     "fill_grammar_bitmask",
 ]

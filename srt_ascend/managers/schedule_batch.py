@@ -8,6 +8,7 @@ from typing import Any
 
 from srt_ascend.constrained import Grammar
 from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.sampling.penalty_state import PenaltyState
 from srt_ascend.sampling.sampling_params import SamplingParams
 
 
@@ -67,6 +68,7 @@ class Req:
     pending_ids_logprobs: list = field(default_factory=list)
     retracted: int = 0
     grammar: Grammar | None = None  # the output's grammar state, advanced at every commit
+    penalty_state: PenaltyState | None = None  # token statistics (sampling.penalty_state)
 
     @property
     def all_ids(self) -> list[int]:

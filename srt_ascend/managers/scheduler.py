@@ -20,7 +20,7 @@ from concurrent.futures import Future
 import torch
 
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
-from srt_ascend.constrained import Grammar, GrammarBackend
+from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions
 from srt_ascend.decoding import DecoderHandles, create_decoder
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
@@ -380,8 +380,7 @@ class Scheduler:
                     self.stop_checker.tokenizer,
                     self.runner.vocab_size,
                     self.stop_checker.eos_ids,
-                    json_any_whitespace=not self.args.constrained_json_disable_any_whitespace,
-                    threads=1,
+                    GrammarOptions.from_args(self.args, bounded=False),
                 )
             compiled = self._grammars.compile(spec).result()
         return Grammar(compiled)

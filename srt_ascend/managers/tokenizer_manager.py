@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from srt_ascend.constrained import GrammarBackend, GrammarError
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
@@ -106,7 +106,7 @@ class TokenizerManager:
             self.tokenizer,
             self.runner.vocab_size,
             self.scheduler.stop_checker.eos_ids,
-            json_any_whitespace=not self.args.constrained_json_disable_any_whitespace,
+            GrammarOptions.from_args(self.args),
         )
         self.draining = False  # set at shutdown: new requests are refused (503)
 

@@ -17,6 +17,7 @@ import torch
 from srt_ascend.constrained import Grammar, apply_token_bitmask, fill_grammar_bitmask
 from srt_ascend.layers.sampler import Sampler, TokenLogprobs, token_logprobs
 from srt_ascend.sampling.penalties import apply_logit_bias, apply_penalties, mask_stop_tokens
+from srt_ascend.sampling.penalty_state import PenaltyState, has_penalties, penalty_tensors
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.utils import HOST_READS, to_device
@@ -34,6 +35,7 @@ class SamplingRequest(Protocol):
     top_logprobs_num: int
     token_ids_logprob: list[int] | None  # token ids whose logprobs are reported each step
     grammar: Grammar | None  # advanced over output_ids
+    penalty_state: PenaltyState | None  # owned by sampling.penalty_state
 
 
 @dataclass
@@ -49,27 +51,20 @@ def penalised_logits(
     eos_ids: list[int],
     extra: torch.Tensor | None = None,  # [B, j] tokens each row generated past output_ids
     grammar: bool = True,  # False: the caller applies the grammar masks (verify_logits)
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # penalty_tensors(reqs), if made
 ) -> torch.Tensor:
     """Applies repetition/frequency/presence penalties, logit biases, the min_new_tokens stop
     mask, and each grammar's token mask (the grammar's state after output_ids + extra). A
     grammar decides itself when its output may end: its request gets no min_new_tokens stop
     mask. `extra` (a speculative row's drafts before it) stays on the device; only grammar
-    rows need it on the host (one read)."""
+    rows need it on the host (one read). Penalties read the requests' incremental token
+    statistics (`penalty_tensors`, updating them; `stats` when the caller has them)."""
     n_extra = 0 if extra is None else extra.shape[1]
     vocab, device = logits.shape[-1], logits.device
     if info.need_penalties:
-        counts = torch.zeros(len(reqs), vocab, dtype=torch.int64, device=device)
-        prompt = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=device)
-        out_rows = [i for i, r in enumerate(reqs) for _ in r.output_ids]
-        out_ids = [t for r in reqs for t in r.output_ids]
-        if out_ids:
-            index = to_device([out_rows, out_ids], device)
-            counts.index_put_((index[0], index[1]), torch.ones_like(index[0]), accumulate=True)
-        if n_extra:
-            counts.scatter_add_(1, extra, torch.ones_like(extra))
-        in_rows = [i for i, r in enumerate(reqs) for _ in r.origin_input_ids]
-        index = to_device([in_rows, [t for r in reqs for t in r.origin_input_ids]], device)
-        prompt[index[0], index[1]] = True
+        counts, prompt = stats or penalty_tensors(reqs, vocab, device)
+        if n_extra:  # out of place: the requests' states are rows of `counts`
+            counts = counts.scatter_add(1, extra, torch.ones_like(extra, dtype=counts.dtype))
         logits = apply_penalties(logits, info, counts, prompt)
     biased = [i for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
     if biased:
@@ -100,10 +95,11 @@ def verify_logits(
 ) -> torch.Tensor:  # [B, K+1, V]
     """`penalised_logits` at every verify position j, as if d_1..d_j had been generated; the
     grammar masks of all positions are filled (one read of the drafts) and applied at once."""
-    k1 = logits.shape[1]
+    k1, vocab = logits.shape[1], logits.shape[-1]
+    stats = penalty_tensors(reqs, vocab, logits.device) if info.need_penalties else None
     out = torch.stack(
         [
-            penalised_logits(logits[:, j], reqs, info, eos_ids, drafts[:, :j], False)
+            penalised_logits(logits[:, j], reqs, info, eos_ids, drafts[:, :j], False, stats)
             for j in range(k1)
         ],
         dim=1,
@@ -128,9 +124,7 @@ def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
         p = r.sampling_params
         if not p.is_greedy or len(r.output_ids) < p.min_new_tokens or r.grammar is not None:
             return False
-        if p.logit_bias:
-            return False
-        if p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0:
+        if p.logit_bias or has_penalties(p):
             return False
     return True
 

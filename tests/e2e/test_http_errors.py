@@ -91,6 +91,10 @@ NATIVE_CASES = {
         {"text": ["a", "b"], "sampling_params": {"regex": "[a-"}, "stream": True},
         "invalid regex",
     ),
+    "grammar-over-max-size": (
+        {"text": "a", "sampling_params": {"json_schema": '{"type": "string"}' + " " * 131072}},
+        "json_schema is 131090 characters; the limit is --grammar-max-size 131072",
+    ),
     "two-grammars": (
         {"text": "a", "sampling_params": {"regex": "a", "ebnf": 'root ::= "a"'}},
         "Only one of json_schema, regex, ebnf, structural_tag can be set",

@@ -47,6 +47,23 @@ def test_bad_graph_sizes_exit_2(launch_cli):
     assert error_lines(proc) == [PREFIX + "--cuda-graph-bs sizes must be >= 1"]
 
 
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (("--grammar-compile-timeout", "0"), "--grammar-compile-timeout must be > 0"),
+        (("--grammar-max-size", "0"), "--grammar-max-size must be >= 1"),
+        (
+            ("--constrained-json-max-whitespace-cnt", "-1"),
+            "--constrained-json-max-whitespace-cnt must be >= 0 (0: unbounded)",
+        ),
+    ],
+)
+def test_bad_grammar_limits_exit_2(launch_cli, argv, line):
+    proc = launch_cli(*argv)
+    assert proc.returncode == 2
+    assert error_lines(proc) == [PREFIX + line]
+
+
 def test_nnodes_without_dist_init_addr_exit_2(launch_cli):
     proc = launch_cli("--tp-size", "2", "--nnodes", "2")
     assert proc.returncode == 2
@@ -170,6 +187,9 @@ def test_help_documents_flags(launch_cli):
         "--node-rank",
         "--enable-dp-attention",
         "--dp-size",
+        "--constrained-json-max-whitespace-cnt",
+        "--grammar-compile-timeout",
+        "--grammar-max-size",
         "--load-balance-method",
         "--moe-a2a-backend",
         "--log-level",

@@ -115,6 +115,7 @@ class _Req:
         self.top_logprobs_num = 0
         self.token_ids_logprob = None
         self.grammar = grammar
+        self.penalty_state = None
 
 
 def test_penalised_logits_mask_each_position_after_its_drafts(backend, tokenizer):

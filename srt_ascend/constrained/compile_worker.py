@@ -1,0 +1,197 @@
+"""Grammar compiles in a child process that can be stopped: xgrammar's compiler is native code
+that no thread can interrupt, and some grammars (a JSON-schema enum of 60,000 values) take
+minutes. A `CompileLane` owns one child (`python -m srt_ascend.constrained.compile_child`) and
+compiles its jobs one at a time, first come first served; a compile that runs past the lane's
+timeout has its child killed (a fresh one starts for the next job) and fails its future.
+
+The child returns xgrammar's serialized CompiledGrammar (JSON), which the parent reads back
+with its own TokenizerInfo; a grammar that does not compile comes back as xgrammar's message.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import xgrammar as xgr
+
+# xgrammar prefixes messages with "[time] file.cc:line: " and sometimes "Check failed: (...)
+# is false: "; users get the rest.
+_XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
+START_TIMEOUT = 300.0  # seconds a child may take to start (imports), not counted as compiling
+_CHILD = "srt_ascend.constrained.compile_child"  # runs `serve` in the child
+KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's sampling-parameter names
+
+
+class GrammarError(ValueError):
+    """A grammar that is refused: xgrammar cannot compile it (its message), or it is over a
+    limit (the message names the flag)."""
+
+
+@dataclass(frozen=True)
+class JsonWhitespace:
+    """How JSON-schema grammars treat whitespace between JSON tokens."""
+
+    any_whitespace: bool = True  # False: compact JSON
+    max_count: int | None = None  # most consecutive whitespace characters; None: unbounded
+
+
+def compile_grammar(
+    compiler: xgr.GrammarCompiler, kind: str, source: str, ws: JsonWhitespace
+) -> xgr.CompiledGrammar:
+    """Compiles (kind, source) with xgrammar; GrammarError with xgrammar's message (its
+    source-location prefix cut) for an unknown kind or a grammar that does not compile."""
+    if kind not in KINDS:
+        raise GrammarError(f"unknown grammar kind {kind!r}; known: {', '.join(KINDS)}")
+    try:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(
+                source, any_whitespace=ws.any_whitespace, max_whitespace_cnt=ws.max_count
+            )
+        if kind == "regex":
+            return compiler.compile_regex(source)
+        if kind == "ebnf":
+            return compiler.compile_grammar(source)
+        return compiler.compile_structural_tag(source)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise GrammarError(f"invalid {kind}: {_XGR_PREFIX.sub('', str(e)).strip()}") from e
+
+
+class CompileLane:
+    """One child process compiling jobs in order, each bounded by `timeout` seconds (None: no
+    bound). Thread-safe; `submit` never blocks."""
+
+    def __init__(
+        self, info: xgr.TokenizerInfo, ws: JsonWhitespace, timeout: float | None, name: str
+    ) -> None:
+        self._info, self._ws, self._timeout = info, ws, timeout
+        self._info_json = info.serialize_json()
+        self._jobs: queue.Queue = queue.Queue()
+        self._child: tuple[subprocess.Popen, Connection, Connection] | None = None
+        self._closed = False
+        self._kill_lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"grammar-{name}")
+        self._thread.start()
+
+    def submit(self, kind: str, source: str) -> Future:
+        """Future of the CompiledGrammar; GrammarError if it does not compile, or does not
+        within the timeout."""
+        fut: Future = Future()
+        self._jobs.put((kind, source, fut))
+        return fut
+
+    def start(self) -> None:
+        """Starts the child now (it imports xgrammar: seconds) instead of at the first job."""
+        self._jobs.put(None)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if self._closed:
+                if job is not None:
+                    job[2].cancel()
+                continue
+            if job is None:
+                self._ensure_child()
+                continue
+            kind, source, fut = job
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(self._compile(kind, source))
+                except Exception as e:  # noqa: BLE001 - the future carries every failure
+                    fut.set_exception(e)
+
+    def _ensure_child(self) -> tuple[subprocess.Popen, Connection, Connection]:
+        if self._child is None or self._child[0].poll() is not None:
+            to_child_r, to_child_w = os.pipe()
+            from_child_r, from_child_w = os.pipe()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", _CHILD, str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONPATH": _import_path()},
+            )
+            os.close(to_child_r)
+            os.close(from_child_w)
+            send = Connection(to_child_w, readable=False)
+            recv = Connection(from_child_r, writable=False)
+            send.send((self._info_json, self._ws))
+            self._child = (proc, send, recv)
+        return self._child
+
+    def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+        _, send, recv = self._ensure_child()
+        try:
+            send.send((kind, source))
+        except OSError:  # the child is gone (killed from outside): the next job starts one
+            self._kill()
+            raise GrammarError(f"the grammar compiler exited before compiling a {kind}") from None
+        # the child's start (its imports) is not the grammar's: it says "ready" on taking a job
+        self._answer(kind, recv, START_TIMEOUT, "the grammar compiler did not start")
+        late = (
+            f"{kind} did not compile within --grammar-compile-timeout {self._timeout} s; "
+            "simplify it (e.g. fewer enum values)"
+        )
+        ok, payload = self._answer(kind, recv, self._timeout, late)
+        if not ok:
+            raise GrammarError(payload)
+        return xgr.CompiledGrammar.deserialize_json(payload, self._info)
+
+    def _answer(self, kind: str, recv: Connection, timeout: float | None, late: str):
+        """The child's next message within `timeout` seconds; else the child is killed and
+        GrammarError(`late`) raised."""
+        try:
+            if recv.poll(timeout):
+                return recv.recv()
+        except (EOFError, OSError):
+            late = f"the grammar compiler exited while compiling a {kind}"
+        self._kill()
+        raise GrammarError(late)
+
+    def _kill(self) -> None:
+        with self._kill_lock:  # the lane's thread and close() may both kill
+            child, self._child = self._child, None
+        if child is not None:
+            proc, send, recv = child
+            proc.kill()
+            proc.wait()
+            send.close()
+            recv.close()
+
+    def close(self) -> None:
+        """Stops the child (a compile in progress is abandoned); queued jobs are cancelled."""
+        self._closed = True
+        self._jobs.put(None)
+        self._kill()
+
+
+def _import_path() -> str:
+    """PYTHONPATH for the child: this package's root first (the same code as the parent)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+
+
+def serve(recv: Connection, send: Connection) -> None:
+    """The child: reads (kind, source) jobs, answers "ready" on taking one, then (True,
+    serialized grammar) or (False, message)."""
+    info_json, ws = recv.recv()
+    compiler = xgr.GrammarCompiler(
+        xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
+    )
+    while True:
+        try:
+            kind, source = recv.recv()
+        except EOFError:
+            return
+        send.send("ready")
+        try:
+            send.send((True, compile_grammar(compiler, kind, source, ws).serialize_json()))
+        except GrammarError as e:
+            send.send((False, str(e)))

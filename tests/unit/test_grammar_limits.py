@@ -1,0 +1,110 @@
+"""Grammar compile limits: a source over --grammar-max-size is refused at once with a message
+naming the flag; a compile past --grammar-compile-timeout is stopped and refused; and a small
+grammar does not queue behind large ones (a grammar storm: two JSON-schema enums that would
+compile for minutes, then a trivial regex, which must compile in seconds); and JSON schemas
+bound runs of whitespace (--constrained-json-max-whitespace-cnt, 16 by default)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+
+import pytest
+import xgrammar as xgr
+from transformers import AutoTokenizer
+
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, grammar_backend
+from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
+
+VOCAB = 8192
+EOS = 1
+TIMEOUT = 4.0  # seconds a compile may run in these tests
+
+
+def enum_schema(n: int, tag: str) -> str:
+    """A JSON-schema string enum of n values: compiles in about 16 s at n = 20,000 and
+    minutes at n = 30,000 on the test machine (xgrammar's cost grows faster than n^2)."""
+    return json.dumps({"type": "string", "enum": [f"{tag}{i}" for i in range(n)]})
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(SHIPPED_MODEL, local_files_only=True)
+
+
+def test_oversized_grammar_is_refused_before_compiling(tokenizer):
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(max_size=1000))
+    try:
+        started = time.monotonic()
+        with pytest.raises(GrammarError) as e:
+            backend.compile(("json_schema", enum_schema(200, "v"))).result(timeout=5)
+        assert "the limit is --grammar-max-size 1000" in str(e.value)
+        assert time.monotonic() - started < 1.0
+        assert backend.compile(("regex", "[ab]{3}")).result(timeout=120) is not None
+    finally:
+        backend.shutdown()
+
+
+def test_grammar_storm_small_grammar_does_not_wait_and_large_ones_stop(tokenizer):
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(compile_timeout=TIMEOUT))
+    try:
+        backend.compile(("regex", "x+")).result(timeout=120)  # the small lane's child is up
+        large = [backend.compile(("json_schema", enum_schema(30_000, t))) for t in "ab"]
+        time.sleep(0.5)  # the large compiles are running or queued
+        started = time.monotonic()
+        small = backend.compile(("regex", "[0-9]{3}-[a-z]+")).result(timeout=TIMEOUT)
+        assert small is not None
+        assert time.monotonic() - started < TIMEOUT  # not behind a large compile
+        for fut in large:  # each stopped after TIMEOUT s of compiling (the start not counted)
+            with pytest.raises(GrammarError) as e:
+                fut.result(timeout=180)
+            assert f"did not compile within --grammar-compile-timeout {TIMEOUT}" in str(e.value)
+        # the lane's child was replaced: the next large grammar compiles
+        assert backend.compile(("json_schema", enum_schema(1000, "c"))).result(timeout=120)
+    finally:
+        backend.shutdown()
+
+
+def test_json_whitespace_runs_are_bounded(tokenizer):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    bounded = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(json_max_whitespace=4))
+    unbounded = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions())
+    try:
+        for backend, longest in ((bounded, 4), (unbounded, 64)):
+            compiled = backend.compile(("json_schema", schema)).result(timeout=120)
+            for n in (1, longest):
+                m = xgr.GrammarMatcher(compiled)
+                assert m.accept_string("{" + "\n" + " " * (n - 1) + '"a": 1}'), n
+            m = xgr.GrammarMatcher(compiled)
+            assert m.accept_string("{" + " " * longest)
+            assert not m.accept_string(" ") if backend is bounded else m.accept_string(" ")
+    finally:
+        bounded.shutdown()
+        unbounded.shutdown()
+
+
+def test_options_from_server_args():
+    args = ServerArgs()
+    assert args.constrained_json_max_whitespace_cnt == 16  # bounded by default
+    opts = GrammarOptions.from_args(args)
+    assert (opts.json_any_whitespace, opts.json_max_whitespace) == (True, 16)
+    assert (opts.compile_timeout, opts.max_size) == (30.0, 131072)
+    assert GrammarOptions.from_args(args, bounded=False).compile_timeout is None
+    unbounded = dataclasses.replace(args, constrained_json_max_whitespace_cnt=0)
+    assert GrammarOptions.from_args(unbounded).json_max_whitespace is None
+
+
+def test_cache_is_bounded_by_compiled_bytes(tokenizer, monkeypatch):
+    monkeypatch.setattr(grammar_backend, "CACHE_BYTES", 12_000)  # about two small regexes
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS])
+    try:
+        specs = [("regex", f"[0-9]{{3}}-[a-z]+{i}") for i in range(4)]
+        first = backend.compile(specs[0])
+        assert first.result(timeout=120).memory_size_bytes > 4000
+        for spec in specs[1:]:
+            backend.compile(spec).result(timeout=120)
+        assert backend.compile(specs[-1]).done()  # the newest is kept
+        assert backend.compile(specs[0]) is not first  # the oldest was dropped: compiled anew
+    finally:
+        backend.shutdown()
