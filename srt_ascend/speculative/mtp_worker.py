@@ -142,12 +142,16 @@ class MTPWorker:
         """The MTP pass over these positions waits for `catch_up` (after a K = 0 step, one
         position per request; after a prefill, the prompt's): the step costs what it costs
         without MTP. Each unfinished request keeps its last MAX_DEFERRED positions' hidden,
-        copied once for the batch (a graph replay's output buffer is reused)."""
+        copied once for the batch (a graph replay's output buffer is reused). A finished
+        request has no later step to catch up at (a prompt-only prefill, as `n > 1` sends
+        first; a request that stopped at this step): its pass, over every position it has
+        waiting and this range, runs now without drafting, so the prefix cache takes its
+        slots with their MTP KV written."""
         ends = itertools.accumulate(lens)
         keep = [
             (r, start + n - m, end - m, m)
             for r, start, n, end in zip(reqs, starts, lens, ends)
-            if not r.finished and (m := min(n, MAX_DEFERRED))
+            if (m := n if r.finished else min(n, MAX_DEFERRED))
         ]
         if not keep:
             return
@@ -161,15 +165,18 @@ class MTPWorker:
             s.deferred.extend(kept[at : at + m])
             at += m
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
-            if len(s.deferred) > MAX_DEFERRED:
+            if len(s.deferred) > MAX_DEFERRED and not r.finished:
                 s.deferred_start += len(s.deferred) - MAX_DEFERRED
                 del s.deferred[:-MAX_DEFERRED]
+        self.catch_up([r for r, *_ in keep if r.finished], draft=False)
 
     @torch.inference_mode()
-    def catch_up(self, reqs: list[StepRequest]) -> None:
+    def catch_up(self, reqs: list[StepRequest], draft: bool = True) -> None:
         """Runs the MTP passes deferred by K = 0 steps, for every request that has some, as
         one DRAFT_EXTEND over their positions (what the skipped passes would have written and
-        drafted: MTP KV at each position, d_1 from the last), before a step drafts."""
+        drafted: MTP KV at each position, d_1 from the last, unless `draft` is False), before
+        a step drafts. A position without a next token (a prompt's last, when nothing was
+        sampled) gets KV keyed by padding, which the bigram-keyed prefix cache never keeps."""
         stale = [r for r in reqs if state_of(r).deferred]
         if not stale:
             return
@@ -179,8 +186,10 @@ class MTPWorker:
         hidden = torch.stack([h for s in states for h in s.deferred])
         for s in states:
             s.deferred = []
-        next_tokens = [r.all_ids[st + 1 : st + 1 + n] for r, st, n in zip(stale, starts, lens)]
-        self.draft_extend(stale, starts, lens, hidden, next_tokens, [True] * len(stale))
+        next_tokens = [
+            (r.all_ids[st + 1 : st + 1 + n] + [0] * n)[:n] for r, st, n in zip(stale, starts, lens)
+        ]
+        self.draft_extend(stale, starts, lens, hidden, next_tokens, [draft] * len(stale))
 
     def _draft_first(
         self, reqs, out: torch.Tensor, last_rows: list[int], draft_rows: list[bool]

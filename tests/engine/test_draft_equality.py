@@ -15,6 +15,7 @@ import torch
 
 from srt_ascend import Engine
 from srt_ascend.models.loader import load_model
+from srt_ascend.speculative.draft_length import FixedDraftLength
 from srt_ascend.speculative.mtp_worker import MTPWorker
 
 BASE = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
@@ -64,8 +65,8 @@ def dense(model_path):
     return drafts
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
+def _record(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Every draft chain the engine runs, with the committed tokens it started from."""
     records: list[tuple[list[int], list[int]]] = []
     chain = MTPWorker.draft_chain
 
@@ -76,6 +77,22 @@ def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
         return out
 
     monkeypatch.setattr(MTPWorker, "draft_chain", recorded)
+    return records
+
+
+def _check(name: str, dense, records, k: int) -> None:
+    assert len(records) > 20
+    for ids, got in records:
+        want = dense(ids, k)
+        for j, (d, (ref, gap)) in enumerate(zip(got, want)):
+            if gap < NEAR_TIE:
+                break  # later drafts follow a different (equally valid) token
+            assert d == ref, f"{name}: draft {j + 1} after {len(ids)} tokens: {d} != dense {ref}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
+    records = _record(monkeypatch)
     engine = Engine(
         model_path=model_path, dtype="float32", speculative_algorithm="MTP", **CONFIGS[name]
     )
@@ -87,11 +104,41 @@ def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
         engine.shutdown()
     if "retract" in name:
         assert state["num_retractions"] > 0, "the small pool did not retract"
-    k = CONFIGS[name]["speculative_num_steps"]
-    assert len(records) > 20
-    for ids, got in records:
-        want = dense(ids, k)
-        for j, (d, (ref, gap)) in enumerate(zip(got, want)):
-            if gap < NEAR_TIE:
-                break  # later drafts follow a different (equally valid) token
-            assert d == ref, f"{name}: draft {j + 1} after {len(ids)} tokens: {d} != dense {ref}"
+    _check(name, dense, records, CONFIGS[name]["speculative_num_steps"])
+
+
+class DeferringPrefills(FixedDraftLength):
+    """K = max_k at every step; prefills defer their MTP pass while `defer` is set (what
+    adaptive K does when it expects the next steps to run K = 0)."""
+
+    def __init__(self, max_k: int) -> None:
+        super().__init__(max_k, [1])
+        self.defer = True
+
+    def prefers_plain(self, batch: int) -> bool:
+        return self.defer
+
+
+def test_prompt_only_prefill_that_defers_leaves_mtp_kv(model_path, dense, monkeypatch):
+    """Prompt-only requests (max_new_tokens 0, what `n > 1` sends first to cache the prompt)
+    whose prefill defers its MTP pass still write the MTP KV of every cached position:
+    requests that then reuse the cached prompts draft what the dense module drafts."""
+    records = _record(monkeypatch)
+    engine = Engine(
+        model_path=model_path,
+        dtype="float32",
+        speculative_algorithm="MTP",
+        speculative_num_steps=2,
+        speculative_adaptive=True,
+    )
+    try:
+        policy = DeferringPrefills(2)
+        engine.tokenizer_manager.scheduler.decoder.draft_length = policy
+        engine.generate(PROMPTS, {**GREEDY, "max_new_tokens": 0})
+        policy.defer = False
+        engine.generate([p + tail for tail in ("", " x", "\n") for p in PROMPTS], GREEDY)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert state["cached_tokens_in_tree"] > 0
+    _check("prompt-only", dense, records, 2)
