@@ -12,7 +12,9 @@ In-process engines on the shipped checkpoint (no HTTP: faster, same scheduler an
 4. graph replay vs eager step time per captured kind (bf16), replayed output == eager;
 5. decode replay at KV 128 vs 2048 with a 4096 context, one KV window vs windows
    (`kv_window.py`): the replay cost must follow the live KV length;
-6. the Triton kernels against their references, and their timings (`kernels.py`).
+6. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
+   true float32 dots, not TF32), their timings, and each compiled attention kernel's shared
+   memory, registers and spills (within 100 KiB, no spills) (`kernels.py`).
 Prints one summary table; with $OUT set, writes $OUT/device_check.json (every figure).
 """
 
@@ -276,6 +278,17 @@ def check_kernels(rep: Report, device: str) -> None:
                 f"{r['torch_us']:.1f} us, graph {r['graph_us']:.1f} us"
             )
             rep.add("decode attention kernel", f"b={r['batch']} kv={r['kv']}", figure)
+        used = kernels.resources()
+        rep.data["kernel_resources"] = used
+        for r in used:
+            t = r["tile"]
+            dots = "bf16" if t["LOW_PRECISION_DOT"] else "fp32 ieee"
+            tile = (
+                f"{t['BLOCK_Q'] * t['BLOCK_H']} rows x {t['BLOCK_DV']} latent, {dots} dots, "
+                f"splits {t['NUM_SPLITS']}"
+            )
+            figure = f"{r['shared_bytes']} B shared, {r['registers']} regs, {r['spills']} spills"
+            rep.add("attention kernel resources (<= 100 KiB, no spills)", tile, figure, r["ok"])
 
 
 def main() -> int:

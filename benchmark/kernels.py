@@ -21,16 +21,17 @@ import torch
 H, R, P = 128, 512, 64
 
 
-def make_decode(batch: int, kv: int, device, dtype, h=H, r=R, p=P):
+def make_decode(batch: int, kv: int, device, dtype, h=H, r=R, p=P, q=1):
+    """Rows of `kv` positions whose last `q` are queries (q > 1: verify rows of K = q - 1)."""
     slots = batch * kv + 64
     buf = torch.randn(slots, 1, r + p, device=device, dtype=dtype)
     r2t = torch.arange(64, slots, device=device).view(batch, kv)
-    q_lat = torch.randn(batch, h, r, device=device, dtype=dtype)
-    q_pe = torch.randn(batch, h, p, device=device, dtype=dtype)
-    ones = torch.ones(batch, dtype=torch.int64, device=device)
+    q_lat = torch.randn(batch * q, h, r, device=device, dtype=dtype)
+    q_pe = torch.randn(batch * q, h, p, device=device, dtype=dtype)
+    q_lens = torch.full((batch,), q, dtype=torch.int64, device=device)
     return (q_lat, q_pe, buf[..., :r], buf[..., r:], r2t, torch.arange(batch, device=device),
-            torch.full((batch,), kv, device=device), ones, torch.arange(batch, device=device),
-            r ** -0.5)  # fmt: skip
+            torch.full((batch,), kv, device=device), q_lens,
+            torch.arange(batch, device=device) * q, r ** -0.5)  # fmt: skip
 
 
 def cuda_time(fn, iters=50) -> float:
@@ -90,16 +91,36 @@ def check(device: str) -> list[dict]:
     from srt_ascend.layers.ops.mla_attention import mla_attention_reference
 
     cases = [(1, 100, torch.float32, dict(h=4, r=32, p=8), 2, 1e-5)]
-    cases += [(3, 40, torch.float32, dict(h=4, r=32, p=8), 1, 1e-5)]
+    cases += [(3, 40, torch.float32, dict(h=4, r=32, p=8, q=3), 1, 1e-5)]
     if device == "cuda":
         cases += [(8, 3000, torch.bfloat16, {}, 8, 2e-2)]
+        # fp32 at DeepSeek-V3's shapes: true float32 dots (input_precision "ieee") stay within
+        # 1e-5 of the reference; TF32 dots (10 mantissa bits) miss it by ~1e-3. The verify
+        # rows (K = 3: 4 queries x 16 heads, the largest tile) compile the largest kernels.
+        cases += [(4, 1000, torch.float32, {}, 2, 1e-5)]
+        cases += [(4, 1000, torch.float32, dict(q=4), 1, 1e-5)]
+        cases += [(4, 1000, torch.bfloat16, dict(q=4), 2, 2e-2)]
     rows = []
     for batch, kv, dtype, shape, splits, tol in cases:
         args = make_decode(batch, kv, device, dtype, **shape)
-        out = tri.mla_attention(*args, max_q_len=1, num_kv_splits=splits)
+        q = shape.get("q", 1)
+        out = tri.mla_attention(*args, max_q_len=q, num_kv_splits=splits)
         err = (out.float() - mla_attention_reference(*args).float()).abs().max().item()
-        name = f"decode b{batch} kv{kv} {str(dtype)[6:]} splits {splits}"
+        kind = "decode" if q == 1 else f"verify q{q}"
+        name = f"{kind} b{batch} kv{kv} {str(dtype)[6:]} splits {splits}"
         rows.append({"case": name, "max_abs_err": err, "ok": err < tol})
+    return rows
+
+
+def resources() -> list[dict]:
+    """Shared memory, registers and spills of every attention kernel compiled so far in this
+    process (run `check` and `bench_cuda` first); ok: within the 100 KiB budget, no spills."""
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+
+    rows = tri.compiled_resources()
+    for r in rows:
+        shared, spills = r["shared_bytes"], r["spills"]
+        r["ok"] = None if shared is None else shared <= tri.SHARED_MEMORY_BUDGET and not spills
     return rows
 
 
@@ -121,6 +142,9 @@ def main() -> int:
             print(f"{r['batch']:5d} {r['kv']:5d} {r['triton_us']:10.1f} {r['torch_us']:9.1f} "
                   f"{r['torch_us'] / r['triton_us']:6.2f} {r['hbm_floor_us']:13.1f} "
                   f"{r['graph_us']:9.1f} {r['triton_us'] / r['graph_us']:14.2f}")  # fmt: skip
+        for r in resources():
+            print(f"{r['tile']}: shared {r['shared_bytes']} B, {r['registers']} registers, "
+                  f"{r['spills']} spills {'ok' if r['ok'] else 'FAIL'}")  # fmt: skip
     return 0 if all(r["ok"] for r in checks) else 1
 
 

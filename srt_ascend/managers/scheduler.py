@@ -45,6 +45,7 @@ from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.sampling.sample_step import input_logprobs
 from srt_ascend.server_args import ServerArgs
+from srt_ascend.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -338,7 +339,8 @@ class Scheduler:
             self.total_prompt_tokens += len(r.origin_input_ids)
             self.total_cached_tokens += r.cached_tokens
         if to_sample:
-            logits = self.runner.compute_logits(hidden[[i for _, i in to_sample]])
+            last = to_device([i for _, i in to_sample], hidden.device)  # no blocking copy
+            logits = self.runner.compute_logits(hidden.index_select(0, last))
             self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
         joining = [r for r, _ in to_sample if not r.finished]
         self.decoder.after_prefill(reqs, kv_before, lens, hidden, done, self._next_batch(joining))

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from srt_ascend.layers.ops.kv_cache import assign_req_to_token, store_kv
 from srt_ascend.utils import to_device
 
 
@@ -86,7 +87,8 @@ class ReqToTokenPool:
 
     def write(self, rows: list[int], starts: list[int], slots: torch.Tensor, lens: list[int]):
         """req_to_token[rows[i], starts[i] : starts[i]+lens[i]] = the next lens[i] of `slots`
-        (host tensor, in request order), on the host and, with one async copy, the device."""
+        (host tensor, in request order), on the host and, with one async copy and the
+        `assign_req_to_token` op (the Triton kernel on CUDA), the device."""
         if not rows:
             return
         slots = slots.to(device="cpu", dtype=torch.int64)
@@ -99,8 +101,12 @@ class ReqToTokenPool:
             col_idx = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
         self.host[row_idx, col_idx] = slots
         if self.host is not self.req_to_token:
-            both = to_device(torch.stack([row_idx, col_idx, slots]), self.device)
-            self.req_to_token[both[0], both[1]] = both[2]
+            b = len(rows)
+            ends = [s + n for s, n in zip(starts, lens)]
+            both = to_device(torch.cat([torch.tensor(rows + starts + ends), slots]), self.device)
+            assign_req_to_token(
+                self.req_to_token, both[:b], both[b : 2 * b], both[2 * b : 3 * b], both[3 * b :]
+            )
 
     def clear(self) -> None:
         """Mark every row free. Row contents are left as they are (callers overwrite them)."""
@@ -183,15 +189,15 @@ class MLATokenToKVPool:
 
         Inputs may carry a singleton head axis ([N, 1, dim]); values are cast to the pool
         dtype. Duplicate slots in ``loc`` (e.g. padding rows all pointing at slot 0) are
-        allowed; which write wins among them is unspecified.
+        allowed; which write wins among them is unspecified. Runs the `store_kv` op (the
+        Triton kernel on CUDA, the torch reference elsewhere).
         """
         c_buf, pe_buf = self.get_c_kv(layer_id), self.get_k_pe(layer_id)
         n = loc.shape[0]
         c_kv = c_kv.reshape(n, self.kv_lora_rank).to(dtype=self.dtype, device=c_buf.device)
         k_pe = k_pe.reshape(n, self.qk_rope_head_dim).to(dtype=self.dtype, device=c_buf.device)
         loc = loc.to(device=c_buf.device, dtype=torch.int64)
-        c_buf[loc, 0] = c_kv
-        pe_buf[loc, 0] = k_pe
+        store_kv(c_buf, pe_buf, loc, c_kv, k_pe)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         """Every slot's whole KV row, [size + page_size, 1, kv_lora_rank + rope_dim].

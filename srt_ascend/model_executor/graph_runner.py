@@ -17,7 +17,9 @@ Kinds (B = requests in the bucket, K = draft tokens per step):
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion);
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
 - draft_extend:   MTP layer 0 over B rows of 1+K tokens (the pass after verify);
-- draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K).
+- draft_extend_l{l}: a later MTP layer l of a multi-layer checkpoint, the same pass (its KV);
+- draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K);
+- draft_chain{j}_l{l}: draft step j+1 starting MTP layer l, B rows of j tokens.
 
 Which kinds exist is the decoders' business: each hands its GraphKinds (with the attention
 backend the kind runs through) to `ModelRunner.capture_graphs`, and names the kind when it

@@ -5,6 +5,11 @@ Every rule returns (accept_len [B], emitted [B, K+1]): `accept_len` counts accep
 correction at the first rejection, or the bonus token after all K), and the rest is -1.
 Probabilities come from `layers.sampler.processed_probs`, applied to the target and the draft
 logits alike, so temperature/top-k/top-p/min-p shape both distributions before the test.
+
+Devices: greedy and token-wise rejection sampling run the chain-acceptance op
+(`layers/ops/spec_accept.py`: its Triton kernels on CUDA, and on NPU where Triton-Ascend is
+installed; its torch reference elsewhere). Block verification is plain torch on every device
+(a handful of [B, K] and [B, K, V] tensor ops; no kernel).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt_ascend.layers.ops import spec_accept
 from srt_ascend.layers.sampler import draw_uniforms, inverse_cdf_sample
 
 
@@ -31,13 +37,9 @@ def greedy_accept(
     Rule: accept the longest prefix of drafts with d_i == target_argmax[i-1]; then emit
     target_argmax[accept_len] (the correction, or the bonus when all K match). Since accepted
     drafts equal the target's argmax, emitted[:accept_len+1] == target_argmax[:accept_len+1].
+    Runs `spec_accept.greedy_accept` (dispatch by device).
     """
-    k = draft_tokens.shape[1]
-    matches = draft_tokens == target_argmax[:, :k]  # [B, K]
-    accept_len = matches.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [B]
-    positions = torch.arange(k + 1, device=draft_tokens.device).view(1, -1)
-    emitted = torch.where(positions <= accept_len.view(-1, 1), target_argmax, -1)
-    return AcceptResult(accept_len, emitted.to(torch.int64))
+    return AcceptResult(*spec_accept.greedy_accept(draft_tokens, target_argmax))
 
 
 def recovered_probs(
@@ -72,15 +74,15 @@ def rejection_sample(
     if all K are accepted, emit the bonus token drawn from p_t[K]. That draw inverts the CDF
     at U_{K+1}. Randomness: U_1..U_K(+1) from `uniforms`; whatever it lacks (all of it when
     None, U_{K+1} when it has K columns) comes from `draw_uniforms(generators)`, so a row with
-    its own generator gets the same result whatever its batch neighbours are.
+    its own generator gets the same result whatever its batch neighbours are. The rule runs
+    as `spec_accept.rejection_sample` (dispatch by device) over those uniforms.
     """
     k = draft_tokens.shape[1]
     uniforms = _uniforms(draft_tokens.shape[0], k, uniforms, generators, target_probs.device)
     draft_tokens = draft_tokens.to(torch.int64)
-    accept_len = _accept_len(draft_tokens, draft_probs, target_probs, uniforms[:, :k])
-    final_probs = _final_distribution(accept_len, draft_probs, target_probs)
-    final_token = inverse_cdf_sample(final_probs, uniforms[:, k])  # [B]
-    return AcceptResult(accept_len, _emit(draft_tokens, accept_len, final_token))
+    return AcceptResult(
+        *spec_accept.rejection_sample(draft_tokens, draft_probs, target_probs, uniforms)
+    )
 
 
 def block_verify(
@@ -183,38 +185,6 @@ def _uniforms(
     if uniforms.shape[1] == k:
         return torch.cat([uniforms, draw_uniforms(gens, 1, uniforms.device)], dim=1)
     return uniforms
-
-
-def _accept_len(
-    draft_tokens: torch.Tensor,  # [B, K]
-    draft_probs: torch.Tensor,  # [B, K, V]
-    target_probs: torch.Tensor,  # [B, K+1, V]
-    uniforms: torch.Tensor,  # [B, K]
-) -> torch.Tensor:  # [B] int64
-    # Accept d_i iff p_t(d_i) > 0 and U_i * p_d(d_i) <= p_t(d_i); accept_len = leading accepts.
-    k = draft_tokens.shape[1]
-    index = draft_tokens.unsqueeze(-1)  # [B, K, 1]
-    p_t = target_probs[:, :k].to(torch.float32).gather(-1, index).squeeze(-1)  # [B, K]
-    p_d = draft_probs.to(torch.float32).gather(-1, index).squeeze(-1)  # [B, K]
-    accepted = (p_t > 0) & (uniforms.to(torch.float32) * p_d <= p_t)
-    return accepted.to(torch.int64).cumprod(dim=1).sum(dim=1)
-
-
-def _final_distribution(
-    accept_len: torch.Tensor,  # [B]
-    draft_probs: torch.Tensor,  # [B, K, V]
-    target_probs: torch.Tensor,  # [B, K+1, V]
-) -> torch.Tensor:  # [B, V]
-    # Position a = accept_len: recovered(p_t[a], p_d[a]) if a < K, else p_t[K] (the bonus),
-    # which is recovered(p_t[K], 0).
-    batch, k, vocab = draft_probs.shape
-    index = accept_len.view(batch, 1, 1).expand(batch, 1, vocab)
-    p_t = target_probs.gather(1, index).squeeze(1)  # [B, V]
-    if k == 0:
-        return recovered_probs(p_t, torch.zeros_like(p_t))
-    p_d = draft_probs.gather(1, index.clamp(max=k - 1)).squeeze(1)  # [B, V]
-    p_d = p_d * (accept_len < k).view(batch, 1).to(p_d.dtype)
-    return recovered_probs(p_t, p_d)
 
 
 def _emit(

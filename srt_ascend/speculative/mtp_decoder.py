@@ -2,12 +2,14 @@
 
 Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts d_1..d_K:
 1. allocate K+1 slots for positions L-1..L-1+K (evicting / retracting like plain decode);
-2. draft steps 2..K (MTP re-applied) write MTP KV into those slots;
+2. draft steps 2..K (MTP re-applied; step j runs MTP layer j of a multi-layer checkpoint,
+   the last one repeating) write MTP KV into those slots;
 3. verify [t_{L-1}, d_1..d_K] with the target model (the verify strategy's forward);
 4. accept (--speculative-accept-method: token-wise rejection sampling or block verification;
    exact greedy for temperature-0 requests), commit up to a stop;
 5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
-   from the last committed one); free the slots of rejected positions.
+   from the last committed one; every later layer the draft steps run writes its own KV
+   over the same positions); free the slots of rejected positions.
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
@@ -53,6 +55,22 @@ class Verdict:
     logits: torch.Tensor  # [B, K+1, V] the target logits the rule read (penalties applied)
 
 
+def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
+    """Graph kinds of draft steps 1..K-1 (`MTPWorker.draft_chain`): a step re-running the
+    previous step's MTP layer is one token per request (`draft_step{l}`); a step starting a
+    later layer of a multi-layer checkpoint covers the chain's j positions (`draft_chain{j}`)."""
+    kinds = {}
+    for j in range(1, k):
+        layer = layer_for_step(j)
+        if j == 1 or layer == layer_for_step(j - 1):
+            kinds[j] = GraphKind(f"draft_step{layer}", ForwardMode.DECODE, 1, 1, backend, layer)
+        else:
+            kinds[j] = GraphKind(
+                f"draft_chain{j}_l{layer}", ForwardMode.DRAFT_EXTEND, j, 1, backend, layer
+            )
+    return kinds
+
+
 @DECODERS.register("MTP")
 class MTPDecoder(Decoder):
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
@@ -76,12 +94,22 @@ class MTPDecoder(Decoder):
             for j in ks
             if j
         }
-        self.step_kinds = {}
-        for j in range(1, k):
-            layer = runner.mtp.layer_for_step(j)
-            self.step_kinds[j] = GraphKind(
-                f"draft_step{layer}", ForwardMode.DECODE, 1, 1, runner.attn_backend, layer
+        self.step_kinds = draft_step_kinds(runner.mtp.layer_for_step, k, backend)
+        # with several MTP layers, the later layers the draft steps run get KV over committed
+        # positions in every MTP pass (their own kind per K)
+        later = sorted({kind.mtp_layer for kind in self.step_kinds.values()} - {0})
+        layer_kinds = {
+            (j, layer): GraphKind(
+                f"draft_extend{suffix[j]}_l{layer}",
+                ForwardMode.DRAFT_EXTEND,
+                j + 1,
+                1,
+                backend,
+                layer,
             )
+            for j in extend_kinds
+            for layer in later
+        }
         self.worker = MTPWorker(
             DraftHandles(
                 runner.forward_mtp,
@@ -93,12 +121,14 @@ class MTPDecoder(Decoder):
             ),
             extend_kinds,
             self.step_kinds,
+            layer_kinds,
         )
         self.plain_kind = self.decode_kind()
         self._kinds = [
             self.plain_kind,
             *(v.kind for v in self.verifies.values()),
             *extend_kinds.values(),
+            *layer_kinds.values(),
             *{kind.name: kind for kind in self.step_kinds.values()}.values(),
         ]
         self.num_verify = 0  # request-steps verified (each checks that step's K drafts)
@@ -144,18 +174,20 @@ class MTPDecoder(Decoder):
             runner.compute_logits(runner.forward(fb, self.plain_kind))
             return
         for j in range(1, k):
-            fb = runner.build_forward_batch(
-                ForwardMode.DECODE, loc[:, 0], rows, [context + j] * bs, [1] * bs, loc[:, j]
-            )
-            runner.mtp.compute_logits(runner.forward_mtp(fb, hidden, j, self.step_kinds[j]))
+            kind = self.step_kinds[j]
+            n = kind.tokens_per_req
+            ids = loc[:, :n].reshape(-1)
+            fb = runner.build_forward_batch(kind.mode, ids, rows, [context + j] * bs, [n] * bs, ids)
+            steps = hidden.new_zeros(bs * n, hidden.shape[-1])
+            runner.mtp.compute_logits(runner.forward_mtp(fb, steps, j, kind)[:bs])
         verify = self.verifies[k]
         out = runner.forward(verify.build(loc, rows, [context] * bs, loc), verify.kind)
         runner.compute_logits(out)
         flat = loc.reshape(-1)
-        fb = runner.build_forward_batch(
+        build = lambda: runner.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
         )
-        out = runner.forward_mtp(fb, out, 0, self.worker.extend_kinds[k])
+        out = self.worker.mtp_pass(build, out, self.worker.extend_kinds[k], k)
         runner.mtp.compute_logits(out[:bs])
 
     def _timed(self, seconds: float) -> float | None:
@@ -184,7 +216,12 @@ class MTPDecoder(Decoder):
     def idle_prefill(self) -> None:
         """The main model's EXTEND forward and the MTP pass over it, over no tokens."""
         self.runner.forward_idle()
-        self.runner.forward_idle(mtp_step=0)
+        self._idle_mtp_pass()
+
+    def _idle_mtp_pass(self) -> None:
+        """`MTPWorker.mtp_pass` over no tokens: layer 0, then the later layers it runs."""
+        for layer in [0, *self.worker.later_layers]:
+            self.runner.forward_idle(mtp_step=layer)
 
     def idle_step(self) -> None:
         """A step's forwards over no tokens, in `step`'s order: draft steps 2..K (the MTP
@@ -194,7 +231,7 @@ class MTPDecoder(Decoder):
         for j in range(1, self.args.speculative_num_steps):
             self.runner.forward_idle(mtp_step=j)
         self.runner.forward_idle()
-        self.runner.forward_idle(mtp_step=0)
+        self._idle_mtp_pass()
 
     @torch.inference_mode()
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

@@ -76,11 +76,31 @@ class MTPWorker:
         self,
         handles: DraftHandles,
         extend_kinds: dict[int, GraphKind],  # the pass after verifying K drafts: 1+K tokens
-        step_kinds: dict[int, GraphKind],  # draft step j (1..K-1): 1 token per request
+        step_kinds: dict[int, GraphKind],  # draft step j (1..K-1) (see `draft_chain`)
+        layer_kinds: dict[tuple[int, int], GraphKind] | None = None,  # (K, layer > 0)
     ) -> None:
+        """`layer_kinds`: for a checkpoint with several MTP layers, the pass of each later
+        layer a draft step runs (layer > 0) after verifying K drafts; empty with one layer."""
         self.h = handles
         self.extend_kinds, self.step_kinds = extend_kinds, step_kinds
         self.prefill_kind = extend_kinds[max(extend_kinds)]
+        self.layer_kinds = layer_kinds or {}
+        self.later_layers = sorted({layer for _, layer in self.layer_kinds})
+
+    def mtp_pass(
+        self,
+        build: Callable[[], ForwardBatch],
+        hidden: torch.Tensor,
+        kind: GraphKind | None,
+        k: int,
+    ) -> torch.Tensor:
+        """MTP layer 0 over a DRAFT_EXTEND batch (its output drafts d_1), and every later MTP
+        layer a draft step runs over the same inputs (h_p, token p+1), for their KV at these
+        positions: each layer's attention reads its own KV layer. Returns layer 0's output."""
+        out = self.h.forward(build(), hidden, 0, kind)
+        for layer in self.later_layers:
+            self.h.forward(build(), hidden, layer, self.layer_kinds[k, layer])
+        return out
 
     @torch.inference_mode()
     def draft_extend(
@@ -100,8 +120,10 @@ class MTPWorker:
         loc = torch.cat(
             [self.h.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, lens)]
         )
-        fb = self.h.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc)
-        out = self.h.forward(fb, hidden, 0, self.prefill_kind)
+        build = lambda: self.h.build_forward_batch(  # noqa: E731
+            ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc
+        )
+        out = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds))
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
         self._draft_first(reqs, out, ends, draft_rows)
 
@@ -121,7 +143,7 @@ class MTPWorker:
         own prefix causally and write MTP KV into rejected slots, which are freed afterwards.
         The output at each request's last committed position drafts its next d_1."""
         k1 = loc.shape[1]
-        fb = self.h.build_forward_batch(
+        build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND,
             [t for toks in next_tokens for t in toks],
             [r.req_pool_idx for r in reqs],
@@ -129,7 +151,7 @@ class MTPWorker:
             [k1] * len(reqs),
             loc.reshape(-1),
         )
-        out = self.h.forward(fb, hidden, 0, self.extend_kinds[k1 - 1])
+        out = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1)
         self._draft_first(reqs, out, [i * k1 + n - 1 for i, n in enumerate(accepted)], draft_rows)
 
     def defer(
@@ -142,12 +164,16 @@ class MTPWorker:
         """The MTP pass over these positions waits for `catch_up` (after a K = 0 step, one
         position per request; after a prefill, the prompt's): the step costs what it costs
         without MTP. Each unfinished request keeps its last MAX_DEFERRED positions' hidden,
-        copied once for the batch (a graph replay's output buffer is reused)."""
+        copied once for the batch (a graph replay's output buffer is reused). A finished
+        request has no later step to catch up at (a prompt-only prefill, as `n > 1` sends
+        first; a request that stopped at this step): its pass, over every position it has
+        waiting and this range, runs now without drafting, so the prefix cache takes its
+        slots with their MTP KV written."""
         ends = itertools.accumulate(lens)
         keep = [
             (r, start + n - m, end - m, m)
             for r, start, n, end in zip(reqs, starts, lens, ends)
-            if not r.finished and (m := min(n, MAX_DEFERRED))
+            if (m := n if r.finished else min(n, MAX_DEFERRED))
         ]
         if not keep:
             return
@@ -161,15 +187,18 @@ class MTPWorker:
             s.deferred.extend(kept[at : at + m])
             at += m
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
-            if len(s.deferred) > MAX_DEFERRED:
+            if len(s.deferred) > MAX_DEFERRED and not r.finished:
                 s.deferred_start += len(s.deferred) - MAX_DEFERRED
                 del s.deferred[:-MAX_DEFERRED]
+        self.catch_up([r for r, *_ in keep if r.finished], draft=False)
 
     @torch.inference_mode()
-    def catch_up(self, reqs: list[StepRequest]) -> None:
+    def catch_up(self, reqs: list[StepRequest], draft: bool = True) -> None:
         """Runs the MTP passes deferred by K = 0 steps, for every request that has some, as
         one DRAFT_EXTEND over their positions (what the skipped passes would have written and
-        drafted: MTP KV at each position, d_1 from the last), before a step drafts."""
+        drafted: MTP KV at each position, d_1 from the last, unless `draft` is False), before
+        a step drafts. A position without a next token (a prompt's last, when nothing was
+        sampled) gets KV keyed by padding, which the bigram-keyed prefix cache never keeps."""
         stale = [r for r in reqs if state_of(r).deferred]
         if not stale:
             return
@@ -179,8 +208,10 @@ class MTPWorker:
         hidden = torch.stack([h for s in states for h in s.deferred])
         for s in states:
             s.deferred = []
-        next_tokens = [r.all_ids[st + 1 : st + 1 + n] for r, st, n in zip(stale, starts, lens)]
-        self.draft_extend(stale, starts, lens, hidden, next_tokens, [True] * len(stale))
+        next_tokens = [
+            (r.all_ids[st + 1 : st + 1 + n] + [0] * n)[:n] for r, st, n in zip(stale, starts, lens)
+        ]
+        self.draft_extend(stale, starts, lens, hidden, next_tokens, [draft] * len(stale))
 
     def _draft_first(
         self, reqs, out: torch.Tensor, last_rows: list[int], draft_rows: list[bool]
@@ -199,27 +230,36 @@ class MTPWorker:
 
     @torch.inference_mode()
     def draft_chain(self, reqs: list[StepRequest], loc: torch.Tensor) -> Drafts:
-        """d_1 from each request's state, then draft steps 2..K: the module applied again to
-        (its own output, its own token) at positions L-1 .. L+K-3 (L = committed length),
+        """d_1 from each request's state, then draft steps 2..K: MTP layer l_j (j = 1..K-1,
+        `layer_for_step`) over (the chain's outputs, its drafts) at positions L-1 .. L-2+j
+        (L = committed length; position L-2+i takes the output that drafted d_i, and d_i),
         writing MTP KV into the verify slots `loc` [B, K+1] allocated for positions
         L-1 .. L-1+K (overwritten after verify), K >= 1 (a K = 0 step is the plain
-        decoder's). Everything stays on the device."""
+        decoder's). A step whose layer ran the step before needs only its last position (a
+        1-token step; the layer's KV at the others holds the same inputs already); a step
+        that starts a new layer runs all j positions (the first one: 1). Everything stays on
+        the device."""
         k = loc.shape[1] - 1
         states = [state_of(r) for r in reqs]
         tokens = [torch.stack([s.token for s in states])]  # [B] per draft position
         probs = [self._gather_probs(states, tokens[0])]
-        hidden = torch.stack([s.hidden for s in states])
+        outs = [torch.stack([s.hidden for s in states])]  # [B, D] the output drafting d_j
+        rows = [r.req_pool_idx for r in reqs]
         for j in range(1, k):
+            kind = self.step_kinds[j]
+            n = kind.tokens_per_req  # positions L-1-n+j .. L-2+j
             fb = self.h.build_forward_batch(
-                ForwardMode.DECODE,
-                tokens[-1],
-                [r.req_pool_idx for r in reqs],
+                ForwardMode.DECODE if n == 1 else ForwardMode.DRAFT_EXTEND,
+                torch.stack(tokens[j - n :], dim=1).reshape(-1),
+                rows,
                 [r.seq_len - 1 + j for r in reqs],  # KV positions 0 .. L-2+j
-                [1] * len(reqs),
-                loc[:, j - 1],
+                [n] * len(reqs),
+                loc[:, j - n : j].reshape(-1),
             )
-            hidden = self.h.forward(fb, hidden, j, self.step_kinds[j])
-            token, p = self._draft_step(reqs, hidden, torch.stack(tokens, dim=1))
+            hidden = torch.stack(outs[j - n :], dim=1).reshape(-1, outs[0].shape[-1])
+            out = self.h.forward(fb, hidden, j, kind).view(len(reqs), n, -1)[:, -1]
+            token, p = self._draft_step(reqs, out, torch.stack(tokens, dim=1))
+            outs.append(out)
             tokens.append(token)
             probs.append(p)
         drafts = torch.stack(tokens, dim=1)  # [B, K]

@@ -10,11 +10,17 @@ retraction under a small KV pool, both verify layouts and K = 1..3.
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from srt_ascend import Engine
 from srt_ascend.models.loader import load_model
+from srt_ascend.speculative.draft_length import FixedDraftLength
 from srt_ascend.speculative.mtp_worker import MTPWorker
 
 BASE = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
@@ -36,16 +42,17 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module")
-def dense(model_path):
-    model, mtp = load_model(model_path, dtype=torch.float32, load_mtp=True)
+def dense_drafts(path: str):
+    """drafts(ids, k) -> (argmax, top-2 gap) of d_1..d_k recomputed densely from committed ids:
+    the main model over them, then MTP step j (its layer, `layer_for_step`) over the tokens
+    after each position with the main model's hidden, extended by the chain so far (the
+    output that drafted each draft, and the draft)."""
+    model, mtp = load_model(path, dtype=torch.float32, load_mtp=True)
     model.eval()
     mtp.eval()
-    assert mtp.num_layers == 1, "the chain below re-applies one layer"
 
     @torch.inference_mode()
     def drafts(ids: list[int], k: int) -> list[tuple[int, float]]:
-        """(argmax, top-2 gap) of d_1..d_k recomputed densely from committed ids."""
         x = torch.tensor([ids])
         h = model(x, torch.arange(len(ids)))[0]  # [L, D]
         tokens, hidden = list(ids[1:]), list(h[:-1])
@@ -64,8 +71,39 @@ def dense(model_path):
     return drafts
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
+@pytest.fixture(scope="module")
+def dense(model_path):
+    return dense_drafts(model_path)
+
+
+@pytest.fixture(scope="module")
+def three_layer_path(model_path, tmp_path_factory) -> str:
+    """The shipped checkpoint with two more MTP layers (ids 5 and 6): copies of its one with
+    every weight scaled elementwise by a seeded factor in [0.5, 1.5], so each layer drafts
+    differently."""
+    out = tmp_path_factory.mktemp("three_mtp_layers")
+    for name in os.listdir(model_path):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_path, name), out / name)
+    config = json.loads((out / "config.json").read_text())
+    first = config["num_hidden_layers"]
+    config["num_nextn_predict_layers"] = 3
+    (out / "config.json").write_text(json.dumps(config))
+    tensors = load_file(os.path.join(model_path, "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    prefix = f"model.layers.{first}."
+    for i in (1, 2):
+        for key in sorted(k for k in tensors if k.startswith(prefix)):
+            w = tensors[key]
+            if "embed_tokens" not in key and "shared_head.head" not in key:
+                w = (w.float() * (0.5 + torch.rand(w.shape, generator=gen))).to(w.dtype)
+            tensors[f"model.layers.{first + i}." + key[len(prefix) :]] = w.clone()
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
+def _record(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Every draft chain the engine runs, with the committed tokens it started from."""
     records: list[tuple[list[int], list[int]]] = []
     chain = MTPWorker.draft_chain
 
@@ -76,6 +114,22 @@ def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
         return out
 
     monkeypatch.setattr(MTPWorker, "draft_chain", recorded)
+    return records
+
+
+def _check(name: str, dense, records, k: int) -> None:
+    assert len(records) > 20
+    for ids, got in records:
+        want = dense(ids, k)
+        for j, (d, (ref, gap)) in enumerate(zip(got, want)):
+            if gap < NEAR_TIE:
+                break  # later drafts follow a different (equally valid) token
+            assert d == ref, f"{name}: draft {j + 1} after {len(ids)} tokens: {d} != dense {ref}"
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
+    records = _record(monkeypatch)
     engine = Engine(
         model_path=model_path, dtype="float32", speculative_algorithm="MTP", **CONFIGS[name]
     )
@@ -87,11 +141,71 @@ def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
         engine.shutdown()
     if "retract" in name:
         assert state["num_retractions"] > 0, "the small pool did not retract"
-    k = CONFIGS[name]["speculative_num_steps"]
-    assert len(records) > 20
-    for ids, got in records:
-        want = dense(ids, k)
-        for j, (d, (ref, gap)) in enumerate(zip(got, want)):
-            if gap < NEAR_TIE:
-                break  # later drafts follow a different (equally valid) token
-            assert d == ref, f"{name}: draft {j + 1} after {len(ids)} tokens: {d} != dense {ref}"
+    _check(name, dense, records, CONFIGS[name]["speculative_num_steps"])
+
+
+class DeferringPrefills(FixedDraftLength):
+    """K = max_k at every step; prefills defer their MTP pass while `defer` is set (what
+    adaptive K does when it expects the next steps to run K = 0)."""
+
+    def __init__(self, max_k: int) -> None:
+        super().__init__(max_k, [1])
+        self.defer = True
+
+    def prefers_plain(self, batch: int) -> bool:
+        return self.defer
+
+
+def test_prompt_only_prefill_that_defers_leaves_mtp_kv(model_path, dense, monkeypatch):
+    """Prompt-only requests (max_new_tokens 0, what `n > 1` sends first to cache the prompt)
+    whose prefill defers its MTP pass still write the MTP KV of every cached position:
+    requests that then reuse the cached prompts draft what the dense module drafts."""
+    records = _record(monkeypatch)
+    engine = Engine(
+        model_path=model_path,
+        dtype="float32",
+        speculative_algorithm="MTP",
+        speculative_num_steps=2,
+        speculative_adaptive=True,
+    )
+    try:
+        policy = DeferringPrefills(2)
+        engine.tokenizer_manager.scheduler.decoder.draft_length = policy
+        engine.generate(PROMPTS, {**GREEDY, "max_new_tokens": 0})
+        policy.defer = False
+        engine.generate([p + tail for tail in ("", " x", "\n") for p in PROMPTS], GREEDY)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert state["cached_tokens_in_tree"] > 0
+    _check("prompt-only", dense, records, 2)
+
+
+def test_multi_layer_checkpoint_drafts_equal_dense_mtp(three_layer_path, monkeypatch):
+    """A checkpoint with three MTP layers: draft step j runs layer j, whose attention reads
+    its own KV layer, written over committed positions by every MTP pass (prefill, after each
+    verify) and over the chain's positions by the step that starts the layer. Drafts equal the
+    dense module's, with radix hits and chunked prefill, both verify layouts, eagerly and
+    through the graphs (the later layers' kinds replayed)."""
+    records = _record(monkeypatch)
+    graphs = {"enable_cpu_graph": True, "cuda_graph_bs": (1, 2, 4, 8), "context_length": 512}
+    for verify, extra in (("expand", {}), ("fia", graphs)):
+        engine = Engine(
+            model_path=three_layer_path,
+            dtype="float32",
+            speculative_algorithm="MTP",
+            speculative_num_steps=3,
+            speculative_verify=verify,
+            chunked_prefill_size=16,
+            **extra,
+        )
+        try:
+            engine.generate(PROMPTS[:2], GREEDY)
+            engine.generate([p + tail for tail in ("", " x") for p in PROMPTS], GREEDY)
+            state = engine.get_internal_state()
+        finally:
+            engine.shutdown()
+        if extra:
+            replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
+            assert {"draft_step1", "draft_chain2_l2", "draft_extend_l1"} <= replayed, replayed
+    _check("three MTP layers", dense_drafts(three_layer_path), records, 3)

@@ -10,7 +10,9 @@ a device tensor. The only read the step path may make goes through `utils.HOST_R
 the test answers with zeros and counts. Prefill, the MTP draft pass after it, plain decode, the
 draft chain, both verify layouts and the acceptance rules (greedy, rejection sampling and block
 verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way, and
-so does the MoE all-to-all dispatch (`--moe-a2a-backend all_to_all`) on one rank.
+so does the MoE all-to-all dispatch (`--moe-a2a-backend all_to_all`) on one rank. The
+scheduler's own steps run the same way over the real KV bookkeeping (`RealHost` runs host-only
+ops for real), with prompts of different lengths in one prefill.
 """
 
 from __future__ import annotations
@@ -24,7 +26,10 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from srt_ascend.decoding.base import DecoderHandles, create_decoder
 from srt_ascend.distributed import SINGLE
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch
+from srt_ascend.managers.io_struct import TokenizedGenerateReq
 from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.managers.scheduler import Scheduler
+from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.model_executor import model_runner as model_runner_module
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.models import loader
@@ -250,3 +255,79 @@ def test_all_to_all_dispatch_reads_only_its_split_sizes(monkeypatch):
         out = dispatch.run(x, weights, ids, lambda rows, local: rows * local.unsqueeze(1))
     assert out.shape == (5, 16) and out.device == DEVICE
     assert reads.count == 1
+
+
+class RealHost(Strict):
+    """`Strict` over the device, while ops over host tensors only run for real: the host
+    bookkeeping (the allocator, the request table's host mirror, the radix tree, the
+    scheduler's lists) keeps real values it can read, as it does beside a real device.
+    `checking` is off while the runner is built (loading places weights with blocking
+    copies, which serving never runs)."""
+
+    checking = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        devices = {t.device.type for t in tensors}
+        devices.add(torch.device(kwargs.get("device", "cpu")).type)
+        if devices == {"cpu"} and not any(isinstance(t, FakeTensor) for t in tensors):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if not self.checking:
+            return func(*args, **kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+RAGGED_PROMPTS = ([5, 17, 33, 81, 2, 9, 40], [6, 17], [7, 17, 33, 82, 2], [8] + [3] * 8)
+
+
+@pytest.mark.parametrize(
+    "algorithm, extra",
+    [
+        ("NONE", {}),
+        ("MTP", {"speculative_num_steps": 2, "speculative_verify": "expand"}),
+        ("MTP", {"speculative_num_steps": 3, "speculative_verify": "fia"}),
+    ],
+)
+def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
+    """The scheduler's own steps over the real KV bookkeeping (KVBook, the allocator, the
+    radix cache, the request table's host mirror): a prefill of prompts of four different
+    lengths (ragged query rows; a chunk of the last one, whose rest prefills next), the first
+    tokens and the MTP pass, then decode steps, each making only its counted host reads."""
+    monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
+    reads = Counted()
+    monkeypatch.setattr(HOST_READS, "read", reads)
+    args = ServerArgs(
+        model_path=SHIPPED_MODEL,
+        dtype="float32",
+        device="cuda",
+        attention_backend="torch_native",
+        speculative_algorithm=None if algorithm == "NONE" else algorithm,
+        max_running_requests=8,
+        max_total_tokens=512,
+        context_length=128,
+        chunked_prefill_size=20,
+        disable_cuda_graph=True,
+        **extra,
+    )
+    args.check()
+    outputs = []
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake, RealHost(fake) as strict:
+        runner = model_runner_module.ModelRunner(args, FakeCuda())
+        assert not isinstance(runner.req_to_token_pool.host, FakeTensor)
+        strict.checking = True
+        scheduler = Scheduler(args, runner, StopChecker(None, [1]), outputs.extend)
+        for i, prompt in enumerate(RAGGED_PROMPTS):
+            params = SamplingParams(temperature=0.0, max_new_tokens=6)
+            params.normalize()
+            scheduler.handle(TokenizedGenerateReq(f"r{i}", prompt, params))
+        while scheduler.chunked_req is not None or scheduler.waiting:
+            before = reads.count
+            scheduler.step()  # prefill: one read, the first tokens
+            assert reads.count - before <= 1
+        assert len(scheduler.running) == len(RAGGED_PROMPTS)
+        for _ in range(2):
+            before = reads.count
+            scheduler.step()
+            assert reads.count - before == 1

@@ -196,7 +196,10 @@ def runners(tiny_mtp_factory):
 
 def test_captures_every_kind_largest_bucket_first(runners):
     gr = runners["fia"].graph_runner
-    assert set(gr.kinds) == {"decode", "verify_fia", "draft_extend", "draft_step1"}
+    # the 2-layer checkpoint: layer 1's pass over committed positions has its own kind
+    assert set(gr.kinds) == {
+        "decode", "verify_fia", "draft_extend", "draft_extend_l1", "draft_step1"
+    }  # fmt: skip
     assert list(gr.graphs)[0][1] == 4 and len(gr.graphs) == 2 * len(gr.kinds)
     assert set(runners["expand"].graph_runner.kinds) >= {"verify_expand"}
 
@@ -255,6 +258,7 @@ def test_replay_gathers_only_the_window_its_longest_row_needs(tiny_mtp_factory):
         "decode": 6,
         "verify_fia": 2,
         "draft_extend": 6,
+        "draft_extend_l1": 6,
         "draft_step1": 6,
     }
     cases = [  # (prompt lengths, decode's window, draft_extend's window: 1+K more positions)

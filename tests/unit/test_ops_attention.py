@@ -98,6 +98,23 @@ def test_extend_with_ragged_prefix(page_size):
         check(args, dtype, splits=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_latent_in_several_chunks(dtype):
+    """The kernel's latent tiles (scores contracted BLOCK_K columns at a time, the output
+    written BLOCK_DV columns per program) at 16 of the rank's 32: two chunks each, with the
+    KV split in parts (the first latent block of a part writes its log-sum-exp)."""
+    assert attn_triton.latent_tiles(512) == (64, 8, 128, 4)  # DeepSeek-V3's rank
+    assert attn_triton.latent_tiles(R, 16, 16) == (16, 2, 16, 2)
+    gen = torch.Generator().manual_seed(31)
+    args = make_case(gen, [1, 4, 3], [40, 70, 0], 16, dtype, split_buffers=False)
+    ref = mla_attention_reference(*args)
+    for splits in (1, 3):
+        out = attn_triton.mla_attention(
+            *args, max_q_len=4, num_kv_splits=splits, block_k=16, block_dv=16
+        )
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
 def test_padding_rows_and_batch_sizes():
     """Rows with seq_len 0 (graph padding) give zeros, as in torch_native."""
     gen = torch.Generator().manual_seed(3)

@@ -60,7 +60,8 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
     platform = TracingPlatform()
     runner = compiled_runner(tiny_mtp_factory(num_mtp=2).path, verify, platform)
     gr = runner.graph_runner
-    kinds = {"decode", f"verify_{verify}", "draft_extend", "draft_step1"}
+    # the 2-layer checkpoint: layer 1's pass over committed positions has its own kind
+    kinds = {"decode", f"verify_{verify}", "draft_extend", "draft_extend_l1", "draft_step1"}
     assert set(gr.kinds) == kinds
     assert platform.compiles == len(kinds)  # bucket 2 of each kind; bucket 4 uncompiled
     for lens in ((5, 11), (9, 3), (7,)):  # bucket 2 (compiled) twice, then padded from 1
@@ -71,6 +72,7 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
                 (f"verify_{verify}", None, None),
                 (f"verify_{verify}", None, [1] * len(lens)),  # FIA: requests without drafts
                 ("draft_extend", 0, None),
+                ("draft_extend_l1", 1, None),
                 ("draft_step", 1, None),
             ):
                 fb = reqs.batch(prefix, q_lens if verify == "fia" else None)

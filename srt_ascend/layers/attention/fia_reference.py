@@ -575,7 +575,9 @@ def _chunk_plan(
     blocked = ~_allowed_keys(q_lens, kv_lens, max_q, max_kv, causal)
     req = slot = None
     if len(set(q_list)) > 1:
-        req = torch.repeat_interleave(torch.arange(hi - lo, device=dev), q_lens)  # [t]
+        req = torch.repeat_interleave(  # [t]; output_size: no host read of the sum
+            torch.arange(hi - lo, device=dev), q_lens, output_size=t1 - t0
+        )
         starts = to_device(batch.q_starts[lo:hi], dev) - t0
         slot = torch.arange(t1 - t0, device=dev) - starts[req]
     return _ChunkPlan(t0, t1, max_q, max_kv, slots, blocked, req, slot)

@@ -54,7 +54,10 @@ def build_padded_rows(fb: ForwardBatch) -> PaddedRows:
     blocked = (cols[None, None, :] > q_pos[:, :, None]) | ~kv_valid[:, None, :]
     if uniform_q:  # packed tokens are already [B, q] row-major: a reshape, no scatter
         return PaddedRows(kv_slots, blocked.unsqueeze(2), None, None, max_q)
-    token_row = torch.repeat_interleave(torch.arange(b, device=device), q_lens)
+    # output_size: without it repeat_interleave reads the lengths' sum on the host (a sync)
+    token_row = torch.repeat_interleave(
+        torch.arange(b, device=device), q_lens, output_size=fb.num_tokens
+    )
     starts = torch.cumsum(q_lens, 0) - q_lens
     token_col = torch.arange(fb.num_tokens, device=device) - starts[token_row]
     return PaddedRows(kv_slots, blocked.unsqueeze(2), token_row, token_col, max_q)

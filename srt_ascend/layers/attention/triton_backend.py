@@ -36,9 +36,8 @@ class TritonMLABackend(AttentionBackend):
     serves_multi_query_verify = True
 
     def __init__(self, **_: object) -> None:
-        from srt_ascend.layers.ops import kv_cache_triton, mla_attention_triton
+        from srt_ascend.layers.ops import mla_attention_triton
 
-        self._kv = kv_cache_triton
         self._attn = mla_attention_triton
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -56,8 +55,8 @@ class TritonMLABackend(AttentionBackend):
     def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
         fb = forward_batch
         pool = fb.token_to_kv_pool
+        pool.set_mla_kv_buffer(layer_id, fb.out_cache_loc, c_kv, k_pe)  # the store_kv op
         c_kv_buf, k_pe_buf = pool.get_c_kv(layer_id), pool.get_k_pe(layer_id)
-        self._kv.store_kv(c_kv_buf, k_pe_buf, fb.out_cache_loc, c_kv, k_pe)
         meta: TritonMetadata = fb.attn_metadata
         block_q, block_h = self._attn.tile_shape(q_latent.shape[1], meta.max_q_len)
         splits = plan_kv_splits(

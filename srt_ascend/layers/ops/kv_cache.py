@@ -37,10 +37,15 @@ def assign_req_to_token_reference(
     ends: torch.Tensor,  # [B] one past the last position
     out_cache_loc: torch.Tensor,  # [sum(ends - starts)] slots, packed row after row
 ) -> None:
-    offset = 0
-    for row, start, end in zip(req_pool_indices.tolist(), starts.tolist(), ends.tolist()):
-        req_to_token[row, start:end] = out_cache_loc[offset : offset + end - start]
-        offset += end - start
+    # One scatter; the token count is the slots' length, so no length is read on the host.
+    n = out_cache_loc.shape[0]
+    counts = ends - starts
+    owner = torch.repeat_interleave(  # [n] batch row of each slot
+        torch.arange(counts.shape[0], device=counts.device), counts, output_size=n
+    )
+    offsets = torch.cumsum(counts, 0) - counts
+    cols = starts[owner] + torch.arange(n, device=counts.device) - offsets[owner]
+    req_to_token[req_pool_indices[owner], cols] = out_cache_loc.to(req_to_token.dtype)
 
 
 def _load_store_kv():

@@ -22,6 +22,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 @triton.jit
+def _dot(a, b, LOW_PRECISION_DOT: tl.constexpr):
+    """a @ b accumulated in float32: tensor-core dots for bf16/fp16 operands, true float32
+    products for float32 ones (Triton's default for float32 is TF32, 10 mantissa bits)."""
+    if LOW_PRECISION_DOT:
+        return tl.dot(a, b)
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
 def _mla_attention_kernel(
     q_lat_ptr, q_pe_ptr, ckv_ptr, kpe_ptr, r2t_ptr, rows_ptr, seq_lens_ptr, q_lens_ptr,
     q_starts_ptr, out_ptr, lse_ptr, scale,
@@ -29,12 +38,14 @@ def _mla_attention_kernel(
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
     num_heads, rank, rope_dim,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
+    BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
+    BLOCK_P: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
     NUM_SPLITS: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // NUM_Q_BLOCKS
     q_block = tl.program_id(0) % NUM_Q_BLOCKS
-    split = tl.program_id(2)
+    split = tl.program_id(2) // NUM_DV
+    dv = tl.program_id(2) % NUM_DV  # this program's BLOCK_DV columns of the output latent
     seq_len = tl.load(seq_lens_ptr + b)
     q_len = tl.load(q_lens_ptr + b)
     q_start = tl.load(q_starts_ptr + b)
@@ -47,20 +58,16 @@ def _mla_attention_kernel(
     m_valid = (qi < q_len) & (head < num_heads)
     tok = q_start + qi
     q_pos = seq_len - q_len + qi  # query i sees keys 0 .. q_pos
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_p = tl.arange(0, BLOCK_P)
-    q_lat = tl.load(
-        q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_r[None, :],
-        mask=m_valid[:, None] & (offs_r[None, :] < rank),
-        other=0.0,
-    )
+    q_lat_rows = q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh
     q_pe = tl.load(
         q_pe_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph + offs_p[None, :],
         mask=m_valid[:, None] & (offs_p[None, :] < rope_dim),
         other=0.0,
     )
     if not LOW_PRECISION_DOT:
-        q_lat = q_lat.to(tl.float32)
         q_pe = q_pe.to(tl.float32)
 
     # This part's keys: [lo, hi), cut at the last position any query of the tile can see.
@@ -71,26 +78,38 @@ def _mla_attention_kernel(
 
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_DV], tl.float32)
     start = lo
     while start < hi:
         offs_n = start + tl.arange(0, BLOCK_N)
         n_valid = offs_n < hi
         slots = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
-        ckv = tl.load(
-            ckv_ptr + slots[:, None] * stride_ckv + offs_r[None, :],
-            mask=n_valid[:, None] & (offs_r[None, :] < rank),
-            other=0.0,
-        )
         kpe = tl.load(
             kpe_ptr + slots[:, None] * stride_kpe + offs_p[None, :],
             mask=n_valid[:, None] & (offs_p[None, :] < rope_dim),
             other=0.0,
         )
         if not LOW_PRECISION_DOT:
-            ckv = ckv.to(tl.float32)
             kpe = kpe.to(tl.float32)
-        s = tl.dot(q_lat, tl.trans(ckv)) + tl.dot(q_pe, tl.trans(kpe))
+        s = _dot(q_pe, tl.trans(kpe), LOW_PRECISION_DOT)
+        # The latent part of the scores, BLOCK_K columns at a time (the query chunk is
+        # reloaded from L1/L2: a whole [rows, rank] query tile would not fit in registers).
+        for kk in tl.static_range(NUM_K):
+            cols = kk * BLOCK_K + offs_k
+            q_lat = tl.load(
+                q_lat_rows + cols[None, :],
+                mask=m_valid[:, None] & (cols[None, :] < rank),
+                other=0.0,
+            )
+            ckv = tl.load(
+                ckv_ptr + slots[:, None] * stride_ckv + cols[None, :],
+                mask=n_valid[:, None] & (cols[None, :] < rank),
+                other=0.0,
+            )
+            if not LOW_PRECISION_DOT:
+                q_lat = q_lat.to(tl.float32)
+                ckv = ckv.to(tl.float32)
+            s += _dot(q_lat, tl.trans(ckv), LOW_PRECISION_DOT)
         s = s * scale
         visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -99,22 +118,28 @@ def _mla_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            ckv_ptr + slots[:, None] * stride_ckv + offs_v[None, :],
+            mask=n_valid[:, None] & (offs_v[None, :] < rank),
+            other=0.0,
+        )
         if LOW_PRECISION_DOT:
-            acc = acc * alpha[:, None] + tl.dot(p.to(ckv.dtype), ckv)
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOW_PRECISION_DOT)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p, ckv)
+            acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), LOW_PRECISION_DOT)
         m_i = m_new
         start += BLOCK_N
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :]
-    out_mask = m_valid[:, None] & (offs_r[None, :] < rank)
+    out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :]
+    out_mask = m_valid[:, None] & (offs_v[None, :] < rank)
     if NUM_SPLITS == 1:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
-        lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
+        if dv == 0:  # every latent block of a part computes the same log-sum-exp
+            lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+            tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
 
 
 @triton.jit
@@ -149,6 +174,30 @@ def _merge_splits_kernel(
     )
 
 
+# Tiles of the attention kernel, sized for <= 100 KiB of shared memory (GPUs with the least,
+# sm86/sm89, give a block 99 KiB) and no register spills at DeepSeek-V3's shapes (rank 512,
+# rope 64), float32 caches being the worst case (4-byte operands). A program owns a tile of at
+# most 64 rows (tile_shape), BLOCK_N = 32 keys per step, the scores' latent contraction in
+# BLOCK_K = 64 columns, and BLOCK_DV = 128 of the output's latent columns (the grid's third
+# axis runs NUM_DV = rank / 128 programs per KV part; each recomputes the scores). Dot operands
+# staged in shared memory per key step: q_pe [64, 64] 16 KiB + k_pe [32, 64] 8 KiB; a q_lat
+# chunk [64, 64] 16 KiB + a c_kv chunk [32, 64] 8 KiB; p [64, 32] 8 KiB + v [32, 128] 16 KiB:
+# 72 KiB were all of them live at once (Triton reuses buffers whose lifetimes do not overlap,
+# and the `while` loop is not pipelined, so no stage is doubled); bf16 halves it. Registers
+# per thread (4 warps): acc [64, 128] fp32 64, q_pe 32, scores and p 16 each: ~140 of 255.
+# The former tile (the whole 512-wide latent per program) needed 128 KiB for q_lat alone and
+# 256 registers per thread for the accumulator. benchmark/device_check.py reports the
+# compiled kernels' shared memory, registers and spills (`compiled_resources`).
+BLOCK_N = 32
+BLOCK_K = 64
+BLOCK_DV = 128
+SHARED_MEMORY_BUDGET = 100 * 1024
+
+# Compiled attention kernels launched in this process, by launch constants (filled on a GPU;
+# the interpreter compiles nothing): what `compiled_resources` reports.
+_COMPILED: dict[tuple, object] = {}
+
+
 def tile_shape(num_heads: int, max_q_len: int) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_H): up to 16 heads per tile, up to 64 tile rows, at least 16 (a dot's
     minimum) - spare rows are masked."""
@@ -157,14 +206,40 @@ def tile_shape(num_heads: int, max_q_len: int) -> tuple[int, int]:
     return max(block_q, 16 // block_h), block_h
 
 
+def latent_tiles(rank: int, block_k: int = BLOCK_K, block_dv: int = BLOCK_DV):
+    """(BLOCK_K, NUM_K, BLOCK_DV, NUM_DV): the latent's chunks for the scores and for the
+    output, each at least 16 wide (a dot's minimum) and at most the padded rank."""
+    padded = max(16, triton.next_power_of_2(rank))
+    bk, bdv = min(block_k, padded), min(block_dv, padded)
+    return bk, padded // bk, bdv, padded // bdv
+
+
+def compiled_resources() -> list[dict]:
+    """Per compiled attention kernel: its launch constants, shared memory (bytes), registers
+    and spilled registers per thread (empty under the interpreter)."""
+    rows = []
+    for key, kernel in _COMPILED.items():
+        meta = getattr(kernel, "metadata", None)
+        rows.append({
+            "tile": dict(key),
+            "shared_bytes": getattr(meta, "shared", None),
+            "registers": getattr(kernel, "n_regs", None),
+            "spills": getattr(kernel, "n_spills", None),
+        })  # fmt: skip
+    return rows
+
+
 def mla_attention(
     q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
     scale: float, *, max_q_len: int, num_kv_splits: int = 1, out: torch.Tensor | None = None,
+    block_k: int = BLOCK_K, block_dv: int = BLOCK_DV,
 ) -> torch.Tensor:  # fmt: skip
     """Launches the kernel (see `mla_attention.mla_attention_reference` for the contract).
 
     Only host values decide the launch: the batch size, `max_q_len` and `num_kv_splits`;
-    nothing is read back from the device, so the call can be captured in a CUDA graph."""
+    nothing is read back from the device, so the call can be captured in a CUDA graph.
+    `block_k` / `block_dv` override the latent tiles (tests run several chunks at small
+    ranks). float32 caches compute true float32 dots (`input_precision="ieee"`), not TF32."""
     t, h, rank = q_latent.shape
     rope = q_pe.shape[-1]
     batch = seq_lens.shape[0]
@@ -176,6 +251,7 @@ def mla_attention(
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
     block_q, block_h = tile_shape(h, max_q_len)
+    bk, num_k, bdv, num_dv = latent_tiles(rank, block_k, block_dv)
     num_q_blocks = triton.cdiv(max(max_q_len, 1), block_q)
     splits = max(1, num_kv_splits)
     # bf16/fp16 caches: tensor-core dots with float32 accumulation (probabilities rounded to
@@ -188,19 +264,22 @@ def mla_attention(
         target = torch.empty(t, h, splits, rank, dtype=torch.float32, device=out.device)
         lse = torch.empty(t, h, splits, dtype=torch.float32, device=out.device)
         so, sl = target.stride(2), (lse.stride(0), lse.stride(1))
-    grid = (batch * num_q_blocks, triton.cdiv(h, block_h), splits)
-    _mla_attention_kernel[grid](
+    grid = (batch * num_q_blocks, triton.cdiv(h, block_h), splits * num_dv)
+    consts = dict(
+        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_K=bk, NUM_K=num_k,
+        BLOCK_DV=bdv, NUM_DV=num_dv, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, LOW_PRECISION_DOT=low_precision,
+    )  # fmt: skip
+    kernel = _mla_attention_kernel[grid](
         q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
         target, lse, scale,
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
         target.stride(0), target.stride(1), so, sl[0], sl[1],
-        h, rank, rope,
-        BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=32 if INTERPRETED else 64,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, LOW_PRECISION_DOT=low_precision,
+        h, rank, rope, **consts,
     )  # fmt: skip
+    if kernel is not None and not INTERPRETED:
+        _COMPILED.setdefault(tuple(sorted(consts.items())), kernel)
     if splits > 1:
         _merge_splits_kernel[(t * h,)](
             target, lse, out, h, rank,

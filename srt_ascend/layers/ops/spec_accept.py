@@ -1,9 +1,10 @@
 """Chain speculative acceptance: greedy and rejection sampling in one op, reference + dispatch.
 
-The rules are those of `speculative/acceptance.py` (this layer does not import it; the tests
-hold the two equal). Both return (accept_len [B] int64, emitted [B, K+1] int64): `accept_len`
-counts accepted drafts (0..K); emitted[b, :accept_len+1] are the accepted drafts followed by one
-target token (the correction at the first rejection, or the bonus after all K), then -1.
+`speculative/acceptance.py` runs its greedy and token-wise rules through this op (block
+verification stays torch there). Both return (accept_len [B] int64, emitted [B, K+1] int64):
+`accept_len` counts accepted drafts (0..K); emitted[b, :accept_len+1] are the accepted drafts
+followed by one target token (the correction at the first rejection, or the bonus after all
+K), then -1.
 
 Greedy: accept the longest draft prefix with d_i == target_argmax[i-1]; emit
 target_argmax[:accept_len+1].
