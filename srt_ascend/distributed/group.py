@@ -166,7 +166,8 @@ class TPGroup:
         return self.all_reduce(y)[start : start + counts[self.dp_rank]]
 
     def broadcast_object(self, obj: Any) -> Any:
-        """The leader's `obj` on every rank (what the others pass is ignored)."""
+        """The group's first rank's `obj` on every rank of the group (over its gloo group;
+        what the others pass is ignored)."""
         if self.size == 1:
             return obj
         import torch.distributed as dist
