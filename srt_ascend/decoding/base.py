@@ -117,13 +117,23 @@ class Decoder(ABC):
         """Called once the graphs are captured, before the first request: a decoder that
         times its forwards does it here."""
 
+    def agree(self, tokens: list) -> list:
+        """`tokens`, this step's host read of what it commits, as the first rank of the
+        attention group read it: with tensor parallelism the other ranks take it over the gloo
+        group (one small object per step), so every rank commits alike and the ranks stay in
+        lockstep even where their own draws differed (logits apart in the last bit, a uniform
+        on a boundary). Without it, `tokens` itself."""
+        return self.runner.tp.attn_group.broadcast_object(tokens)
+
     def sample_and_commit(self, reqs: list[StepRequest], logits: torch.Tensor) -> None:
         """One token per request from its row of `logits` [B, V] (penalties, sampling
-        settings, logprobs as asked), committed through the handle."""
+        settings, logprobs as asked; the tokens `agree`d across ranks), committed through
+        the handle."""
         res = sample_rows(logits, reqs, self.vocab, self.h.eos_ids)
+        token_ids = self.agree(res.token_ids)
         for i, r in enumerate(reqs):
             lps = None if res.logprobs is None else res.logprobs.rows(i, i + 1)
-            self.h.commit(r, [res.token_ids[i]], lps)
+            self.h.commit(r, [token_ids[i]], lps)
 
     def decode_and_commit(
         self, reqs: list[StepRequest], loc: torch.Tensor, kind: GraphKind

@@ -166,13 +166,15 @@ class TPGroup:
         return self.all_reduce(y)[start : start + counts[self.dp_rank]]
 
     def broadcast_object(self, obj: Any) -> Any:
-        """The leader's `obj` on every rank (what the others pass is ignored)."""
+        """The group's first rank's `obj` on every rank of the group (over its gloo group;
+        what the others pass is ignored)."""
         if self.size == 1:
             return obj
         import torch.distributed as dist
 
         box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        src = dist.get_global_rank(self.cpu_group, 0)  # this group's first rank
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -227,8 +229,11 @@ def init_tp_group(
         for g in range(dp_size):
             ranks = list(range(g * step, (g + 1) * step))
             device_group = dist.new_group(ranks) if step > 1 else None
+            group_cpu = dist.new_group(ranks, backend="gloo") if step > 1 else None
             if g == rank // step:
-                attn = TPGroup(rank % step, step, device_group=device_group, counts=counts)
+                attn = TPGroup(
+                    rank % step, step, device_group=device_group, cpu_group=group_cpu, counts=counts
+                )
     return TPGroup(
         rank, size, expert_parallel, world, cpu_group, counts, dp_size, attn, moe_all_to_all
     )

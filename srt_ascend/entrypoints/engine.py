@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-from srt_ascend.entrypoints.generate_input import pop_n
+from srt_ascend.entrypoints.generate_input import parallel_samples, pop_n
 from srt_ascend.managers.tokenizer_manager import TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -46,7 +46,7 @@ class Engine:
     ) -> dict | list[dict]:
         """One prompt -> one dict; a list -> a list of dicts, in order, run concurrently.
         `sampling_params` "n" > 1 (the same for every prompt) -> n samples of each prompt, a
-        list in prompt-major order, as /generate answers."""
+        list in prompt-major order, as /generate answers (a seed becomes one per sample)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         tm = self.tokenizer_manager
@@ -69,7 +69,7 @@ class Engine:
         n = pop_n(params)
         if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
             ids_list = [ids for ids in ids_list for _ in range(n)]
-            params = [sp for sp in params for _ in range(n)]
+            params = [s for sp in params for s in parallel_samples(sp, n)]
             single = False
         reqs = [
             tm.make_request(

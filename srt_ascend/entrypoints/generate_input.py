@@ -118,6 +118,19 @@ def pop_n(sampling_params: list[dict]) -> int:
     return ns[0]
 
 
+def parallel_samples(sampling_params: dict, n: int) -> list[dict]:
+    """The sampling params of a prompt's n parallel samples, each a copy of `sampling_params`.
+
+    Rule (vLLM's): a given seed s becomes (s + j) mod 2**64 for sample j, so the n samples
+    differ, sample 0 is the request sent with n = 1, and the same (seed, n) gives the same n
+    samples. /generate, the OpenAI routes and Engine.generate all derive them here. A seed
+    that is not an integer is copied unchanged, for validation to refuse."""
+    seed = sampling_params.get("seed")
+    if not _is_int(seed):
+        return [dict(sampling_params) for _ in range(n)]
+    return [{**sampling_params, "seed": (seed + j) % 2**64} for j in range(n)]
+
+
 @dataclass
 class GenerateReqInput:
     prompts: list  # str or list[int] each
@@ -186,12 +199,14 @@ class GenerateReqInput:
 
     async def items(self, tokenize: Callable[[str], Awaitable[list[int]]]) -> list[GenerateItem]:
         """One item per prompt and sample, prompt-major; text prompts go through `tokenize`
-        (async: off the loop). With n > 1 a given rid becomes rid-0 .. rid-(n-1)."""
+        (async: off the loop). With n > 1 a given rid becomes rid-0 .. rid-(n-1) and a
+        given seed one per sample (`parallel_samples`)."""
         ids = [await tokenize(p) if isinstance(p, str) else p for p in self.prompts]
+        samples = [parallel_samples(sp, self.n) for sp in self.sampling_params]
         return [
             GenerateItem(
                 input_ids=ids[i],
-                sampling_params=dict(self.sampling_params[i]),
+                sampling_params=samples[i][j],
                 rid=self.rid[i] if self.n == 1 or self.rid[i] is None else f"{self.rid[i]}-{j}",
                 return_logprob=self.return_logprob[i],
                 logprob_start_len=self.logprob_start_len[i],

@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 from srt_ascend.entrypoints.generate_input import (
     clean_sampling_params,
     extra_key,
+    parallel_samples,
     refuse_unsupported_fields,
 )
 from srt_ascend.entrypoints.http_utils import (
@@ -160,8 +161,9 @@ class OpenAIServing:
         logprobs: int | None,
         prompt_logprobs: bool = False,
     ):
-        """`n` runtime requests per prompt, checked as /generate checks its body. Without
-        `max_tokens` each may generate up to the context length."""
+        """`n` runtime requests per prompt (a seed becomes one per sample, as on /generate),
+        checked as /generate checks its body. Without `max_tokens` each may generate up to
+        the context length."""
         refuse_unsupported_fields(obj.request_fields())
         sp = clean_sampling_params(obj.sampling_params(max_tokens), prefix="")
         key = extra_key(obj.cache_salt, obj.extra_key)
@@ -170,12 +172,12 @@ class OpenAIServing:
         for ids in prompts:
             if max_tokens is None:
                 sp = {**sp, "max_new_tokens": self.tm.max_new_tokens_left(len(ids))}
-            for _ in range(obj.n):
+            for sample in parallel_samples(sp, obj.n):
                 rid = obj.rid if obj.rid is None or total == 1 else f"{obj.rid}-{len(reqs)}"
                 reqs.append(
                     self.serving.make_request(
                         ids,
-                        sp,
+                        sample,
                         rid=rid,
                         return_logprob=logprobs is not None,
                         logprob_start_len=0 if prompt_logprobs else None,

@@ -335,10 +335,10 @@ class MTPDecoder(Decoder):
         res = self.accept(tokens, draft_probs, target, generators=list(info.generators))
         return self._read(res, logits)
 
-    @staticmethod
-    def _read(res, logits: torch.Tensor) -> Verdict:
-        """The step's one host read of the acceptance result."""
-        both = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
+    def _read(self, res, logits: torch.Tensor) -> Verdict:
+        """The step's one host read of the acceptance result (`agree`d across ranks)."""
+        read = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
+        both = self.agree(read)
         return Verdict([row[0] for row in both], [row[1:] for row in both], logits)
 
     def _logprobs(self, reqs: list[StepRequest], verdict: Verdict) -> list[TokenLogprobs | None]:

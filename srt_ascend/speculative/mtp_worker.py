@@ -26,18 +26,31 @@ from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.server_args import MAX_SPEC_STEPS
 from srt_ascend.speculative.spec_state import SpecState
 from srt_ascend.utils import to_device
 
-# Seeded requests draw their drafts from streams apart from their target samples: the draft
-# of output position p comes from the stream (seed, DRAFT_SEED_OFFSET + p), so every draft of
-# a chain has its own stream (a stream is reused only for a position whose earlier draft was
-# never examined by the acceptance test, which keeps the emitted tokens independent of it).
-DRAFT_SEED_OFFSET = 1_000_003
+# Seeded requests draw their drafts from streams apart from their target samples (whose
+# offsets are output lengths, >= 0): see `draft_seed_offset`.
 # Deferred MTP passes a request keeps (K = 0 steps in a row); older positions are dropped:
 # their MTP-layer KV is never written, which only makes later drafts worse (the drafts'
 # attention reads whatever the slot held), never the outputs.
 MAX_DEFERRED = 64
+
+
+def draft_seed_offset(start_len: int, j: int) -> int:
+    """`mix_seed` offset of draft j (1..MAX_SPEC_STEPS) of the chain verified by the step
+    that starts with `start_len` output tokens (d_1 is drafted at the end of the step before,
+    after its commit, or by a catch-up at the start of this one: the same output length).
+
+    Rule: every (start_len, j) has a stream of its own, and none is a target stream (those
+    take offsets >= 0; these are negative). Steps start at strictly growing output lengths, so
+    a stream whose draw went into one step's acceptance test (block verification reads every
+    draft of a chain, not only those up to the first rejection) is never drawn again by a
+    later step. A stream is redrawn only for the same step, e.g. after a retraction, which
+    replays it (reproducible seeds)."""
+    return -1 - (start_len * MAX_SPEC_STEPS + j - 1)
+
 
 # (fb, h_t, draft step, graph kind or None) -> output hidden
 MtpForward = Callable[[ForwardBatch, torch.Tensor, int, "GraphKind | None"], torch.Tensor]
@@ -299,7 +312,7 @@ class MTPWorker:
             [r.sampling_params for r in reqs],
             self.h.vocab_size,
             logits.device,
-            seed_offsets=[DRAFT_SEED_OFFSET + len(r.output_ids) + n_drafted for r in reqs],
+            seed_offsets=[draft_seed_offset(len(r.output_ids), n_drafted + 1) for r in reqs],
         )
         logits = penalised_logits(logits, reqs, info, self.h.eos_ids, drafted)
         if info.is_all_greedy:  # greedy verification needs the draft tokens only

@@ -57,6 +57,21 @@ def test_completion_batch_n_logprobs_echo(client, server):
     assert echo.choices[0].text == "x = 1\n" + native(server, "x = 1\n", 2)["text"]
 
 
+def test_seeded_parallel_samples_match_generate(client, server):
+    """n > 1 with a seed: n different samples, the same on /v1/completions as on /generate
+    (one derivation of the samples' seeds), and the same again for the same request."""
+    prompt = "def parse(self, text):\n    "
+    sampled = {"max_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3}
+    resp = client.completions.create(model=MODEL, prompt=prompt, **sampled)
+    texts = [c.text for c in sorted(resp.choices, key=lambda c: c.index)]
+    params = {"max_new_tokens": 6, "temperature": 1.0, "seed": 11, "n": 3}
+    native_outs = server.post("/generate", json={"text": prompt, "sampling_params": params})
+    assert [o["text"] for o in native_outs.json()] == texts
+    assert len(set(texts)) == 3, texts
+    again = client.completions.create(model=MODEL, prompt=prompt, **sampled)
+    assert [c.text for c in sorted(again.choices, key=lambda c: c.index)] == texts
+
+
 def test_completion_stream_with_usage(client, server):
     prompt = "class Stack:\n"
     stream = client.completions.create(

@@ -4,7 +4,9 @@ sequence of K (0 included: a plain decode step whose MTP pass waits for the next
 drafts, which runs the deferred passes first), and prefills alternately run or defer their
 MTP pass over the prompt, with
 either verify layout, eagerly and through the per-K graph kinds; the real policy and block
-verification run the same prompts."""
+verification run the same prompts. Block verification runs only for batches with a sampled
+row, so there the greedy prompts share their batches with seeded sampled requests: the greedy
+rows go through `block_verify` (one-hot targets) and must still match greedy decoding."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from srt_ascend import Engine
 from srt_ascend.speculative.draft_length import CostTable, FixedDraftLength
 
 N_PROMPTS = 24
+SAMPLED = [{**GREEDY, "temperature": 1.0, "seed": s} for s in range(8)]  # block-expand's
 WALK = (3, 0, 1, 2, 0, 0, 3, 1, 2, 3)
 SPEC = {"speculative_algorithm": "MTP", "speculative_num_steps": 3}
 CONFIGS = {  # name: (server args, K walk or None for the real policy)
@@ -53,6 +56,18 @@ class ScriptedDraftLength(FixedDraftLength):
         return next(self.defer)
 
 
+def _count_calls(obj, attr: str) -> list[int]:
+    """Wraps obj.attr to count its calls; returns the one-element counter."""
+    count, wrapped = [0], getattr(obj, attr)
+
+    def counting(*args, **kwargs):
+        count[0] += 1
+        return wrapped(*args, **kwargs)
+
+    setattr(obj, attr, counting)
+    return count
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
     args, walk = CONFIGS[name]
@@ -67,7 +82,11 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
             buckets = policy.costs.buckets
             costs = {(b, k): 1.0 + 0.1 * k for b in buckets for k in range(4)}
             policy.costs = CostTable(buckets, 3, costs)
-        outs = engine.generate(PROMPTS[:N_PROMPTS], GREEDY, return_logprob=True)
+        prompts, params = PROMPTS[:N_PROMPTS], [GREEDY] * N_PROMPTS
+        if name == "block-expand":
+            calls = _count_calls(decoder, "accept")
+            prompts, params = prompts + PROMPTS[: len(SAMPLED)], params + SAMPLED
+        outs = engine.generate(prompts, params, return_logprob=True)[:N_PROMPTS]
         state = engine.get_internal_state()
     finally:
         engine.shutdown()
@@ -81,6 +100,8 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
         assert {"verify_fia", "decode", "verify_fia_k1", "draft_extend_k1"} <= replayed
     assert sum(state["spec_accepted_per_position"]) > 0
+    if name == "block-expand":
+        assert calls[0] > 0, "block verification never ran"
 
 
 def test_a_burst_is_planned_from_its_first_prefill(model_path):

@@ -72,17 +72,22 @@ def test_identical_with_mtp(model_path, requests, unspeculated, k, verify):
 
 def test_engine_parallel_samples_share_the_prompt(model_path):
     """n samples per prompt, prompt-major, as /generate answers; each sample finds its prompt
-    in the radix cache (prefilled once), and seeded samples are the seeded single requests."""
+    in the radix cache (prefilled once). Seeded samples differ from each other, sample j is
+    the single request seeded seed + j, and the same (seed, n) gives the same samples."""
     engine = Engine(model_path=model_path, dtype="float32")
     try:
         prompts = [PROMPT, "class Stack:\n"]
         sample = {"max_new_tokens": 6, "temperature": 1.0, "seed": 3, "n": 3}
         outs = engine.generate(prompts, sample)
-        alone = engine.generate(prompts[1], {**sample, "n": 1})
+        again = engine.generate(prompts, sample)
+        alone = [engine.generate(prompts[1], {**sample, "n": 1, "seed": 3 + j}) for j in (0, 2)]
     finally:
         engine.shutdown()
     assert len(outs) == 6
     for o in outs:
         assert o["meta_info"]["cached_tokens"] > 0
-    assert [o["output_ids"] for o in outs[3:]] == [alone["output_ids"]] * 3
-    assert outs[0]["output_ids"] != outs[3]["output_ids"]
+    ids = [o["output_ids"] for o in outs]
+    assert [o["output_ids"] for o in again] == ids
+    assert len({tuple(x) for x in ids[3:]}) == 3, ids[3:]
+    assert [ids[3], ids[5]] == [a["output_ids"] for a in alone]
+    assert ids[0] != ids[3]

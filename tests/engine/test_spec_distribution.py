@@ -6,8 +6,15 @@ logprobs after every prefix, renormalised: that is what top_k 3 samples from). W
 K = 1, 2, 3 with token-wise acceptance and K = 2, 3 with block verification, many requests
 are sampled concurrently (seeded: one seed per request; unseeded: the global RNG) and the
 emitted sequences are tested against the exact distribution with a
-chi-square test. Reusing one uniform for several drafts, or dropping a draw, shows up here:
-each step's emitted tokens depend on several draft and acceptance draws at once.
+chi-square test at level ALPHA.
+
+Power: at SAMPLES = 800 the test rejects with probability 0.9 a defect that moves
+MIN_SHIFT = 0.058 of probability between the two likeliest sequences (the hardest place to see
+a shift; 0.045 with probability 0.5; `test_stated_power_holds` checks this by simulation), and
+much smaller shifts onto unlikely sequences. Finer defects are the unit tests' to catch
+(tests/unit/test_acceptance.py, test_block_verify.py, test_draft_streams.py: shifts of 0.005).
+The control (`test_control_a_biased_rule_is_caught`) serves a deliberately biased rule through
+the same check, which must reject it.
 """
 
 from __future__ import annotations
@@ -18,9 +25,12 @@ import pytest
 import torch
 
 from srt_ascend import Engine
+from srt_ascend.speculative.acceptance import block_verify
 
 PROMPT = "def parse(self, text):\n    "
-N_TOKENS, TOP_K, SAMPLES = 3, 3, 240
+N_TOKENS, TOP_K, SAMPLES = 3, 3, 800
+ALPHA = 1e-3
+MIN_SHIFT = 0.058
 SAMPLE = {"max_new_tokens": N_TOKENS, "temperature": 1.0, "top_k": TOP_K, "ignore_eos": True}
 
 
@@ -68,10 +78,9 @@ def exact(model_path) -> dict[tuple[int, ...], float]:
         engine.shutdown()
 
 
-@pytest.mark.parametrize(
-    ("k", "method"), [(1, "token"), (2, "token"), (3, "token"), (2, "block"), (3, "block")]
-)
-def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
+def _sample(model_path, k: int, method: str, rule=None) -> tuple[list, list, dict]:
+    """(seeded outputs, unseeded outputs, internal state) of SAMPLES requests each, with K
+    drafts and `method`; `rule` replaces the acceptance rule (the controls)."""
     torch.manual_seed(1234 + k)  # the unseeded requests draw from the global RNG
     engine = Engine(
         model_path=model_path,
@@ -82,19 +91,70 @@ def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
         max_running_requests=64,
     )
     try:
+        if rule is not None:
+            engine.tokenizer_manager.scheduler.decoder.accept = rule
         seeds = [{**SAMPLE, "seed": s} for s in range(SAMPLES)]
         seeded = engine.generate([PROMPT] * SAMPLES, seeds)
         unseeded = engine.generate([PROMPT] * SAMPLES, SAMPLE)
         state = engine.get_internal_state()
     finally:
         engine.shutdown()
-    assert state["avg_spec_accept_length"] > 1.2, "too few drafts accepted to test anything"
+    return seeded, unseeded, state
+
+
+def _p_value(name: str, outs: list, exact: dict) -> float:
     outcomes = sorted(exact)
+    counts = dict.fromkeys(outcomes, 0)
+    for o in outs:
+        seq = tuple(o["output_ids"])
+        assert seq in counts, f"{name}: {seq} is outside the top-{TOP_K} support"
+        counts[seq] += 1
+    return _chi_square_p([counts[s] for s in outcomes], [exact[s] * SAMPLES for s in outcomes])
+
+
+@pytest.mark.parametrize(
+    ("k", "method"), [(1, "token"), (2, "token"), (3, "token"), (2, "block"), (3, "block")]
+)
+def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
+    seeded, unseeded, state = _sample(model_path, k, method)
+    assert state["avg_spec_accept_length"] > 1.2, "too few drafts accepted to test anything"
     for name, outs in (("seeded", seeded), ("unseeded", unseeded)):
-        counts = dict.fromkeys(outcomes, 0)
-        for o in outs:
-            seq = tuple(o["output_ids"])
-            assert seq in counts, f"{name}: {seq} is outside the top-{TOP_K} support"
-            counts[seq] += 1
-        p = _chi_square_p([counts[s] for s in outcomes], [exact[s] * SAMPLES for s in outcomes])
-        assert p > 1e-3, f"K={k} {method} {name}: chi-square p = {p:.2e}"
+        p = _p_value(name, outs, exact)
+        assert p > ALPHA, f"K={k} {method} {name}: chi-square p = {p:.2e}"
+
+
+def _sharpened_block_verify(tokens, draft_probs, target_probs, generators):
+    """Broken on purpose: block verification against the target raised to the power 1.5 and
+    renormalised (a sampler whose temperature is 2/3 of the one asked for)."""
+    sharp = target_probs.pow(1.5)
+    return block_verify(tokens, draft_probs, sharp / sharp.sum(-1, keepdim=True), None, generators)
+
+
+def test_control_a_biased_rule_is_caught(model_path, exact):
+    """The served check, run on a biased rule (`_sharpened_block_verify`), rejects it."""
+    seeded, unseeded, _ = _sample(model_path, 2, "block", _sharpened_block_verify)
+    for name, outs in (("seeded", seeded), ("unseeded", unseeded)):
+        p = _p_value(name, outs, exact)
+        assert p < ALPHA, f"the biased rule passed ({name}): chi-square p = {p:.2e}"
+
+
+def test_stated_power_holds(exact):
+    """Multinomial samples of SAMPLES sequences with MIN_SHIFT moved from the likeliest
+    sequence to the second are rejected at least 80% of the time (0.9 expected), exact
+    ones at most 2% (0.1% expected)."""
+    outcomes = sorted(exact)
+    expected = torch.tensor([exact[s] for s in outcomes], dtype=torch.float64)
+    first, second = expected.argsort(descending=True)[:2].tolist()
+    shifted = expected.clone()
+    shifted[first] -= MIN_SHIFT
+    shifted[second] += MIN_SHIFT
+    g = torch.Generator().manual_seed(0)
+    rates = []
+    for probs in (shifted, expected):
+        draws = torch.multinomial(probs, SAMPLES * 200, replacement=True, generator=g)
+        rejected = 0
+        for trial in draws.view(200, SAMPLES):
+            counts = torch.bincount(trial, minlength=len(outcomes)).tolist()
+            rejected += _chi_square_p(counts, (expected * SAMPLES).tolist()) < ALPHA
+        rates.append(rejected / 200)
+    assert rates[0] >= 0.8 and rates[1] <= 0.02, rates

@@ -4,6 +4,10 @@ Losslessness: with drafts x_i ~ p_d[i], the first emitted token must be distribu
 and, given the first draft was accepted, the second emitted token as p_t[1]. Each check is a
 chi-square goodness-of-fit test at the 0.999 level on fixed-seed trials; the same test run on a
 deliberately broken sampler (p_d dropped from the acceptance ratio) must reject.
+Power: at TRIALS = 20000 the first-token test rejects with probability 0.9 a shift of 0.02
+moved between any two tokens (the worst case: noncentrality 4 N d^2 against the 0.999 bound at
+7 degrees of freedom), less onto a token of small probability; the second-token test sees the
+rows whose first draft was accepted (> 1000, asserted), 0.09 at 1000 rows.
 """
 
 from __future__ import annotations

@@ -99,14 +99,28 @@ def _load_then_place(model_path, dtype, device, load_mtp, config, tp):
 
 
 class Counted:
-    """HOST_READS.read for fake tensors: zeros of the tensor's shape, counted."""
+    """HOST_READS.read for fake tensors, counted. An acceptance verdict (`MTPDecoder._read`:
+    [B, K+2] int64, the accepted drafts then the emitted tokens, -1 past them) is answered
+    with accept lengths 0..K that vary by row and read, so multi-token commits, their logprobs
+    and the freeing of fewer rejected slots run; every other read is answered with zeros."""
 
     def __init__(self) -> None:
         self.count = 0
+        self.accepted = 0  # drafts accepted in the verdicts answered
 
     def __call__(self, t: torch.Tensor) -> list:
         self.count += 1
+        if t.dtype == torch.int64 and t.dim() == 2 and t.shape[1] >= 3:
+            return self._verdict(*t.shape)
         return _zeros(list(t.shape))
+
+    def _verdict(self, batch: int, width: int) -> list[list[int]]:
+        k, rows = width - 2, []
+        for i in range(batch):
+            n = (self.count + i) % (k + 1)
+            self.accepted += n
+            rows.append([n] + [11 + j for j in range(n + 1)] + [-1] * (k - n))
+        return rows
 
 
 def _zeros(shape: list[int]):
@@ -229,6 +243,7 @@ def _run_steps(runner, args, reads: Counted) -> None:
     decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
     decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs), len(reqs))
     # decode steps: exactly one read each, plus one when some request returns logprobs
+    committed = sum(len(r.output_ids) for r in reqs)
     for _ in range(3):
         before = reads.count
         stepped = decoder.step(reqs)
@@ -239,6 +254,10 @@ def _run_steps(runner, args, reads: Counted) -> None:
     before = reads.count
     decoder.step(reqs)
     assert reads.count - before == 1
+    committed = sum(len(r.output_ids) for r in reqs) - committed
+    assert committed == 4 * len(reqs) + reads.accepted  # verdicts of several tokens committed
+    if args.speculative_algorithm == "MTP":
+        assert reads.accepted > 0
 
 
 def test_all_to_all_dispatch_reads_only_its_split_sizes(monkeypatch):

@@ -3,6 +3,7 @@ in step with the validators, Content-Type matching and the new server flags."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 
@@ -16,6 +17,7 @@ from srt_ascend.entrypoints.generate_input import (
     GenerateRequest,
     SamplingParamsBody,
     clean_sampling_params,
+    parallel_samples,
     refuse_unsupported_fields,
 )
 from srt_ascend.entrypoints.http_utils import is_json_type, parse_body
@@ -203,3 +205,29 @@ def test_sglang_logging_and_metrics_flags():
     assert ServerArgs().decode_log_interval == 40  # SGLang's default
     with pytest.raises(ValueError, match="--decode-log-interval"):
         ServerArgs(decode_log_interval=0).check()
+
+
+def test_parallel_samples_get_their_own_seeds():
+    """n > 1 with a seed: sample j of each prompt is seeded seed + j (mod 2**64, vLLM's rule),
+    so the samples differ, sample 0 is the n = 1 request, and the derivation is reproducible;
+    without a seed nothing is added."""
+    body = {
+        "input_ids": [[1, 2], [3]],
+        "sampling_params": {"temperature": 1.0, "seed": 7, "n": 3},
+        "rid": ["p", "q"],
+    }
+    items = asyncio.run(GenerateReqInput.from_json(body).items(None))
+    assert [(it.rid, it.input_ids, it.sampling_params["seed"]) for it in items] == [
+        ("p-0", [1, 2], 7),
+        ("p-1", [1, 2], 8),
+        ("p-2", [1, 2], 9),
+        ("q-0", [3], 7),
+        ("q-1", [3], 8),
+        ("q-2", [3], 9),
+    ]
+    assert all(it.sampling_params["temperature"] == 1.0 for it in items)
+    assert [s["seed"] for s in parallel_samples({"seed": 2**64 - 1}, 2)] == [2**64 - 1, 0]
+    assert parallel_samples({"temperature": 1.0}, 2) == [{"temperature": 1.0}] * 2
+    assert parallel_samples({"seed": "x"}, 2) == [{"seed": "x"}] * 2  # refused later, by name
+    for sp in parallel_samples({"seed": 7}, 2):
+        SamplingParams.from_dict(sp).verify(100)

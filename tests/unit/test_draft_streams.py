@@ -1,0 +1,117 @@
+"""Seeded requests stay lossless under block verification: the random streams the MTP worker
+draws its drafts from are never reused across steps.
+
+Block verification reads every draft of a chain, also those past the accepted ones; if the
+next step drew its d_1 from the stream that drew an examined draft before (the same uniform),
+that draft would no longer be distributed as its recorded probabilities and the emitted tokens
+would drift from the target. The check drives the real `MTPWorker` (its drafting, its stream
+keys) over fake model handles whose target and draft distributions are fixed and divergent
+(p = [.6, .3, .1], q = [.2, .3, .5], the same after every prefix): lossless decoding then
+emits i.i.d. tokens from p. Verification is `block_verify` with the target streams keyed as
+`MTPDecoder._accept` keys them (one per step, by the output length at its start).
+
+Power: TOKENS emitted tokens give each frequency a standard deviation of at most
+sqrt(.25 / TOKENS) = 0.00088; the check fails beyond 4 of them (0.0035), so a shift of 0.005
+in any frequency is caught with probability 0.95. The control keys the draft streams as the
+defective worker did (one stream per output position: a step after one that accepted at most
+K - 2 drafts draws its d_1 with an examined draft's uniform) and must fail the same check; on
+this pair it shifts token 2 by 0.0074 (token 2 of the first emitted token after such a step
+by 0.017), 4.5 sd past the threshold.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from srt_ascend.layers.sampler import processed_probs
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.sampling.sampling_params import SamplingParams
+from srt_ascend.speculative import mtp_worker
+from srt_ascend.speculative.acceptance import block_verify
+from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker
+
+TARGET = torch.tensor([0.6, 0.3, 0.1])
+DRAFT = torch.tensor([0.2, 0.3, 0.5])
+V, K = 3, 3
+BATCH, TOKENS = 4000, 320_000
+THRESHOLD = 4 * (0.25 / TOKENS) ** 0.5
+
+
+@dataclass
+class FakeReq:
+    """The parts of a scheduler Req the worker and the sampling code read."""
+
+    sampling_params: SamplingParams
+    output_ids: list[int] = field(default_factory=lambda: [0])
+    origin_input_ids: list[int] = field(default_factory=lambda: [0])
+    req_pool_idx: int = 0
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    grammar: None = None
+    decoder_state: object = None
+    finished: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+
+def _worker() -> MTPWorker:
+    """The real worker over handles whose MTP head always predicts DRAFT."""
+    draft_logits = DRAFT.log()
+    handles = DraftHandles(
+        forward=lambda fb, hidden, step, kind: torch.zeros(fb, 1),
+        compute_logits=lambda hidden: draft_logits.expand(hidden.shape[0], V).clone(),
+        build_forward_batch=lambda mode, ids, rows, seq, ext, loc: len(ids),
+        req_to_token=torch.zeros(1, 1, dtype=torch.int64),
+        vocab_size=V,
+        eos_ids=[],
+    )
+    return MTPWorker(handles, {K: None}, dict.fromkeys(range(1, K)))
+
+
+def _emitted_frequencies() -> torch.Tensor:
+    """[V] frequencies of the tokens that seeded requests emit, steps of K drafts verified by
+    block verification, TOKENS tokens in all (the first one, never sampled, left out)."""
+    worker, k1 = _worker(), K + 1
+    reqs = [FakeReq(SamplingParams(seed=s)) for s in range(BATCH)]
+    loc = torch.zeros(BATCH, k1, dtype=torch.int64)
+    hidden = torch.zeros(BATCH * k1, 1)
+    pad = [[0] * k1] * BATCH
+    worker.draft_after_verify(reqs, [0] * BATCH, loc, hidden, pad, [1] * BATCH, [True] * BATCH)
+    target_logits = TARGET.log().expand(BATCH, V)
+    counts = torch.zeros(V, dtype=torch.int64)
+    while int(counts.sum()) < TOKENS:
+        drafts = worker.draft_chain(reqs, loc)
+        params, lens = [r.sampling_params for r in reqs], [len(r.output_ids) for r in reqs]
+        info = SamplingBatchInfo.from_params(params, V, "cpu", seed_offsets=lens)
+        target = torch.stack([processed_probs(target_logits, info)] * k1, dim=1)
+        res = block_verify(drafts.tokens, drafts.probs, target, generators=list(info.generators))
+        for r, n, row in zip(reqs, res.accept_len.tolist(), res.emitted.tolist()):
+            r.output_ids.extend(row[: n + 1])
+        emitted = res.emitted[res.emitted >= 0]
+        counts += torch.bincount(emitted, minlength=V)
+        starts = [0] * BATCH  # positions are not read by the fake forward
+        committed = [n + 1 for n in res.accept_len.tolist()]
+        worker.draft_after_verify(reqs, starts, loc, hidden, pad, committed, [True] * BATCH)
+    return counts.to(torch.float64) / counts.sum()
+
+
+def _old_draft_seed_offset(start_len: int, j: int) -> int:
+    """The defective keying: one stream per output position (1_000_003 + position)."""
+    return 1_000_003 + start_len + j - 1
+
+
+@pytest.mark.parametrize("keys", ["fixed", "control"])
+def test_seeded_block_verification_emits_the_target(keys, monkeypatch) -> None:
+    if keys == "control":
+        monkeypatch.setattr(mtp_worker, "draft_seed_offset", _old_draft_seed_offset)
+    shift = (_emitted_frequencies() - TARGET.double()).abs().max().item()
+    if keys == "control":
+        assert shift > THRESHOLD, f"the control went unseen: shift {shift:.4f}"
+    else:
+        assert shift <= THRESHOLD, f"emitted frequencies off the target by {shift:.4f}"
