@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 # compiles: a client that sends its next request right after the last answer does not wait
 # for a compile (tens of seconds per graph on CPU).
 IDLE_ROUNDS_BEFORE_COMPILE = 4
+# The finish message of a request that a contained fault (in a step or a message) ended.
+INTERNAL_ERROR = "internal error in the scheduler (see server log)"
 
 
 class Scheduler:
@@ -117,7 +119,7 @@ class Scheduler:
                 if self.tp.size > 1:
                     raise
                 logger.exception("scheduler step failed; aborting its requests")
-                self._fail_in_flight("internal error in the scheduler step (see server log)")
+                self._fail_in_flight(INTERNAL_ERROR)
                 worked = True
             if worked and not self.has_work():
                 self._check_when_idle()
@@ -173,7 +175,7 @@ class Scheduler:
             if stop:
                 self._stop.set()
         for msg in msgs:
-            self.handle(msg)
+            self.handle_contained(msg)
         return not self._stop.is_set()
 
     def _take_inbox(self, block: bool) -> list:
@@ -186,6 +188,29 @@ class Scheduler:
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return msgs
+
+    def handle_contained(self, msg) -> None:
+        """`handle`, with a fault contained as a step's is: with one rank a message whose
+        handling raises is logged and answered (a request that could not be added ends with
+        an abort finish, a reply future gets the exception) and the loop goes on. Under tensor
+        parallelism it raises: the ranks would no longer agree."""
+        try:
+            self.handle(msg)
+        except Exception as e:
+            if self.tp.size > 1:
+                raise
+            logger.exception("handling %s failed", type(msg).__name__)
+            self._answer_failed(msg, e)
+
+    def _answer_failed(self, msg, error: Exception) -> None:
+        """What the sender of a message whose handling raised still gets (see
+        handle_contained)."""
+        if isinstance(msg, TokenizedGenerateReq):  # not queued: queuing is the last thing done
+            reason = FinishReason("abort", message=INTERNAL_ERROR).to_json()
+            self._emit([ReqOutput(msg.rid, [], reason, prompt_tokens=len(msg.input_ids))])
+        elif isinstance(msg, (FlushCacheReq, GetInternalStateReq)):
+            if msg.reply is not None and not msg.reply.done():
+                msg.reply.set_exception(error)
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
@@ -233,6 +258,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
+        """Runs one prefill or decode batch; False when there was nothing to run (the loop
+        then checks the idle invariant only after a step that ran)."""
         batch = self._schedule_prefill()
         if batch is not None:
             self.in_flight = batch.reqs
@@ -240,8 +267,10 @@ class Scheduler:
         elif self.running:
             self.in_flight = self.running
             self._run_decode()
+        else:
+            return False
         self.in_flight = []
-        return batch is not None or bool(self.running)
+        return True
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -255,8 +284,10 @@ class Scheduler:
             reserve=sum(min(r.remaining_new_tokens, DECODE_RESERVE_PER_REQ) for r in self.running),
         )
         if self.chunked_req is not None:
+            # It takes one of the --max-running-requests places (it holds its row since its
+            # first chunk), so running + chunked + admitted stays within the limit and the
+            # decode batch after it within the largest graph bucket.
             r = self.chunked_req
-            adder.free_req_slots += 1  # it already holds its row
             if not adder.try_add(r, r.seq_len - r.kv_len, can_chunk=True):
                 return None
         for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree):
@@ -465,9 +496,13 @@ class Scheduler:
         self._emit(outputs)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Ends the request: its KV released and its last output emitted, the output even if
+        releasing raises (its client must not wait for ever)."""
         req.finished_reason = reason
-        self.kv.release(req)
-        self._emit([self._make_output(req, [])])
+        try:
+            self.kv.release(req)
+        finally:
+            self._emit([self._make_output(req, [])])
 
     # ---- abort / flush / state --------------------------------------------------------------
 
@@ -487,12 +522,15 @@ class Scheduler:
 
     def _fail_in_flight(self, message: str) -> None:
         """After a step raised: its requests end with an abort finish (streamed to their
-        clients) and give back everything they hold; the other requests carry on."""
+        clients) and give back everything they hold; the other requests carry on. Those the
+        step retracted before the fault are back in the waiting queue, hold nothing and did
+        not run: they stay queued."""
         self._flush_outputs()  # tokens committed before the fault still reach their clients
-        failed, self.in_flight = self.in_flight, []
-        ids = {id(r) for r in failed}
+        queued = {id(r) for r in self.waiting}
+        failed = [r for r in self.in_flight if id(r) not in queued]
+        self.in_flight = []
+        ids = {id(r) for r in failed} | queued
         self.running = [r for r in self.running if id(r) not in ids]
-        self.waiting = [r for r in self.waiting if id(r) not in ids]  # retracted by the step
         if self.chunked_req is not None and id(self.chunked_req) in ids:
             self.chunked_req = None
         for r in failed:
@@ -581,7 +619,7 @@ def start_scheduler_thread(
 ) -> tuple[Scheduler, threading.Thread]:
     """Builds the scheduler (model load, pools, graphs) inside its own thread and runs it there;
     returns it once built, or raises what building raised. `on_crash(message)` is called if
-    the loop itself raises (a tensor-parallel leader: the server cannot go on).
+    the loop itself raises (a fault it cannot contain: the server cannot go on).
 
     All tensor work then happens in one thread. On CPU this matters: a second thread with its
     own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
@@ -601,8 +639,8 @@ def start_scheduler_thread(
         except BaseException as e:
             if on_crash is None:
                 raise
-            logger.exception("the scheduler of tensor-parallel rank 0 failed")
-            on_crash(f"tensor-parallel rank 0 stopped: {type(e).__name__}: {e}")
+            logger.exception("the scheduler failed")
+            on_crash(f"the scheduler stopped: {type(e).__name__}: {e}")
 
     t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()

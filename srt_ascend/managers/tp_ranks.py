@@ -81,8 +81,9 @@ def build_scheduler(
 
 
 def fail_fast(message: str) -> None:
-    """One error line, then this process ends (exit code 1): a parallel server cannot go on
-    without a rank, and its other ranks end when their collectives lose this one."""
+    """One error line, then this process ends (exit code 1): a server cannot go on without its
+    scheduler or one of its ranks, and its other ranks end when their collectives lose this
+    one."""
     logger.error("%s", message)
     logging.shutdown()
     os._exit(1)
