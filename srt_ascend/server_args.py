@@ -411,7 +411,12 @@ class ServerArgs:
             help="CPU: run bf16/fp16 matmuls of at most 2^18 multiply-adds through MKL instead "
             "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
         )
-        a("--stream-interval", type=int, default=1, help="stream every N tokens")
+        a(
+            "--stream-interval",
+            type=int,
+            default=1,
+            help="stream every N tokens (the first at once, the rest with the finish)",
+        )
         a(
             "--decode-log-interval",
             type=int,

@@ -375,7 +375,7 @@ class Scheduler:
         for r in reqs:
             if r.finished:
                 self.kv.release(r)
-        self._outputs += [self._make_output(r, []) for r in prompt_only]
+        self._outputs += [self._make_output(r) for r in prompt_only]
         self.running.extend(joining)
         self._flush_outputs()
 
@@ -489,7 +489,18 @@ class Scheduler:
             if reason is not None:
                 req.finished_reason = reason
                 break
-        self._outputs.append(self._make_output(req, committed))
+        req.pending_ids.extend(committed)
+        if req.finished or self._output_due(req):
+            self._outputs.append(self._make_output(req))
+
+    def _output_due(self, req: Req) -> bool:
+        """--stream-interval N (SGLang's meaning): a request's first tokens are sent at once,
+        then whenever N or more wait (a speculative step may commit several); its last output
+        (finish or abort) carries whatever waits."""
+        if not req.pending_ids:
+            return False
+        first = len(req.output_ids) == len(req.pending_ids)
+        return first or len(req.pending_ids) >= self.args.stream_interval
 
     def _flush_outputs(self) -> None:
         outputs, self._outputs = self._outputs, []
@@ -502,7 +513,7 @@ class Scheduler:
         try:
             self.kv.release(req)
         finally:
-            self._emit([self._make_output(req, [])])
+            self._emit([self._make_output(req)])
 
     # ---- abort / flush / state --------------------------------------------------------------
 
@@ -536,7 +547,7 @@ class Scheduler:
         for r in failed:
             r.finished_reason = FinishReason("abort", message=message)
             self.kv.release(r)
-            self._emit([self._make_output(r, [])])
+            self._emit([self._make_output(r)])
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -567,10 +578,12 @@ class Scheduler:
 
     # ---- outputs ----------------------------------------------------------------------------
 
-    def _make_output(self, req: Req, new_tokens: list[int]) -> ReqOutput:
+    def _make_output(self, req: Req) -> ReqOutput:
+        """The request's next output: the tokens and logprobs not sent yet (taken from it),
+        its finish reason if finished, its counters."""
         out = ReqOutput(
             rid=req.rid,
-            new_token_ids=new_tokens,
+            new_token_ids=req.pending_ids,
             finish_reason=req.finished_reason.to_json() if req.finished_reason else None,
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
@@ -581,6 +594,7 @@ class Scheduler:
             output_top_logprobs=req.pending_top_logprobs,
             output_token_ids_logprobs=req.pending_ids_logprobs,
         )
+        req.pending_ids = []
         req.pending_logprobs, req.pending_top_logprobs, req.pending_ids_logprobs = [], [], []
         if req.return_logprob and not req.input_logprobs_sent and (req.output_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs
