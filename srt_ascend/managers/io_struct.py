@@ -27,7 +27,7 @@ class TokenizedGenerateReq:
 
 @dataclass
 class AbortReq:
-    rid: str  # "" aborts everything
+    rid: str | set[str]  # "" aborts everything; a set: the scheduler's merged run of aborts
 
 
 @dataclass
