@@ -38,6 +38,7 @@ class ServerArgs:
     admin_api_key: str | None = None
     max_request_body_mb: float = 32.0
     max_queued_requests: int | None = None
+    max_prompts_per_request: int = 4096  # generations one HTTP request may ask (prompts x n)
     shutdown_timeout: float = 20.0
     # memory and scheduling
     max_running_requests: int = 64
@@ -173,6 +174,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_prompts_per_request < 1:
+            raise ValueError("--max-prompts-per-request must be >= 1")
         if not self.max_request_body_mb > 0:
             raise ValueError("--max-request-body-mb must be > 0")
         if not self.shutdown_timeout >= 0:
@@ -352,6 +355,13 @@ class ServerArgs:
             default=None,
             help="requests allowed to wait beyond --max-running-requests; more get HTTP 503 "
             "(default: no limit)",
+        )
+        a(
+            "--max-prompts-per-request",
+            type=int,
+            default=d["max_prompts_per_request"].default,
+            help="generations one request may ask for (prompts of a batch times n); more get "
+            "HTTP 400",
         )
         a(
             "--shutdown-timeout",

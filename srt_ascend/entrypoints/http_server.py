@@ -120,7 +120,7 @@ def _serving(request: Request) -> Serving:
 )
 async def generate(request: Request):
     serving = _serving(request)
-    obj = GenerateReqInput.from_json(await read_json(request))
+    obj = GenerateReqInput.from_json(await read_json(request), serving.check_prompt_count)
     serving.admit(len(obj.prompts) * obj.n)
     reqs = [
         serving.make_request(

@@ -44,9 +44,22 @@ class Serving:
             raise RequestError(f"duplicate request id {rid!r}")
         return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
 
+    def check_prompt_count(self, n: int) -> None:
+        """RequestError (HTTP 400) when one request asks for more than
+        --max-prompts-per-request generations (prompts of a batch times n): checked before
+        anything is tokenized or queued, so that no body keeps the server busy for long."""
+        limit = self.args.max_prompts_per_request
+        if n > limit:
+            raise RequestError(
+                f"the request asks for {n} generations (prompts x n); at most {limit} are "
+                "allowed per request (--max-prompts-per-request)"
+            )
+
     def admit(self, n: int) -> None:
-        """Admission control before `n` requests start: ServerBusyError (HTTP 503, counted
-        in /metrics) when the queue is full or the server is shutting down."""
+        """Admission control before `n` requests of one HTTP request start: RequestError
+        (400) past --max-prompts-per-request (`check_prompt_count`), ServerBusyError (HTTP
+        503, counted in /metrics) when the queue is full or the server is shutting down."""
+        self.check_prompt_count(n)
         try:
             self.tm.check_admission(n)
         except ServerBusyError:
