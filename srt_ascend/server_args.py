@@ -62,6 +62,7 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
     nnodes: int = 1
     node_rank: int = 0
+    dist_timeout: int | None = 600  # seconds a collective waits for a peer; None: torch's
     # data-parallel attention: --dp-size groups of tp/dp ranks, each with its own requests
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -256,6 +257,8 @@ class ServerArgs:
                 "--dp-size > 1 (without DP attention every rank already holds every token: "
                 "nothing to dispatch)"
             )
+        if self.dist_timeout is not None and self.dist_timeout < 1:
+            raise ValueError("--dist-timeout must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -514,6 +517,13 @@ class ServerArgs:
             type=int,
             default=0,
             help="this node's index (0: the node that serves HTTP; others run ranks only)",
+        )
+        a(
+            "--dist-timeout",
+            type=int,
+            default=d["dist_timeout"].default,
+            help="seconds a torch.distributed collective (and the rendezvous) waits for a "
+            "peer before the server ends; longer than the slowest rank's model load",
         )
         a(
             "--constrained-json-disable-any-whitespace",

@@ -339,7 +339,7 @@ class TokenizerManager:
 
     def shutdown(self) -> None:
         if self.ranks is not None:
-            self.ranks.stopping = True  # their exits from here on are the stop, not a fault
+            self.ranks.announce_stop()  # their exits from here on are the stop, not a fault
         self.scheduler.stop()
         self.thread.join(timeout=10)
         if self.ranks is not None:
