@@ -156,30 +156,42 @@ class Serving:
 
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
         """(index, output) for every step of every request, in arrival order. One request
-        (the usual body) is iterated directly: no task per step."""
+        (the usual body) is iterated directly: no task per step. Several: one task per
+        request feeds a shared queue, so each output costs the same whatever the batch size
+        (waiting on every request's next output at once would cost the batch size per
+        output). Leaving early cancels every task, which aborts its request."""
         if len(reqs) == 1:
             async with contextlib.aclosing(self.run(reqs[0])) as gen:
                 async for out in gen:
                     yield 0, out
             return
-        gens = [self.run(r) for r in reqs]
-        pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+        outputs: asyncio.Queue = asyncio.Queue()
+        done = object()  # a request's end marker
+
+        async def feed(i: int, req: TokenizedGenerateReq) -> None:
+            try:
+                async with contextlib.aclosing(self.run(req)) as gen:
+                    async for out in gen:
+                        outputs.put_nowait((i, out))
+                outputs.put_nowait((i, done))
+            except Exception as e:  # noqa: BLE001 - raised to the consumer, in order
+                outputs.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(feed(i, r)) for i, r in enumerate(reqs)]
+        left = len(tasks)
         try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    pending[asyncio.ensure_future(gens[i].__anext__())] = i
+            while left:
+                i, out = await outputs.get()
+                if out is done:
+                    left -= 1
+                elif isinstance(out, Exception):
+                    raise out
+                else:
                     yield i, out
         finally:
-            for task in pending:
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- server state -------------------------------------------------------------------------
 
