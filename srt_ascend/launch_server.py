@@ -5,15 +5,19 @@ device that is not there, a model path that is not a checkpoint) is one line on 
 code 2. Once the first generation has gone through, the server logs SGLang's
 "The server is fired up and ready to roll!". SIGTERM or SIGINT drains: new requests get 503,
 running ones have `--shutdown-timeout` seconds to finish, the rest end with finish_reason abort,
-and the process exits 0 (a second signal skips the wait).
+and the process exits 0 (a second signal skips the wait). If it has not stopped some time
+after that (`SHUTDOWN_SLACK_S`: a stuck event loop or scheduler), it ends with one error line
+and exit code 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import sys
+import threading
 import time
 
 from srt_ascend.server_args import ServerArgs, prepare_server_args
@@ -116,6 +120,27 @@ async def warmup(tokenizer_manager) -> None:
 
 
 ABORT_GRACE_S = 10.0  # how long aborted requests get to send their last output
+# After a signal, how long past the drain (--shutdown-timeout, then ABORT_GRACE_S) the process
+# may take to stop (uvicorn closing, the scheduler thread joining) before it is ended.
+SHUTDOWN_SLACK_S = 15.0
+
+
+def hard_exit(message: str) -> None:
+    """One error line, exit code 1, whatever the other threads are doing."""
+    logger.error("%s", message)
+    logging.shutdown()
+    os._exit(1)
+
+
+def exit_unless_stopped_within(seconds: float) -> None:
+    """Starts a daemon thread that ends the process (`hard_exit`) if it still runs `seconds`
+    from now: a signal stays effective when the event loop or the scheduler is stuck."""
+
+    def watch() -> None:
+        time.sleep(seconds)
+        hard_exit(f"the server did not stop within {seconds:.0f} s of the signal; exiting")
+
+    threading.Thread(target=watch, name="srt-shutdown-watchdog", daemon=True).start()
 
 
 async def drain(tokenizer_manager, timeout: float, abort_now: asyncio.Event) -> None:
@@ -150,7 +175,15 @@ def draining_server(config, tokenizer_manager, timeout: float):
         drain_task: asyncio.Task | None = None
         abort_now: asyncio.Event | None = None
 
+        signals = 0
+
         def handle_exit(self, sig, frame) -> None:
+            """Runs in the main thread, between two bytecodes, even while the event loop is
+            busy: it arms the watchdog (the drain's time, then the slack; a second signal:
+            the abort grace, then the slack) and asks the loop to drain."""
+            self.signals += 1
+            grace = ABORT_GRACE_S + (timeout if self.signals == 1 else 0.0)
+            exit_unless_stopped_within(grace + SHUTDOWN_SLACK_S)
             if self.loop is None:  # before serving: stop as uvicorn does
                 self.should_exit = True
                 return

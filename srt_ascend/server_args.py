@@ -45,6 +45,7 @@ class ServerArgs:
     max_request_body_mb: float = 32.0
     request_read_timeout: float = 30.0  # seconds to receive a whole request (headers + body)
     max_queued_requests: int | None = None
+    max_prompts_per_request: int = 4096  # generations one HTTP request may ask (prompts x n)
     shutdown_timeout: float = 20.0
     # memory and scheduling
     max_running_requests: int = 64
@@ -68,6 +69,7 @@ class ServerArgs:
     dist_init_addr: str | None = None  # host:port; None: a free port on 127.0.0.1 (one node)
     nnodes: int = 1
     node_rank: int = 0
+    dist_timeout: int | None = 600  # seconds a collective waits for a peer; None: torch's
     # data-parallel attention: --dp-size groups of tp/dp ranks, each with its own requests
     enable_dp_attention: bool = False
     dp_size: int = 1
@@ -196,6 +198,8 @@ class ServerArgs:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
             raise ValueError("--max-queued-requests must be >= 0")
+        if self.max_prompts_per_request < 1:
+            raise ValueError("--max-prompts-per-request must be >= 1")
         if not self.max_request_body_mb > 0:
             raise ValueError("--max-request-body-mb must be > 0")
         if not self.shutdown_timeout >= 0:
@@ -300,6 +304,8 @@ class ServerArgs:
                 "--dp-size > 1 (without DP attention every rank already holds every token: "
                 "nothing to dispatch)"
             )
+        if self.dist_timeout is not None and self.dist_timeout < 1:
+            raise ValueError("--dist-timeout must be >= 1")
         if not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, {self.nnodes - 1}], got {self.node_rank}")
         if self.nnodes > 1 and self.dist_init_addr is None:
@@ -408,6 +414,13 @@ class ServerArgs:
             "(default: no limit)",
         )
         a(
+            "--max-prompts-per-request",
+            type=int,
+            default=d["max_prompts_per_request"].default,
+            help="generations one request may ask for (prompts of a batch times n); more get "
+            "HTTP 400",
+        )
+        a(
             "--shutdown-timeout",
             type=float,
             default=d["shutdown_timeout"].default,
@@ -465,7 +478,12 @@ class ServerArgs:
             help="CPU: run bf16/fp16 matmuls of at most 2^18 multiply-adds through MKL instead "
             "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
         )
-        a("--stream-interval", type=int, default=1, help="stream every N tokens")
+        a(
+            "--stream-interval",
+            type=int,
+            default=1,
+            help="stream every N tokens (the first at once, the rest with the finish)",
+        )
         a(
             "--decode-log-interval",
             type=int,
@@ -553,6 +571,13 @@ class ServerArgs:
             type=int,
             default=0,
             help="this node's index (0: the node that serves HTTP; others run ranks only)",
+        )
+        a(
+            "--dist-timeout",
+            type=int,
+            default=d["dist_timeout"].default,
+            help="seconds a torch.distributed collective (and the rendezvous) waits for a "
+            "peer before the server ends; longer than the slowest rank's model load",
         )
         a(
             "--constrained-json-disable-any-whitespace",

@@ -10,6 +10,7 @@ the identity, so a single-process server pays nothing for the parallel code path
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,6 +28,9 @@ class DistInit:
     world_size: int
     nnodes: int = 1
     node_rank: int = 0
+    # --dist-timeout: how long a collective (or the rendezvous) may wait for a peer before
+    # it raises; None: torch.distributed's default
+    timeout_s: float | None = None
 
     @property
     def ranks_per_node(self) -> int:
@@ -219,17 +223,20 @@ def init_tp_group(
     import torch.distributed as dist
 
     rank, size = dist_init.rank_of(local_rank), dist_init.world_size
-    dist.init_process_group(backend, init_method=dist_init.init_method, world_size=size, rank=rank)
+    timeout = None if dist_init.timeout_s is None else timedelta(seconds=dist_init.timeout_s)
+    dist.init_process_group(
+        backend, init_method=dist_init.init_method, world_size=size, rank=rank, timeout=timeout
+    )
     world = dist.group.WORLD
-    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo")
+    cpu_group = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     counts: dict[str, list[int]] = {}
     attn = None
     if dp_size > 1:
         step = size // dp_size
         for g in range(dp_size):
             ranks = list(range(g * step, (g + 1) * step))
-            device_group = dist.new_group(ranks) if step > 1 else None
-            group_cpu = dist.new_group(ranks, backend="gloo") if step > 1 else None
+            device_group = dist.new_group(ranks, timeout=timeout) if step > 1 else None
+            group_cpu = dist.new_group(ranks, backend="gloo", timeout=timeout) if step > 1 else None
             if g == rank // step:
                 attn = TPGroup(
                     rank % step, step, device_group=device_group, cpu_group=group_cpu, counts=counts

@@ -147,11 +147,18 @@ class GenerateReqInput:
     n: int = 1  # samples per prompt
 
     @classmethod
-    def from_json(cls, body: Any) -> GenerateReqInput:
+    def from_json(
+        cls, body: Any, check_count: Callable[[int], None] | None = None
+    ) -> GenerateReqInput:
+        """The body checked and split per prompt; RequestError for a bad one.
+        `check_count(number of prompts)`, when given, runs before the per-prompt fields are
+        read (it may refuse a batch too large to be worth reading)."""
         if not isinstance(body, dict):
             raise RequestError("the request body must be a JSON object")
         refuse_unsupported_fields(body)
         prompts, single = _prompts(body.get("text"), body.get("input_ids"))
+        if check_count is not None:
+            check_count(len(prompts))
         n = len(prompts)
         stream = body.get("stream", False)
         text_lp = body.get("return_text_in_logprobs", False)

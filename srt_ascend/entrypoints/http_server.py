@@ -135,7 +135,9 @@ async def generate(request: Request):
     serving = _serving(request)
     # checking the body and building its requests take time linear in its size (token ids,
     # prompts): both run in the tokenizer thread, not on the event loop
-    obj = await serving.tm.off_loop(GenerateReqInput.from_json, await read_json(request))
+    obj = await serving.tm.off_loop(
+        GenerateReqInput.from_json, await read_json(request), serving.check_prompt_count
+    )
     serving.admit(len(obj.prompts) * obj.n)
     items = await obj.items(serving.tm.tokenize_async)
     reqs = await serving.tm.off_loop(_make_requests, serving, items)

@@ -248,6 +248,7 @@ class OpenAIServing:
         body = await read_json(request)
         self.refuse_oversized(body, "prompt")
         obj = parse_body(CompletionRequest, body)
+        self.serving.check_prompt_count(num_prompts(obj.prompt) * obj.n)  # before tokenizing
         prompts, prompt_texts = await self._completion_prompts(obj)
         self.serving.admit(len(prompts) * obj.n)
         with_prompt_lp = obj.echo and obj.logprobs is not None
@@ -472,3 +473,11 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         methods=["POST"],
         openapi_extra=json_body_spec(ScoreRequest, OpenAIError),
     )
+
+
+def num_prompts(prompt) -> int:
+    """The prompts in an OpenAI completion's `prompt`: a text or a token list is one, a list
+    of texts or of token lists one each."""
+    if isinstance(prompt, str) or not prompt or all(isinstance(x, int) for x in prompt):
+        return 1
+    return len(prompt)

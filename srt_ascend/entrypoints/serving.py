@@ -43,9 +43,22 @@ class Serving:
             raise RequestError(f"duplicate request id {rid!r}")
         return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
 
+    def check_prompt_count(self, n: int) -> None:
+        """RequestError (HTTP 400) when one request asks for more than
+        --max-prompts-per-request generations (prompts of a batch times n): checked before
+        anything is tokenized or queued, so that no body keeps the server busy for long."""
+        limit = self.args.max_prompts_per_request
+        if n > limit:
+            raise RequestError(
+                f"the request asks for {n} generations (prompts x n); at most {limit} are "
+                "allowed per request (--max-prompts-per-request)"
+            )
+
     def admit(self, n: int) -> None:
-        """Admission control before `n` requests start: ServerBusyError (HTTP 503, counted
-        in /metrics) when the queue is full or the server is shutting down."""
+        """Admission control before `n` requests of one HTTP request start: RequestError
+        (400) past --max-prompts-per-request (`check_prompt_count`), ServerBusyError (HTTP
+        503, counted in /metrics) when the queue is full or the server is shutting down."""
+        self.check_prompt_count(n)
         try:
             self.tm.check_admission(n)
         except ServerBusyError:
@@ -149,30 +162,42 @@ class Serving:
 
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
         """(index, output) for every step of every request, in arrival order. One request
-        (the usual body) is iterated directly: no task per step."""
+        (the usual body) is iterated directly: no task per step. Several: one task per
+        request feeds a shared queue, so each output costs the same whatever the batch size
+        (waiting on every request's next output at once would cost the batch size per
+        output). Leaving early cancels every task, which aborts its request."""
         if len(reqs) == 1:
             async with contextlib.aclosing(self.run(reqs[0])) as gen:
                 async for out in gen:
                     yield 0, out
             return
-        gens = [self.run(r) for r in reqs]
-        pending = {asyncio.ensure_future(g.__anext__()): i for i, g in enumerate(gens)}
+        outputs: asyncio.Queue = asyncio.Queue()
+        done = object()  # a request's end marker
+
+        async def feed(i: int, req: TokenizedGenerateReq) -> None:
+            try:
+                async with contextlib.aclosing(self.run(req)) as gen:
+                    async for out in gen:
+                        outputs.put_nowait((i, out))
+                outputs.put_nowait((i, done))
+            except Exception as e:  # noqa: BLE001 - raised to the consumer, in order
+                outputs.put_nowait((i, e))
+
+        tasks = [asyncio.ensure_future(feed(i, r)) for i, r in enumerate(reqs)]
+        left = len(tasks)
         try:
-            while pending:
-                done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-                for task in done:
-                    i = pending.pop(task)
-                    try:
-                        out = task.result()
-                    except StopAsyncIteration:
-                        continue
-                    pending[asyncio.ensure_future(gens[i].__anext__())] = i
+            while left:
+                i, out = await outputs.get()
+                if out is done:
+                    left -= 1
+                elif isinstance(out, Exception):
+                    raise out
+                else:
                     yield i, out
         finally:
-            for task in pending:
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- server state -------------------------------------------------------------------------
 

@@ -100,9 +100,7 @@ class DPAttentionScheduler(Scheduler):
                 return
             worked = self._run_phase(batch, reports)
             msgs = self._leader_msgs if self.tp.is_leader else leader.msgs
-            for group, msg in msgs:
-                if group in (EVERY_GROUP, self.tp.dp_rank):
-                    self.handle(msg)
+            self.handle_all([m for g, m in msgs if g in (EVERY_GROUP, self.tp.dp_rank)])
             if worked and not self.has_work():
                 self._check_when_idle()
 

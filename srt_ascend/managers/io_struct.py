@@ -34,7 +34,7 @@ SERVER_SHUTTING_DOWN = "the server is shutting down"
 
 @dataclass
 class AbortReq:
-    rid: str  # "" aborts everything
+    rid: str | set[str]  # "" aborts everything; a set: the scheduler's merged run of aborts
     message: str = ABORTED_BY_CLIENT  # the abort finish_reason's message
 
 

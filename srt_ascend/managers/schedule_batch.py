@@ -62,7 +62,9 @@ class Req:
     decoder_state: Any = None
     spec_verify_ct: int = 0  # speculative verify steps the request took part in
     spec_accepted_tokens: int = 0  # drafts of it accepted
-    # per-step outputs not yet sent
+    # per-step outputs not yet sent: the tokens (held back up to --stream-interval), their
+    # logprobs
+    pending_ids: list[int] = field(default_factory=list)
     pending_logprobs: list = field(default_factory=list)
     pending_top_logprobs: list = field(default_factory=list)
     pending_ids_logprobs: list = field(default_factory=list)

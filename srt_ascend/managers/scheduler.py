@@ -53,6 +53,8 @@ logger = logging.getLogger(__name__)
 # compiles: a client that sends its next request right after the last answer does not wait
 # for a compile (tens of seconds per graph on CPU).
 IDLE_ROUNDS_BEFORE_COMPILE = 4
+# The finish message of a request that a contained fault (in a step or a message) ended.
+INTERNAL_ERROR = "internal error in the scheduler (see server log)"
 
 
 class Scheduler:
@@ -119,7 +121,7 @@ class Scheduler:
                 if self.tp.size > 1:
                     raise
                 logger.exception("scheduler step failed; aborting its requests")
-                self._fail_in_flight("internal error in the scheduler step (see server log)")
+                self._fail_in_flight(INTERNAL_ERROR)
                 worked = True
             if worked and not self.has_work():
                 self._check_when_idle()
@@ -174,8 +176,7 @@ class Scheduler:
                 msgs = wire
             if stop:
                 self._stop.set()
-        for msg in msgs:
-            self.handle(msg)
+        self.handle_all(msgs)
         return not self._stop.is_set()
 
     def _take_inbox(self, block: bool) -> list:
@@ -188,6 +189,50 @@ class Scheduler:
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return msgs
+
+    def handle_all(self, msgs: list) -> None:
+        """Handles messages in order (`handle_contained`), each run of consecutive aborts as
+        one: a client that leaves a batch of N prompts sends N aborts, and one pass over the
+        queue and the batch for all of them keeps that linear in N."""
+        aborts: set[str] = set()
+        message = ABORTED_BY_CLIENT
+        for msg in msgs:
+            if isinstance(msg, AbortReq):
+                if aborts and msg.message != message:  # a run shares its finish message
+                    self.handle_contained(AbortReq(aborts, message))
+                    aborts = set()
+                message = msg.message
+                aborts |= {msg.rid} if isinstance(msg.rid, str) else msg.rid
+                continue
+            if aborts:
+                self.handle_contained(AbortReq(aborts, message))
+                aborts = set()
+            self.handle_contained(msg)
+        if aborts:
+            self.handle_contained(AbortReq(aborts, message))
+
+    def handle_contained(self, msg) -> None:
+        """`handle`, with a fault contained as a step's is: with one rank a message whose
+        handling raises is logged and answered (a request that could not be added ends with
+        an abort finish, a reply future gets the exception) and the loop goes on. Under tensor
+        parallelism it raises: the ranks would no longer agree."""
+        try:
+            self.handle(msg)
+        except Exception as e:
+            if self.tp.size > 1:
+                raise
+            logger.exception("handling %s failed", type(msg).__name__)
+            self._answer_failed(msg, e)
+
+    def _answer_failed(self, msg, error: Exception) -> None:
+        """What the sender of a message whose handling raised still gets (see
+        handle_contained)."""
+        if isinstance(msg, TokenizedGenerateReq):  # not queued: queuing is the last thing done
+            reason = FinishReason("abort", message=INTERNAL_ERROR).to_json()
+            self._emit([ReqOutput(msg.rid, [], reason, prompt_tokens=len(msg.input_ids))])
+        elif isinstance(msg, (FlushCacheReq, GetInternalStateReq)):
+            if msg.reply is not None and not msg.reply.done():
+                msg.reply.set_exception(error)
 
     def handle(self, msg) -> None:
         if isinstance(msg, TokenizedGenerateReq):
@@ -235,6 +280,8 @@ class Scheduler:
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
+        """Runs one prefill or decode batch; False when there was nothing to run (the loop
+        then checks the idle invariant only after a step that ran)."""
         batch = self._schedule_prefill()
         if batch is not None:
             self.in_flight = batch.reqs
@@ -242,8 +289,10 @@ class Scheduler:
         elif self.running:
             self.in_flight = self.running
             self._run_decode()
+        else:
+            return False
         self.in_flight = []
-        return batch is not None or bool(self.running)
+        return True
 
     def _schedule_prefill(self) -> ScheduleBatch | None:
         if not self.waiting and self.chunked_req is None:
@@ -257,8 +306,10 @@ class Scheduler:
             reserve=sum(min(r.remaining_new_tokens, DECODE_RESERVE_PER_REQ) for r in self.running),
         )
         if self.chunked_req is not None:
+            # It takes one of the --max-running-requests places (it holds its row since its
+            # first chunk), so running + chunked + admitted stays within the limit and the
+            # decode batch after it within the largest graph bucket.
             r = self.chunked_req
-            adder.free_req_slots += 1  # it already holds its row
             if not adder.try_add(r, r.seq_len - r.kv_len, can_chunk=True):
                 return None
         for req in order_waiting(self.waiting, self.args.schedule_policy, self.tree):
@@ -347,7 +398,7 @@ class Scheduler:
         for r in reqs:
             if r.finished:
                 self.kv.release(r)
-        self._outputs += [self._make_output(r, []) for r in prompt_only]
+        self._outputs += [self._make_output(r) for r in prompt_only]
         self.running.extend(joining)
         self._flush_outputs()
 
@@ -460,47 +511,79 @@ class Scheduler:
             if reason is not None:
                 req.finished_reason = reason
                 break
-        self._outputs.append(self._make_output(req, committed))
+        req.pending_ids.extend(committed)
+        if req.finished or self._output_due(req):
+            self._outputs.append(self._make_output(req))
+
+    def _output_due(self, req: Req) -> bool:
+        """--stream-interval N (SGLang's meaning): a request's first tokens are sent at once,
+        then whenever N or more wait (a speculative step may commit several); its last output
+        (finish or abort) carries whatever waits."""
+        if not req.pending_ids:
+            return False
+        first = len(req.output_ids) == len(req.pending_ids)
+        return first or len(req.pending_ids) >= self.args.stream_interval
 
     def _flush_outputs(self) -> None:
         outputs, self._outputs = self._outputs, []
         self._emit(outputs)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        """Ends the request: its KV released and its last output emitted, the output even if
+        releasing raises (its client must not wait for ever)."""
         req.finished_reason = reason
-        self.kv.release(req)
-        self._emit([self._make_output(req, [])])
+        try:
+            self.kv.release(req)
+        finally:
+            self._emit([self._make_output(req)])
 
     # ---- abort / flush / state --------------------------------------------------------------
 
-    def abort(self, rid: str, msg: str = ABORTED_BY_CLIENT) -> None:
-        """Aborts one request (or all with rid ""), freeing everything it holds; `msg` is the
-        message of its abort finish_reason."""
-        for r in list(self.waiting):
-            if rid in ("", r.rid):
-                self.waiting.remove(r)
-                self._finish(r, FinishReason("abort", message=msg))
-        if self.chunked_req is not None and rid in ("", self.chunked_req.rid):
-            r, self.chunked_req = self.chunked_req, None
-            self._finish(r, FinishReason("abort", message=msg))
-        for r in [r for r in self.running if rid in ("", r.rid)]:
-            self.running.remove(r)
-            self._finish(r, FinishReason("abort", message=msg))
+    def abort(self, rids: str | set[str], msg: str = ABORTED_BY_CLIENT) -> None:
+        """Aborts the requests with these ids (all of them when "" is one), freeing everything
+        they hold; each gets a last output with finish_reason abort and message `msg`. One pass
+        over the queue and the batch whatever the number of ids (set lookups, no removals)."""
+        rids = {rids} if isinstance(rids, str) else rids
+        every = "" in rids
+
+        def hit(r: Req) -> bool:
+            return every or r.rid in rids
+
+        victims = [r for r in self.waiting if hit(r)]
+        if victims:
+            self.waiting = [r for r in self.waiting if not hit(r)]
+        if self.chunked_req is not None and hit(self.chunked_req):
+            victims.append(self.chunked_req)
+            self.chunked_req = None
+        stopped = [r for r in self.running if hit(r)]
+        if stopped:
+            self.running = [r for r in self.running if not hit(r)]
+        victims += stopped
+        for r in victims:
+            r.finished_reason = FinishReason("abort", message=msg)
+        try:
+            for r in victims:
+                self.kv.release(r)
+        finally:  # one emit for all: their clients must not wait, even if a release raised
+            self._emit([self._make_output(r) for r in victims])
 
     def _fail_in_flight(self, message: str) -> None:
         """After a step raised: its requests end with an abort finish (streamed to their
-        clients) and give back everything they hold; the other requests carry on."""
+        clients) and give back everything they hold; the other requests carry on. Those the
+        step retracted before the fault are back in the waiting queue, hold nothing and did
+        not run: they stay queued."""
         self._flush_outputs()  # tokens committed before the fault still reach their clients
-        failed, self.in_flight = self.in_flight, []
-        ids = {id(r) for r in failed}
+        queued = {id(r) for r in self.waiting}
+        failed = [r for r in self.in_flight if id(r) not in queued]
+        self.in_flight = []
+        ids = {id(r) for r in failed} | queued
         self.running = [r for r in self.running if id(r) not in ids]
-        self.waiting = [r for r in self.waiting if id(r) not in ids]  # retracted by the step
         if self.chunked_req is not None and id(self.chunked_req) in ids:
             self.chunked_req = None
         for r in failed:
             r.finished_reason = FinishReason("abort", message=message)
             self.kv.release(r)
-            self._emit([self._make_output(r, [])])
+            self._emit([self._make_output(r)])
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -531,10 +614,12 @@ class Scheduler:
 
     # ---- outputs ----------------------------------------------------------------------------
 
-    def _make_output(self, req: Req, new_tokens: list[int]) -> ReqOutput:
+    def _make_output(self, req: Req) -> ReqOutput:
+        """The request's next output: the tokens and logprobs not sent yet (taken from it),
+        its finish reason if finished, its counters."""
         out = ReqOutput(
             rid=req.rid,
-            new_token_ids=new_tokens,
+            new_token_ids=req.pending_ids,
             finish_reason=req.finished_reason.to_json() if req.finished_reason else None,
             stop_text=req.finished_reason.stop_text if req.finished_reason else None,
             prompt_tokens=len(req.origin_input_ids),
@@ -546,6 +631,7 @@ class Scheduler:
             output_top_logprobs=req.pending_top_logprobs,
             output_token_ids_logprobs=req.pending_ids_logprobs,
         )
+        req.pending_ids = []
         req.pending_logprobs, req.pending_top_logprobs, req.pending_ids_logprobs = [], [], []
         if req.return_logprob and not req.input_logprobs_sent and (req.output_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs
@@ -584,7 +670,7 @@ def start_scheduler_thread(
 ) -> tuple[Scheduler, threading.Thread]:
     """Builds the scheduler (model load, pools, graphs) inside its own thread and runs it there;
     returns it once built, or raises what building raised. `on_crash(message)` is called if
-    the loop itself raises (a tensor-parallel leader: the server cannot go on).
+    the loop itself raises (a fault it cannot contain: the server cannot go on).
 
     All tensor work then happens in one thread. On CPU this matters: a second thread with its
     own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
@@ -604,8 +690,8 @@ def start_scheduler_thread(
         except BaseException as e:
             if on_crash is None:
                 raise
-            logger.exception("the scheduler of tensor-parallel rank 0 failed")
-            on_crash(f"tensor-parallel rank 0 stopped: {type(e).__name__}: {e}")
+            logger.exception("the scheduler failed")
+            on_crash(f"the scheduler stopped: {type(e).__name__}: {e}")
 
     t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()

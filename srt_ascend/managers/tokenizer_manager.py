@@ -93,9 +93,9 @@ class TokenizerManager:
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
         self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
-        self.scheduler, self.thread = start_scheduler_thread(
-            self._build_scheduler, on_crash=fail_fast if self.ranks else None
-        )
+        # A fault the scheduler cannot contain ends the process with one error line (exit 1),
+        # whatever the parallelism: serving on without a scheduler would hang every request.
+        self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler, fail_fast)
         self.runner = self.scheduler.runner
         self.context_len = self.runner.context_len
         # Tokenization runs here, off the event loop; texts that cannot fit are refused first.
@@ -386,7 +386,7 @@ class TokenizerManager:
 
     def shutdown(self) -> None:
         if self.ranks is not None:
-            self.ranks.stopping = True  # their exits from here on are the stop, not a fault
+            self.ranks.announce_stop()  # their exits from here on are the stop, not a fault
         self.scheduler.stop()
         self.thread.join(timeout=10)
         if self.ranks is not None:

@@ -7,7 +7,9 @@ leader receives the requests and broadcasts what it took from its inbox at the t
 loop, so every rank schedules, matches prefixes, samples and accepts alike (the same seed, the
 same logits after the LM head's all-gather) and runs the same forwards, whose collectives then
 pair up. A rank that dies takes the server down at once with one error line naming it
-(`fail_fast`): its peers would otherwise wait in a collective for ever.
+(`fail_fast`): its peers would otherwise wait in a collective for ever. Across nodes the
+failure is posted on the failure board (distributed/failure_board.py), which every node
+watches, so every node ends; --dist-timeout bounds any collective as a last resort.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ import time
 from collections.abc import Callable
 
 from srt_ascend.distributed import SINGLE, DistInit, TPGroup, init_tp_group
+from srt_ascend.distributed.failure_board import (
+    FAILED_KEY,
+    STOPPING_KEY,
+    FailureBoard,
+    StoreLost,
+)
 from srt_ascend.managers.dp_scheduler import DPAttentionScheduler
 from srt_ascend.managers.scheduler import Scheduler
 from srt_ascend.managers.stop_checker import StopChecker
@@ -29,6 +37,8 @@ from srt_ascend.platforms import Platform, get_platform
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+WATCH_POLL_S = 0.5  # how often a node's watcher reads the failure board
 
 
 def load_tokenizer(path: str):
@@ -44,7 +54,7 @@ def dist_init_of(args: ServerArgs) -> DistInit:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             addr = f"127.0.0.1:{s.getsockname()[1]}"
-    return DistInit(addr, args.tp_size, args.nnodes, args.node_rank)
+    return DistInit(addr, args.tp_size, args.nnodes, args.node_rank, args.dist_timeout)
 
 
 def join_group(args: ServerArgs, dist_init: DistInit, local_rank: int, backend: str) -> TPGroup:
@@ -81,8 +91,9 @@ def build_scheduler(
 
 
 def fail_fast(message: str) -> None:
-    """One error line, then this process ends (exit code 1): a parallel server cannot go on
-    without a rank, and its other ranks end when their collectives lose this one."""
+    """One error line, then this process ends (exit code 1): a server cannot go on without its
+    scheduler or one of its ranks, and its other ranks end when their collectives lose this
+    one."""
     logger.error("%s", message)
     logging.shutdown()
     os._exit(1)
@@ -114,22 +125,61 @@ class RankProcesses:
             self.procs.append(p)
         self.stopping = False
         self._on_failure = on_failure
+        self.node_rank = dist_init.node_rank
+        # Several nodes: they tell each other to stop through the rendezvous store.
+        self.board = FailureBoard(dist_init) if dist_init.nnodes > 1 else None
         self._watcher = threading.Thread(target=self._watch, name="srt-tp-watch", daemon=True)
         self._watcher.start()
 
+    def announce_stop(self) -> None:
+        """Node 0's normal shutdown: its ranks' exits, and the store's going away, are the
+        stop, not a fault (here and, through the board, on the other nodes)."""
+        self.stopping = True
+        if self.board is not None:
+            self.board.post(STOPPING_KEY, "node 0 stops")
+
     def _watch(self) -> None:
+        """Until this node's ranks have all ended (node 0: until it stops): a rank that fails
+        is posted on the board and ends this node; a failure another node posted, or node 0
+        gone without stopping, ends this one too."""
         alive = {p.sentinel: p for p in self.procs}
-        while alive:
-            for sentinel in multiprocessing.connection.wait(list(alive)):
+        while alive or (self.board is not None and not self.stopping):
+            ready = multiprocessing.connection.wait(list(alive), timeout=WATCH_POLL_S)
+            if not alive:
+                time.sleep(WATCH_POLL_S)
+            for sentinel in ready:
                 p = alive.pop(sentinel)
                 p.join()  # it has ended: this only collects the exit code
                 if self.stopping or p.exitcode == 0:
                     continue
                 rank = p.name.removeprefix("srt-tp-rank-")
-                self._on_failure(
-                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode}; "
-                    "the server cannot run without it and stops"
+                message = (
+                    f"tensor-parallel rank {rank} (pid {p.pid}) exited with code {p.exitcode} "
+                    f"on node {self.node_rank}; the server cannot run without it and stops"
                 )
+                if self.board is not None:
+                    self.board.post(FAILED_KEY, message)
+                self._on_failure(message)
+                return
+            failure = self._read_board() if self.board is not None else None
+            if failure is not None:
+                self._on_failure(failure)
+                return
+
+    def _read_board(self) -> str | None:
+        """Why this node must end, from the board; None while all is well (or stopping)."""
+        if self.stopping:
+            return None
+        try:
+            failure, node0_stops = self.board.read()
+        except StoreLost:
+            if self.node_rank > 0 and not self.stopping:
+                return "node 0 is gone (its rendezvous store closed); this node stops"
+            return None
+        if node0_stops:
+            self.stopping = True
+            return None
+        return failure
 
     def wait(self) -> None:
         """Blocks while the ranks run (a node that serves no HTTP)."""
