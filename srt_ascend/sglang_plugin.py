@@ -18,8 +18,10 @@ in one warning line at start (parallelism: `--tp-size`, `--ep-size`, `--dist-ini
 `--nnodes`, `--node-rank`, `--enable-dp-attention`, `--dp-size`, `--load-balance-method`,
 `--moe-a2a-backend` map to srt_ascend's fields of the same names). Flags that only srt_ascend has
 (`--num-threads`, `--speculative-verify`, `--cpu-small-gemm`, `--max-request-body-mb`,
-`--shutdown-timeout`), and `--moe-a2a-backend` (whose `all_to_all` value SGLang's parser does not
-know; srt_ascend checks the value), are taken out of argv before SGLang parses it.
+`--shutdown-timeout`, `--request-read-timeout`, `--max-prompts-per-request`,
+`--grammar-compile-timeout`, `--grammar-max-size`), and `--moe-a2a-backend` (whose
+`all_to_all` value SGLang's parser does not know; srt_ascend checks the value), are taken out
+of argv before SGLang parses it.
 
 Importing this module imports nothing heavy (no torch, no torch_npu, no sglang runtime).
 """
@@ -68,6 +70,10 @@ def _split_own_flags(argv: Sequence[str]) -> tuple[dict, list[str]]:
     own.add_argument("--cpu-small-gemm", default=argparse.SUPPRESS)
     own.add_argument("--max-request-body-mb", type=float, default=argparse.SUPPRESS)
     own.add_argument("--shutdown-timeout", type=float, default=argparse.SUPPRESS)
+    own.add_argument("--request-read-timeout", type=float, default=argparse.SUPPRESS)
+    own.add_argument("--max-prompts-per-request", type=int, default=argparse.SUPPRESS)
+    own.add_argument("--grammar-compile-timeout", type=float, default=argparse.SUPPRESS)
+    own.add_argument("--grammar-max-size", type=int, default=argparse.SUPPRESS)
     # SGLang's parser knows its own values only; srt_ascend checks this one (all_to_all is ours)
     own.add_argument("--moe-a2a-backend", default=argparse.SUPPRESS)
     ns, rest = own.parse_known_args(list(argv))

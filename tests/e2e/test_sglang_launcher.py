@@ -139,3 +139,31 @@ def test_sglang_grammar_backend_passes_through_and_others_exit_2(sglang_python):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "error: --grammar-backend 'llguidance'" in lines[0], proc.stderr
+
+
+def test_srt_ascend_bounds_and_sglang_serving_flags_pass_through(sglang_python):
+    """The bounds only srt_ascend has are taken out of argv before SGLang's parser sees them
+    (it would exit on them); SGLang's --dist-timeout and --constrained-json-max-whitespace-cnt
+    map by name."""
+    argv = "--request-read-timeout 7 --max-prompts-per-request 9".split()
+    argv += "--grammar-compile-timeout 3 --grammar-max-size 1000 --dist-timeout 60".split()
+    argv += "--constrained-json-max-whitespace-cnt 4".split()
+    code = (
+        "import sys, json; from srt_ascend.sglang_plugin import translate;"
+        "print(json.dumps(translate(sys.argv[1:])))"
+    )
+    proc = subprocess.run(
+        [sglang_python, "-c", code, "--model-path", E2E_MODEL, *argv],
+        capture_output=True,
+        text=True,
+        env=child_env(),
+        cwd=REPO,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr
+    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert unsupported == []
+    assert (kwargs["request_read_timeout"], kwargs["max_prompts_per_request"]) == (7, 9)
+    assert (kwargs["grammar_compile_timeout"], kwargs["grammar_max_size"]) == (3, 1000)
+    assert kwargs["dist_timeout"] == 60
+    assert kwargs["constrained_json_max_whitespace_cnt"] == 4
