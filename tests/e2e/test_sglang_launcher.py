@@ -15,6 +15,23 @@ def _launch(sglang_python: str, *args: str) -> list[str]:
     return cmd + ["--speculative-algorithm", "MTP", *args]
 
 
+def _run(python: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [python, *args], capture_output=True, text=True, env=child_env(), cwd=REPO, timeout=180
+    )
+
+
+def _translate(python: str, *argv: str) -> tuple[dict, list[str]]:
+    """srt_ascend's translation of SGLang's argv (model path added), run where sglang is."""
+    code = (
+        "import sys, json; from srt_ascend.sglang_plugin import translate;"
+        "print(json.dumps(translate(sys.argv[1:])))"
+    )
+    proc = _run(python, "-c", code, "--model-path", E2E_MODEL, *argv)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def sglang_mtp_server(sglang_python, tmp_path_factory):
     port = free_port()
@@ -48,14 +65,7 @@ def test_sglang_launcher_serves_mtp(sglang_mtp_server):
 
 
 def test_sglang_launcher_device_npu_is_one_line_exit_2(sglang_python):
-    proc = subprocess.run(
-        _launch(sglang_python, "--device", "npu", "--port", str(free_port())),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=180,
-    )
+    proc = _run(*_launch(sglang_python, "--device", "npu", "--port", str(free_port())))
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "error: --device npu" in lines[0], proc.stderr
@@ -87,21 +97,7 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
     reach srt_ascend's ServerArgs (`--moe-a2a-backend all_to_all`, srt_ascend's own value, too)."""
     argv = "--tp-size 4 --dist-init-addr 10.0.0.1:5000 --nnodes 2 --node-rank 1".split()
     argv += "--enable-dp-attention --dp-size 2 --moe-a2a-backend all_to_all".split()
-    code = (
-        "import sys, json; from srt_ascend.sglang_plugin import translate;"
-        "kwargs, unsupported = translate(sys.argv[1:]);"
-        "print(json.dumps([kwargs, unsupported]))"
-    )
-    proc = subprocess.run(
-        [sglang_python, "-c", code, "--model-path", E2E_MODEL, *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
-    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    kwargs, unsupported = _translate(sglang_python, *argv)
     assert unsupported == []
     assert (kwargs["tp_size"], kwargs["dist_init_addr"]) == (4, "10.0.0.1:5000")
     assert (kwargs["nnodes"], kwargs["node_rank"]) == (2, 1)
@@ -112,29 +108,10 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
 def test_sglang_grammar_backend_passes_through_and_others_exit_2(sglang_python):
     """--grammar-backend reaches srt_ascend's ServerArgs (not the ignored-flags warning);
     a backend this server lacks is one error line, exit 2, as on srt_ascend's own CLI."""
-    code = (
-        "import sys, json; from srt_ascend.sglang_plugin import translate;"
-        "print(json.dumps(translate(sys.argv[1:])))"
-    )
-    argv = ["--model-path", E2E_MODEL, "--grammar-backend", "xgrammar"]
-    proc = subprocess.run(
-        [sglang_python, "-c", code, *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
-    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    kwargs, unsupported = _translate(sglang_python, "--grammar-backend", "xgrammar")
     assert kwargs["grammar_backend"] == "xgrammar" and unsupported == []
-    proc = subprocess.run(
-        _launch(sglang_python, "--grammar-backend", "llguidance", "--port", str(free_port())),
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=180,
+    proc = _run(
+        *_launch(sglang_python, "--grammar-backend", "llguidance", "--port", str(free_port()))
     )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
@@ -148,20 +125,7 @@ def test_srt_ascend_bounds_and_sglang_serving_flags_pass_through(sglang_python):
     argv = "--request-read-timeout 7 --max-prompts-per-request 9".split()
     argv += "--grammar-compile-timeout 3 --grammar-max-size 1000 --dist-timeout 60".split()
     argv += "--constrained-json-max-whitespace-cnt 4".split()
-    code = (
-        "import sys, json; from srt_ascend.sglang_plugin import translate;"
-        "print(json.dumps(translate(sys.argv[1:])))"
-    )
-    proc = subprocess.run(
-        [sglang_python, "-c", code, "--model-path", E2E_MODEL, *argv],
-        capture_output=True,
-        text=True,
-        env=child_env(),
-        cwd=REPO,
-        timeout=180,
-    )
-    assert proc.returncode == 0, proc.stderr
-    kwargs, unsupported = json.loads(proc.stdout.strip().splitlines()[-1])
+    kwargs, unsupported = _translate(sglang_python, *argv)
     assert unsupported == []
     assert (kwargs["request_read_timeout"], kwargs["max_prompts_per_request"]) == (7, 9)
     assert (kwargs["grammar_compile_timeout"], kwargs["grammar_max_size"]) == (3, 1000)
