@@ -95,13 +95,11 @@ def test_dp_attention_greedy_equals_one_process(server, dp_server):
 
 
 def test_parallel_samples_share_their_prompts_prefill(dp_server):
-    """n = 2 samples of each of two prompts, plain config: every sample finds its prompt's
+    """n = 2 samples of each of two prompts, in every configuration: every sample finds its prompt's
     shared prefill in its DP group's radix cache (the prefill and its samples go to one
     group). Round-robin routing alone sent them to different groups: a sample in the other
     group computed the prompt again (cached_tokens 0)."""
-    config, dp_server = dp_server
-    if config != "plain":
-        pytest.skip("routing does not depend on the MoE or graph configuration")
+    _, dp_server = dp_server
     # two unseen prompts sharing no prefix (else the other group's prefill would serve)
     texts = [f"# {tag}\n" + PROMPTS[2] * 3 for tag in ("alpha beta", "gamma delta")]
     body = {"text": texts, "sampling_params": {"n": 2, "max_new_tokens": 2}}
