@@ -134,11 +134,13 @@ def hard_exit(message: str) -> None:
 
 def exit_unless_stopped_within(seconds: float) -> None:
     """Starts a daemon thread that ends the process (`hard_exit`) if it still runs `seconds`
-    from now: a signal stays effective when the event loop or the scheduler is stuck."""
+    from now: a signal stays effective when the event loop or the scheduler is stuck. The
+    exit function is the one in force when the watchdog is armed."""
+    end = hard_exit
 
     def watch() -> None:
         time.sleep(seconds)
-        hard_exit(f"the server did not stop within {seconds:.0f} s of the signal; exiting")
+        end(f"the server did not stop within {seconds:.0f} s of the signal; exiting")
 
     threading.Thread(target=watch, name="srt-shutdown-watchdog", daemon=True).start()
 

@@ -44,3 +44,14 @@ def test_a_second_signal_shortens_the_wait(monkeypatch):
     server.handle_exit(signal.SIGTERM, None)  # skips --shutdown-timeout
     _wait_for(exits, 5.0)
     assert exits, "the second signal's watchdog did not fire"
+
+
+def test_an_armed_watchdog_keeps_the_exit_it_was_armed_with(monkeypatch):
+    """A watchdog armed in a test ends with the test's stand-in even after the test (a
+    watchdog reading the module's exit at fire time ended the whole pytest run once)."""
+    exits: list[str] = []
+    monkeypatch.setattr(launch, "hard_exit", exits.append)
+    launch.exit_unless_stopped_within(0.3)
+    monkeypatch.setattr(launch, "hard_exit", lambda msg: exits.append("the later exit"))
+    _wait_for(exits, 5.0)
+    assert exits and "did not stop within" in exits[0], exits
