@@ -31,6 +31,7 @@ from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.speculative import mtp_worker
 from srt_ascend.speculative.acceptance import block_verify
+from srt_ascend.speculative.mtp_decoder import draft_step_kinds
 from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker
 
 TARGET = torch.tensor([0.6, 0.3, 0.1])
@@ -71,7 +72,7 @@ def _worker() -> MTPWorker:
         vocab_size=V,
         eos_ids=[],
     )
-    return MTPWorker(handles, {K: None}, dict.fromkeys(range(1, K)))
+    return MTPWorker(handles, {K: None}, draft_step_kinds(lambda j: 0, K, None))  # one layer
 
 
 def _emitted_frequencies() -> torch.Tensor:
