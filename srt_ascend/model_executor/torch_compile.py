@@ -31,14 +31,15 @@ they write KV only into the reserved padding slot 0 and read no request's KV.
 
 Which threads a compiled forward runs on (CPU): one fewer OpenMP thread than the process has
 cores (`CpuPlatform.compiled_forward_threads`; eager forwards keep them all). Inductor's C++
-code runs a decode forward as hundreds of small parallel regions, each ending in a barrier
-that waits for every thread of the team; with a team on every core, whatever else runs (the
-event loop streaming the last token, the tokenizer, the client, another process) takes a core
-from a team thread, and each barrier then waits for it to be scheduled again while its
-partner spins out its time slice. Measured on 2 cores (benchmark/README.md, "Compiled
-forwards in the server"): the compiled decode forward took 12-26 ms with 2 threads and
-2.0-2.6 ms with 1 while other jobs ran; served, the 2-thread replay took 3.6x the bare one
-beside the event loop. Eager forwards run few, larger parallel regions and lose far less.
+code runs a decode forward as many small parallel regions (one per parallelized kernel), each
+ending in a barrier that waits for every thread of the team; with a team on every core,
+whatever else runs (the event loop streaming the last token, the tokenizer, the client, another
+process) takes a core from a team thread, and each barrier then waits for it to be scheduled
+again while its partner spins out its time slice. Measured on 2 shared cores
+(benchmark/README.md, "Compiled forwards in the server"): the bare compiled decode forward took
+12-20 ms with 2 threads and 3-7 ms with 1, and 19-69 ms against 3-12 ms beside one busy
+process; served, its replay fell from 22.9 to 7.0 ms (median). Eager forwards run few, larger
+parallel regions and lose far less.
 """
 
 from __future__ import annotations
