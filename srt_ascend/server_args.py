@@ -470,7 +470,13 @@ class ServerArgs:
             choices=list(ATTENTION_BACKENDS),
             help="attention kernels (default: triton on CUDA, torch_native on CPU and NPU)",
         )
-        a("--num-threads", type=int, default=None, help="CPU: torch intra-op threads")
+        a(
+            "--num-threads",
+            type=int,
+            default=None,
+            help="CPU: torch intra-op threads (default: torch's); compiled forwards run with "
+            "at most one fewer than the process's cores, leaving one to its other threads",
+        )
         a(
             "--cpu-small-gemm",
             default="auto",

@@ -28,14 +28,27 @@ OpenMP team, which makes libgomp throttle the serving thread's spin-waits
 (`start_scheduler_thread`). So every forward, compiled or not, runs in the scheduler thread.
 A compile's forwards run over the static buffers zeroed first (`GraphRunner.compile_next`):
 they write KV only into the reserved padding slot 0 and read no request's KV.
+
+Which threads a compiled forward runs on (CPU): one fewer OpenMP thread than the process has
+cores (`CpuPlatform.compiled_forward_threads`; eager forwards keep them all). Inductor's C++
+code runs a decode forward as many small parallel regions (one per parallelized kernel), each
+ending in a barrier that waits for every thread of the team; with a team on every core,
+whatever else runs (the event loop streaming the last token, the tokenizer, the client, another
+process) takes a core from a team thread, and each barrier then waits for it to be scheduled
+again while its partner spins out its time slice. Measured on 2 shared cores
+(benchmark/README.md, "Compiled forwards in the server"): the bare compiled decode forward took
+12-20 ms with 2 threads and 3-7 ms with 1, and 19-69 ms against 3-12 ms beside one busy
+process; served, its replay fell from 22.9 to 7.0 ms (median). Eager forwards run few, larger
+parallel regions and lose far less.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -75,15 +88,35 @@ def allow_compiled_shapes(n: int) -> None:
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, _compiled_shapes)
 
 
+@contextlib.contextmanager
+def intra_op_threads(n: int | None) -> Iterator[None]:
+    """torch's intra-op (OpenMP) threads set to `n` in this thread for the block, then set
+    back; None or the current count: nothing changes."""
+    before = torch.get_num_threads()
+    if n is None or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class CompiledForward:
     """`fn` compiled by `platform`, called outside inference mode (inductor cannot trace the
-    in-place KV writes of a graph that runs under it) and without autograd."""
+    in-place KV writes of a graph that runs under it) and without autograd, with the intra-op
+    threads the platform gives compiled forwards (`Platform.compiled_forward_threads` of the
+    caller's count when this is built): inductor's C++ kernels are generated for the count
+    in force at the first call (the compile), and every call runs with that same count, for
+    its own kernels and the oneDNN/MKL ones inside the graph alike."""
 
     def __init__(self, platform, fn: Callable[[], torch.Tensor]) -> None:
         self._fn = platform.compile(fn)
+        self.threads = platform.compiled_forward_threads(torch.get_num_threads())
 
     def __call__(self) -> torch.Tensor:
-        with torch.inference_mode(False), torch.no_grad():
+        with torch.inference_mode(False), torch.no_grad(), intra_op_threads(self.threads):
             return self._fn()
 
 

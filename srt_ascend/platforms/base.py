@@ -121,6 +121,11 @@ class Platform(ABC):
         """Why forwards cannot be compiled here (one line for a warning), or None."""
         return None
 
+    def compiled_forward_threads(self, eager_threads: int) -> int | None:
+        """Intra-op (OpenMP) threads a compiled forward runs with when eager ops run with
+        `eager_threads`; None: the same (devices whose kernels do not run on host threads)."""
+        return None
+
     def compile(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         """`fn` compiled whole (fullgraph: a graph break is an error, not a slow path) for
         the shapes it has now (dynamic=False); compilation happens at the first call."""

@@ -35,6 +35,11 @@ class CpuPlatform(Platform):
     def is_available() -> bool:
         return True
 
+    def compiled_forward_threads(self, eager_threads: int) -> int:
+        """A compiled forward's OpenMP team leaves one of this process's cores to its other
+        threads (`threads_leaving_a_core`): see `model_executor/torch_compile.py`."""
+        return threads_leaving_a_core(eager_threads, usable_cores())
+
     def small_gemm_macs(self, setting: str) -> int | None:
         on = setting == "on" or (setting == "auto" and torch.backends.mkl.is_available())
         return SMALL_GEMM_MACS if on else None
@@ -44,3 +49,15 @@ class CpuPlatform(Platform):
         if any(name and shutil.which(name) for name in names):
             return None
         return "no C++ compiler found (g++, clang++ or $CXX), which inductor needs on CPU"
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, as OpenMP counts them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def threads_leaving_a_core(eager_threads: int, cores: int) -> int:
+    """`eager_threads`, but at most `cores` - 1, and at least 1."""
+    return max(1, min(eager_threads, cores - 1))
