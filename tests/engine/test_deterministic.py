@@ -27,6 +27,7 @@ CONFIGS = {  # all 40 prompts at once
         "disable_radix_cache": True,
         "enable_cpu_graph": True,
         "cuda_graph_bs": (1, 2, 4, 8),
+        "max_running_requests": 12,  # the last wave (4 requests) replays captured graphs
     },
     "mtp-k1-expand": {**SPEC, "speculative_verify": "expand"},
     "mtp-k2-fia": {**SPEC, "speculative_num_steps": 2, "speculative_verify": "fia"},
