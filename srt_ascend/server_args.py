@@ -58,6 +58,8 @@ class ServerArgs:
     attention_backend: str | None = None  # None: the platform's default (attention_backend_on)
     num_threads: int | None = None
     cpu_small_gemm: str = "auto"
+    # every position's result a function of its token prefix alone (batch-invariant kernels)
+    enable_deterministic_inference: bool = False
     stream_interval: int = 1
     decode_log_interval: int = 40  # decode steps between two "Decode batch." log lines
     enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
@@ -243,6 +245,11 @@ class ServerArgs:
             not self.cuda_graph_bs or min(self.cuda_graph_bs) < 1
         ):
             raise ValueError("--cuda-graph-bs sizes must be >= 1")
+        if self.enable_deterministic_inference and self.enable_torch_compile:
+            raise ValueError(
+                "--enable-deterministic-inference cannot be combined with --enable-torch-compile: "
+                "inductor's generated GEMMs and reductions are not batch-invariant"
+            )
         self._check_sglang_features()
         self._check_parallel()
         if self.spec_enabled:
@@ -483,6 +490,13 @@ class ServerArgs:
             choices=["auto", "on", "off"],
             help="CPU: run bf16/fp16 matmuls of at most 2^18 multiply-adds through MKL instead "
             "of oneDNN, whose fixed per-call cost dominates them (auto: on where torch has MKL)",
+        )
+        a(
+            "--enable-deterministic-inference",
+            action="store_true",
+            help="batch-invariant kernels: every position's result depends on its token prefix "
+            "alone, so outputs do not change with batch composition, chunked prefill, radix "
+            "hits, graphs or speculation (MTP on or off); CPU only (refused elsewhere)",
         )
         a(
             "--stream-interval",

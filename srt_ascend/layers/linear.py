@@ -11,6 +11,14 @@ results may differ in the last bit.
 
 oneDNN's switch is process-wide (`torch.backends.mkldnn.enabled`); it is turned off only for
 the duration of one call, from the thread that runs the model (the scheduler thread).
+
+Batch-invariant mode (`configure(..., row_tile=n)`, `--enable-deterministic-inference`): a
+GEMM's kernel, and with it each output's reduction order, may follow the number of rows (oneDNN
+computes a 102-row bf16 product's last rows with another kernel than the same rows inside a
+2228-row product, so they differ in the last bit). In this mode every CPU `linear` and `bmm`,
+whatever its dtype, runs as GEMMs of exactly `n` rows each (the rows zero-padded to a multiple
+of n, one call per tile): the same kernel serves every row of every forward, so a row's result
+depends on that row alone. The MKL routing above then depends on the weight alone (n rows).
 """
 
 from __future__ import annotations
@@ -21,16 +29,29 @@ from torch import nn
 
 _HALF = (torch.bfloat16, torch.float16)
 _max_macs: int | None = None  # None: PyTorch's default backend for every matmul
+_row_tile: int | None = None  # batch-invariant mode: rows per GEMM call (None: off)
+# The row tile of --enable-deterministic-inference: a decode step of one row pays a 16-row GEMM
+# (about the same call on CPU), a prefill of n rows n/16 calls (benchmark/deterministic.py).
+DETERMINISTIC_ROW_TILE = 16
 
 
-def configure(max_macs: int | None) -> None:
-    """Route half-precision CPU matmuls of at most `max_macs` multiply-adds to MKL (None: off)."""
-    global _max_macs
-    _max_macs = max_macs
+def configure(max_macs: int | None, row_tile: int | None = None) -> None:
+    """Route half-precision CPU matmuls of at most `max_macs` multiply-adds to MKL (None: off);
+    with `row_tile`, run every CPU matmul over fixed tiles of that many rows (module
+    docstring). Process-wide; set once by the model runner before the first forward."""
+    global _max_macs, _row_tile
+    if row_tile is not None and row_tile < 1:
+        raise ValueError(f"row_tile must be >= 1, got {row_tile}")
+    _max_macs, _row_tile = max_macs, row_tile
 
 
 def small_gemm_limit() -> int | None:
     return _max_macs
+
+
+def row_tile() -> int | None:
+    """Rows per GEMM call in batch-invariant mode; None when the mode is off."""
+    return _row_tile
 
 
 def _without_onednn(fn, *args):
@@ -48,23 +69,69 @@ def _eager_limit() -> int | None:
     return None if torch.compiler.is_compiling() else _max_macs
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, through MKL when small (see the module docstring)."""
+def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int):
+    """F.linear, through MKL when a product of `rows` rows is small (module docstring)."""
     limit = _eager_limit()
     if limit is not None and x.dtype in _HALF and x.device.type == "cpu":
-        rows = x.numel() // max(x.shape[-1], 1)
         if rows * weight.shape[0] * weight.shape[1] <= limit:
             return _without_onednn(F.linear, x, weight, bias)
     return F.linear(x, weight, bias)
 
 
+def _tiles(x: torch.Tensor, dim: int, tile: int) -> tuple[list[torch.Tensor], int]:
+    """x zero-padded along `dim` to a multiple of `tile`, cut into tiles; and x's length."""
+    n = x.shape[dim]
+    pad = -n % tile
+    if pad:
+        widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
+        x = F.pad(x, widths)
+    return list(x.split(tile, dim=dim)), n
+
+
+def _batch_invariant(x: torch.Tensor) -> int | None:
+    """The row tile when this CPU matmul must not depend on its row count, else None."""
+    return _row_tile if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear, through MKL when small; in batch-invariant mode over fixed row tiles (see the
+    module docstring)."""
+    tile = _batch_invariant(x)
+    if tile is None:
+        return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
+    flat = x.reshape(-1, x.shape[-1])
+    parts, n = _tiles(flat, 0, tile)
+    out = torch.cat([_linear_rows(p, weight, bias, tile) for p in parts])[:n]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """torch.bmm, through MKL when each product has one row and all of them are small."""
+    """torch.bmm, through MKL when each product has one row and all of them are small; in
+    batch-invariant mode over fixed tiles of a's rows (dim 1)."""
+    tile = _batch_invariant(a)
+    if tile is not None:
+        parts, n = _tiles(a, 1, tile)
+        return torch.cat([torch.bmm(p, b) for p in parts], dim=1)[:, :n]
     limit = _eager_limit()
     if limit is not None and a.dtype in _HALF and a.device.type == "cpu" and a.shape[1] == 1:
         if a.shape[0] * a.shape[2] * b.shape[2] <= limit:
             return _without_onednn(torch.bmm, a, b)
     return torch.bmm(a, b)
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, in batch-invariant mode over x's rows zero-padded to the
+    row tile. PyTorch's CPU loops compute a contiguous tensor's elements in vector steps and
+    its last few (under 2 vector widths) with scalar code; vector and scalar exp-based
+    functions (sigmoid, silu) may differ in the last bit, so a row's result would follow how
+    many rows come before it. With the rows padded to a multiple of 16, a tensor of even row
+    width has no scalar tail. Use where the row width can be small (the MoE router's scores);
+    elsewhere widths are large multiples of 32."""
+    tile = _batch_invariant(x)
+    n = x.shape[0]
+    if tile is None or not n % tile:
+        return fn(x)
+    return fn(F.pad(x, [0, 0] * (x.dim() - 1) + [0, -n % tile]))[:n]
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
-from srt_ascend.layers.linear import Linear, bmm, linear
+from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, row_tile
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.weight_stack import WeightStack
 
@@ -63,7 +63,7 @@ class TopkRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_weights [T, k] float32, topk_ids [T, k] int64)."""
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        scores = elementwise(torch.sigmoid, linear(x.float(), self.weight.float()))  # [T, E]
         choice = scores + self.e_score_correction_bias
         per_group = choice.view(-1, self.n_group, self.n_experts // self.n_group)
         group_scores = per_group.topk(min(2, per_group.shape[-1]), dim=-1)[0].sum(-1)
@@ -134,7 +134,12 @@ class RoutedExperts(nn.Module):
         take gathered while the T*k assignments read fewer expert rows than there are (a
         decode or verify step: its cost grows with the tokens, not with E), else dense. Eager
         CPU batches whose assignments number between E/2 and 4E (most experts are hit anyway,
-        so dense work reads little extra weight) take dense; the rest sparse."""
+        so dense work reads little extra weight) take dense; the rest sparse. In
+        batch-invariant mode (`linear.row_tile`) always dense: the paths sum a token's
+        experts in different orders, so a token's output would follow the batch's size;
+        dense sums every expert in id order (unchosen ones add exact zeros)."""
+        if row_tile() is not None:
+            return "dense"
         assignments = tokens * k
         if static_shapes:
             return "gathered" if assignments < rows else "dense"

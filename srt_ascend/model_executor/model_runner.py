@@ -13,6 +13,7 @@ import torch
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
+from srt_ascend.layers.attention.batch_invariant import batch_invariant_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from srt_ascend.model_executor.dp_graph import agree_replay, demand, token_counts
@@ -57,7 +58,15 @@ class ModelRunner:
         self.device = platform.device
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config)
-        layers_linear.configure(platform.small_gemm_macs(server_args.cpu_small_gemm))
+        deterministic = server_args.enable_deterministic_inference
+        if deterministic and (why := platform.deterministic_unavailable()):
+            raise ValueError(
+                f"--enable-deterministic-inference is not available on {platform.name}: {why}"
+            )
+        layers_linear.configure(
+            platform.small_gemm_macs(server_args.cpu_small_gemm),
+            layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
+        )
         self.model, self.mtp = load_model(
             server_args.model_path,
             dtype=self.dtype,
@@ -96,8 +105,12 @@ class ModelRunner:
         if self.attention_plan.fallback:
             logger.info("%s", self.attention_plan.fallback)
         self._init_pools()
-        # --attention-backend, else the platform's default (triton on CUDA): for_device
-        self.attn_backend = create_attention_backend(server_args.attention_backend)
+        # --attention-backend, else the platform's default (triton on CUDA): for_device;
+        # its batch-invariant variant with --enable-deterministic-inference
+        backend = server_args.attention_backend
+        self.attn_backend = create_attention_backend(
+            batch_invariant_backend(backend) if deterministic else backend
+        )
         self.graph_runner: GraphRunner | None = None
 
     def capture_graphs(

@@ -73,6 +73,11 @@ class Platform(ABC):
         CPU platform has a choice to make."""
         return None
 
+    def deterministic_unavailable(self) -> str | None:
+        """Why `--enable-deterministic-inference` cannot hold on this platform (one line naming
+        the op without a fixed-order variant), or None where it is served."""
+        return "no batch-invariant kernels for this platform"
+
     @staticmethod
     @abstractmethod
     def is_available() -> bool: ...

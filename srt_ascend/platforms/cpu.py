@@ -44,6 +44,9 @@ class CpuPlatform(Platform):
         on = setting == "on" or (setting == "auto" and torch.backends.mkl.is_available())
         return SMALL_GEMM_MACS if on else None
 
+    def deterministic_unavailable(self) -> str | None:
+        return None  # linear.configure(row_tile=...), the batch-invariant attention backend
+
     def compile_unavailable(self) -> str | None:
         names = (os.environ.get("CXX"), "g++", "clang++", "c++")
         if any(name and shutil.which(name) for name in names):

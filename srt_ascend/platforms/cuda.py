@@ -33,3 +33,10 @@ class CudaPlatform(AcceleratorPlatform):
     @staticmethod
     def is_available() -> bool:
         return torch.cuda.is_available()
+
+    def deterministic_unavailable(self) -> str | None:
+        return (
+            "cuBLAS GEMMs pick their kernel (and split-K reduction) by row count, and the Triton "
+            "MLA attention kernel splits KV by batch occupancy (plan_kv_splits); no fixed-order "
+            "variant of either is built yet"
+        )

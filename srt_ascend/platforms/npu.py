@@ -55,6 +55,12 @@ class NpuPlatform(AcceleratorPlatform):
     def is_available() -> bool:
         return _import_torch_npu() and torch.npu.is_available()
 
+    def deterministic_unavailable(self) -> str | None:
+        return (
+            "torch_npu's npu_fused_infer_attention_score (FIA) and its matmuls have no "
+            "fixed-order (batch-invariant) variant"
+        )
+
     def new_graph(self, compiled: bool = False) -> DeviceGraph:
         """A torchair-compiled forward runs as a GE graph already: replayed by calling it."""
         return EagerReplayGraph() if compiled else AclGraph()

@@ -1,0 +1,109 @@
+"""Batch-invariant MLA attention (`--enable-deterministic-inference` on CPU): every query's
+result is a function of its own query and visible KV alone, bit for bit, whatever else the
+forward holds (decode, either verify layout, extend with a cached prefix, a prefill chunk,
+a batch of any composition, a graph bucket's padding).
+
+Rule: the rows are padded as in torch_native, and the KV axis further to a multiple of
+`KV_TILE` with keys that no query sees. Scores are one float32 matmul whose reduction is over
+the head dimension only (its length is the model's, never the batch's). The softmax runs along
+each query's padded key axis (PyTorch's last-dimension kernel: key j always lands in the same
+vector lane and masked keys add exact zeros, so the padding changes no bit). The weighted sum
+over keys, the one reduction whose length follows the batch, is cut at fixed key positions
+0, KV_TILE, 2 KV_TILE, ...: one matmul of identical shape per tile, the tiles' partial sums
+added in position order (a tile past a query's keys adds exact zeros). So the reduction order
+of each query's output depends only on its own KV length.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from srt_ascend.layers.attention.base import register_attention_backend
+from srt_ascend.layers.attention.torch_native import (
+    PaddedRows,
+    TorchNativeMLABackend,
+    build_padded_rows,
+)
+
+if TYPE_CHECKING:
+    from srt_ascend.model_executor.forward_batch import ForwardBatch
+
+KV_TILE = 64  # keys per partial sum of the weighted sum
+# --attention-backend -> its batch-invariant variant (--enable-deterministic-inference)
+BATCH_INVARIANT_VARIANTS = {"torch_native": "torch_native_batch_invariant"}
+
+
+def batch_invariant_backend(name: str) -> str:
+    """The registered name of backend `name`'s batch-invariant variant; ValueError (one line
+    naming the backend) where it has none."""
+    if name not in BATCH_INVARIANT_VARIANTS:
+        raise ValueError(
+            f"--enable-deterministic-inference: --attention-backend {name} has no "
+            f"batch-invariant variant (available for: {', '.join(BATCH_INVARIANT_VARIANTS)})"
+        )
+    return BATCH_INVARIANT_VARIANTS[name]
+
+
+def pad_kv_to_tiles(meta: PaddedRows, tile: int = KV_TILE) -> PaddedRows:
+    """`meta` with its KV axis padded to a multiple of `tile`: new keys read the padding slot
+    (0) and are blocked for every query."""
+    extra = -meta.kv_slots.shape[1] % tile
+    if not extra:
+        return meta
+    return PaddedRows(
+        F.pad(meta.kv_slots, (0, extra)),
+        F.pad(meta.blocked, (0, extra), value=True),
+        meta.token_row,
+        meta.token_col,
+        meta.max_q,
+    )
+
+
+def tiled_weighted_sum(probs: torch.Tensor, values: torch.Tensor, tile: int) -> torch.Tensor:
+    """probs [B, M, L] @ values [B, L, R] with L a multiple of `tile`, reduced tile by tile in
+    key order: sum_t probs[..., tile t] @ values[:, tile t] (float32, [B, M, R])."""
+    out = None
+    for start in range(0, probs.shape[-1], tile):
+        part = torch.bmm(probs[..., start : start + tile], values[:, start : start + tile])
+        out = part if out is None else out.add_(part)
+    if out is None:
+        return probs.new_zeros(probs.shape[0], probs.shape[1], values.shape[-1])
+    return out
+
+
+@register_attention_backend("torch_native_batch_invariant")
+class BatchInvariantMLABackend(TorchNativeMLABackend):
+    """torch_native's contract and padding, with the weighted sum over keys reduced in fixed
+    KV tiles (module docstring). Serves the multi-query verify layout itself (rows of 1+K
+    causal queries), so both verify paths run through it."""
+
+    serves_multi_query_verify = True
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        forward_batch.attn_metadata = pad_kv_to_tiles(build_padded_rows(forward_batch))
+
+    def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
+        """Writes the new tokens' KV, then attends ([T, H, R] in q_latent's dtype)."""
+        pool = forward_batch.token_to_kv_pool
+        pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
+        meta: PaddedRows = forward_batch.attn_metadata
+        b, h, rank = forward_batch.batch_size, q_latent.shape[1], q_latent.shape[-1]
+        kv = pool.gather_kv(layer_id, meta.kv_slots).float()  # [B, L, R+P]
+        q = torch.cat([q_latent, q_pe], dim=-1).float()  # [T, H, R+P]
+        if meta.token_row is not None:
+            padded = q.new_zeros(b, meta.max_q, h, q.shape[-1])
+            padded[meta.token_row, meta.token_col] = q
+            q = padded
+        q = q.view(b, meta.max_q * h, -1)
+        scores = torch.bmm(q, kv.transpose(1, 2)).view(b, meta.max_q, h, -1) * scale
+        scores = scores.masked_fill_(meta.blocked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no key: zeros
+        probs = probs.view(b, meta.max_q * h, -1)
+        out = tiled_weighted_sum(probs, kv[..., :rank], KV_TILE)
+        out = out.view(b, meta.max_q, h, rank).to(q_latent.dtype)
+        if meta.token_row is None:
+            return out.view(-1, h, rank)  # [T, H, R]
+        return out[meta.token_row, meta.token_col]

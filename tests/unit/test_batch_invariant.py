@@ -1,0 +1,217 @@
+"""Batch-invariant mode (--enable-deterministic-inference, issue 32): each op's result for a row
+is bit-identical whatever else the call holds. Per op: linear and bmm over fixed row tiles, the
+MoE layer (one path, experts summed in id order), the batch-invariant attention backend
+(decode, a multi-query row, a padded batch); and the flag's plumbing and refusals.
+
+Controls: the same comparisons without the mode find differing rows on this CPU (oneDNN's bf16
+kernels follow the row count); where a CPU's kernels happen to agree the control is skipped,
+not passed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from srt_ascend.layers import linear as gemm
+from srt_ascend.layers.attention.batch_invariant import (
+    KV_TILE,
+    BatchInvariantMLABackend,
+    batch_invariant_backend,
+)
+from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool
+from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs, prepare_server_args
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture
+def tiles():
+    """Batch-invariant mode on (16-row tiles, small-GEMM routing as on the CPU platform)."""
+    before = (gemm.small_gemm_limit(), gemm.row_tile())
+    gemm.configure(1 << 18, gemm.DETERMINISTIC_ROW_TILE)
+    yield
+    gemm.configure(*before)
+
+
+@pytest.fixture
+def plain():
+    before = (gemm.small_gemm_limit(), gemm.row_tile())
+    gemm.configure(1 << 18)
+    yield
+    gemm.configure(*before)
+
+
+def rand(*shape, seed=0, dtype=BF16):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def linear_windows() -> list[tuple[int, int]]:
+    """Row windows of a 2228-row batch: the 102 rows at 536 (a prompt inside a batched prefill,
+    where oneDNN's plain product differed), a single row, short and odd windows."""
+    return [(536, 102), (3, 1), (100, 37), (7, 5), (2000, 228)]
+
+
+def differing_linear_rows() -> int:
+    """Rows of windows whose product differs from the same rows inside the whole batch."""
+    bad = 0
+    for n_in, n_out in ((768, 256), (256, 1536), (256, 208)):
+        w, x = rand(n_out, n_in, seed=n_in) / 16, rand(2228, n_in, seed=n_out)
+        whole = gemm.linear(x, w)
+        for start, n in linear_windows():
+            part = gemm.linear(x[start : start + n], w)
+            bad += int((part != whole[start : start + n]).any(-1).sum())
+    return bad
+
+
+def test_linear_rows_bit_identical_in_any_batch(tiles):
+    assert differing_linear_rows() == 0
+    x, w = rand(2, 3, 256, seed=1), rand(512, 256, seed=2)
+    assert gemm.linear(x, w).shape == (2, 3, 512)  # leading dims kept
+    f32 = gemm.linear(x.float()[0], w.float())  # float32 (the MoE router) is tiled too
+    assert torch.equal(f32[1:2], gemm.linear(x.float()[0, 1:2], w.float()))
+
+
+def test_control_linear_rows_differ_without_tiles(plain):
+    if differing_linear_rows() == 0:
+        pytest.skip("this CPU's oneDNN kernels do not follow the row count: no control")
+
+
+def test_bmm_rows_bit_identical_in_any_batch(tiles):
+    """The absorbed-MLA per-head products [H, T, d] @ [H, d, R]."""
+    a, b = rand(8, 2228, 32, seed=3), rand(8, 32, 64, seed=4)
+    whole = gemm.bmm(a, b)
+    for start, n in linear_windows():
+        assert torch.equal(gemm.bmm(a[:, start : start + n], b), whole[:, start : start + n])
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from srt_ascend.models.loader import load_model
+
+    model, _ = load_model(SHIPPED_MODEL, dtype=BF16, load_mtp=False)
+    layer = model.model.layers[1].mlp  # routed experts + one shared expert
+    layer.fuse_weights()
+    return layer
+
+
+def differing_moe_rows(layer) -> list[tuple[int, bool]]:
+    x = rand(40, 256, seed=5)
+    with torch.inference_mode():
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(40)])
+        return [
+            (n, static)
+            for n in (2, 3, 5, 8, 16, 40)
+            for static in (False, True)
+            if not torch.equal(layer(x[:n], static_shapes=static), alone[:n])
+        ]
+
+
+def test_moe_rows_bit_identical_in_any_batch(moe, tiles):
+    """Eager (sparse/dense by size) and graph (gathered/dense) shapes alike."""
+    assert differing_moe_rows(moe) == []
+
+
+def test_control_moe_rows_differ_without_mode(moe, plain):
+    if not differing_moe_rows(moe):
+        pytest.skip("the MoE paths agreed on this CPU: no control")
+
+
+R, P, H = 64, 16, 8
+
+
+class KVWorld:
+    """One request row of 300 tokens with fixed per-slot latents (slots in shuffled order),
+    and two more rows; forwards write a token's own latent, so any order of forwards leaves
+    the pool the same."""
+
+    def __init__(self) -> None:
+        self.pool = MLATokenToKVPool(1024, 1, BF16, R, P, layer_num=1)
+        self.req = ReqToTokenPool(size=4, max_context_len=512)
+        self.c_kv, self.k_pe = rand(1025, R, seed=6), rand(1025, P, seed=7)
+        perm = torch.randperm(1000, generator=torch.Generator().manual_seed(8)) + 1
+        for row in (1, 2, 3):
+            self.req.req_to_token[row, :300] = perm[(row - 1) * 300 : row * 300]
+        self.pool.set_mla_kv_buffer(0, perm[:900], self.c_kv[perm[:900]], self.k_pe[perm[:900]])
+        self.q, self.q_pe = rand(512, H, R, seed=9), rand(512, H, P, seed=10)  # by position
+
+    def run(self, backend, rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """rows: (request row, seq_len, q_len); returns [T, H, R] for the packed queries."""
+        loc = torch.cat([self.req.req_to_token[r, s - q : s] for r, s, q in rows])
+        pos = torch.cat([torch.arange(s - q, s) for _, s, q in rows])
+        mode = ForwardMode.DECODE if all(q == 1 for *_, q in rows) else ForwardMode.EXTEND
+        fb = ForwardBatch.build(
+            mode, torch.zeros(len(loc), dtype=torch.int64), [r for r, _, _ in rows],
+            [s for _, s, _ in rows], [q for *_, q in rows], loc, self.req, self.pool, backend,
+        )  # fmt: skip
+        return backend.forward(
+            self.q[pos], self.q_pe[pos], self.c_kv[loc], self.k_pe[loc], 0, 0.2, fb
+        )
+
+
+def test_attention_query_bit_identical_in_any_batch():
+    """Query at position 150 of row 1: decoded alone; inside a 20-query row (verify / a
+    prefill chunk); decoded next to a 300-key row (KV padded past several tiles) and an
+    extend row; at a multiple of the KV tile."""
+    world, backend = KVWorld(), BatchInvariantMLABackend()
+    alone = world.run(backend, [(1, 151, 1)])[0]
+    assert torch.equal(world.run(backend, [(1, 160, 20)])[10], alone)
+    assert torch.equal(world.run(backend, [(2, 300, 1), (1, 151, 1), (3, 40, 7)])[1], alone)
+    assert torch.equal(world.run(backend, [(3, 299, 3), (1, 151, 1)])[3], alone)
+    tile = world.run(backend, [(1, KV_TILE, 1)])[0]
+    assert torch.equal(world.run(backend, [(1, KV_TILE + 5, 6), (2, 9, 9)])[0], tile)
+    assert alone.abs().sum() > 0
+
+
+def test_flag_parses_and_refuses_what_it_cannot_hold():
+    assert prepare_server_args(["--enable-deterministic-inference"]).enable_deterministic_inference
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        ServerArgs(enable_deterministic_inference=True, enable_torch_compile=True)
+    assert batch_invariant_backend("torch_native") == "torch_native_batch_invariant"
+    with pytest.raises(ValueError, match="--attention-backend triton"):
+        batch_invariant_backend("triton")
+
+
+def test_platforms_name_the_op_they_lack():
+    from srt_ascend.platforms.cpu import CpuPlatform
+    from srt_ascend.platforms.cuda import CudaPlatform
+    from srt_ascend.platforms.npu import NpuPlatform
+
+    assert CpuPlatform.deterministic_unavailable(None) is None
+    assert "Triton MLA attention" in CudaPlatform.deterministic_unavailable(None)
+    assert "npu_fused_infer_attention_score" in NpuPlatform.deterministic_unavailable(None)
+
+
+def test_model_runner_refuses_on_a_platform_without_kernels():
+    from srt_ascend.model_executor.model_runner import ModelRunner
+    from srt_ascend.platforms.cpu import CpuPlatform
+
+    class NoKernels(CpuPlatform):
+        def deterministic_unavailable(self) -> str | None:
+            return "op X has no fixed-order variant"
+
+    args = ServerArgs(enable_deterministic_inference=True, device="cpu")
+    with pytest.raises(ValueError, match="not available on cpu: op X"):
+        ModelRunner(args, NoKernels())
+
+
+def differing_router_rows(router) -> int:
+    """Rows of the router's scores over 1..40-row batches that differ from the row alone."""
+    x = rand(2000, 256, seed=11)
+    with torch.inference_mode():
+        alone = torch.cat([router(x[i : i + 1])[0] for i in range(200)])
+        got = torch.cat([router(x[i : i + n])[0] for i in range(0, 200, 5) for n in [5]])
+        odd = torch.cat([router(x[i : i + 3])[0] for i in range(0, 198, 3)])
+    return int((got != alone).any(-1).sum() + (odd != alone[:198]).any(-1).sum())
+
+
+def test_router_weights_bit_identical_in_any_batch(moe, tiles):
+    """The sigmoid of 8 scores per row: PyTorch computes a few trailing elements of a tensor
+    with scalar code, the rest with vector code, and they differ in the last bit."""
+    assert differing_router_rows(moe.gate) == 0
+
+
+def test_control_router_weights_differ_without_padding(moe, tiles, monkeypatch):
+    monkeypatch.setattr("srt_ascend.layers.moe.elementwise", lambda fn, x: fn(x))
+    if differing_router_rows(moe.gate) == 0:
+        pytest.skip("vector and scalar sigmoid agreed on these rows: no control")
