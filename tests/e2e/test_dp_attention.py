@@ -95,10 +95,11 @@ def test_dp_attention_greedy_equals_one_process(server, dp_server):
 
 
 def test_parallel_samples_share_their_prompts_prefill(dp_server):
-    """n = 2 samples of each of two prompts, in every configuration: every sample finds its prompt's
-    shared prefill in its DP group's radix cache (the prefill and its samples go to one
-    group). Round-robin routing alone sent them to different groups: a sample in the other
-    group computed the prompt again (cached_tokens 0)."""
+    """n = 2 samples of each of two prompts, in every configuration: every sample finds its
+    prompt's shared prefill in its DP group's radix cache (the prefill and its samples go to
+    one group; with MTP the bigram-keyed tree holds one position fewer). Round-robin routing
+    alone sent them to different groups: a sample in the other group computed the prompt
+    again (cached_tokens 0)."""
     _, dp_server = dp_server
     # two unseen prompts sharing no prefix (else the other group's prefill would serve)
     texts = [f"# {tag}\n" + PROMPTS[2] * 3 for tag in ("alpha beta", "gamma delta")]
@@ -108,4 +109,4 @@ def test_parallel_samples_share_their_prompts_prefill(dp_server):
     metas = [o["meta_info"] for o in r.json()]
     assert len(metas) == 4
     for m in metas:
-        assert m["cached_tokens"] >= m["prompt_tokens"] - 1, metas
+        assert m["cached_tokens"] >= m["prompt_tokens"] - 2, metas
