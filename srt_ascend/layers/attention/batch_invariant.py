@@ -85,25 +85,5 @@ class BatchInvariantMLABackend(TorchNativeMLABackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         forward_batch.attn_metadata = pad_kv_to_tiles(build_padded_rows(forward_batch))
 
-    def forward(self, q_latent, q_pe, c_kv, k_pe, layer_id, scale, forward_batch):
-        """Writes the new tokens' KV, then attends ([T, H, R] in q_latent's dtype)."""
-        pool = forward_batch.token_to_kv_pool
-        pool.set_mla_kv_buffer(layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
-        meta: PaddedRows = forward_batch.attn_metadata
-        b, h, rank = forward_batch.batch_size, q_latent.shape[1], q_latent.shape[-1]
-        kv = pool.gather_kv(layer_id, meta.kv_slots).float()  # [B, L, R+P]
-        q = torch.cat([q_latent, q_pe], dim=-1).float()  # [T, H, R+P]
-        if meta.token_row is not None:
-            padded = q.new_zeros(b, meta.max_q, h, q.shape[-1])
-            padded[meta.token_row, meta.token_col] = q
-            q = padded
-        q = q.view(b, meta.max_q * h, -1)
-        scores = torch.bmm(q, kv.transpose(1, 2)).view(b, meta.max_q, h, -1) * scale
-        scores = scores.masked_fill_(meta.blocked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no key: zeros
-        probs = probs.view(b, meta.max_q * h, -1)
-        out = tiled_weighted_sum(probs, kv[..., :rank], KV_TILE)
-        out = out.view(b, meta.max_q, h, rank).to(q_latent.dtype)
-        if meta.token_row is None:
-            return out.view(-1, h, rank)  # [T, H, R]
-        return out[meta.token_row, meta.token_col]
+    def weighted_sum(self, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return tiled_weighted_sum(probs, values, KV_TILE)

@@ -93,8 +93,12 @@ class TorchNativeMLABackend(AttentionBackend):
         scores = torch.bmm(q, kv.transpose(1, 2)).view(b, meta.max_q, h, -1) * scale
         scores = scores.masked_fill_(meta.blocked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num_(0.0)  # rows with no key: zeros
-        out = torch.bmm(probs.view(b, meta.max_q * h, -1), kv[..., :rank])
+        out = self.weighted_sum(probs.view(b, meta.max_q * h, -1), kv[..., :rank])
         out = out.view(b, meta.max_q, h, rank).to(q_latent.dtype)
         if meta.token_row is None:
             return out.view(-1, h, rank)  # [T, H, R]
         return out[meta.token_row, meta.token_col]
+
+    def weighted_sum(self, probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """probs [B, M, L] @ values [B, L, R] (float32): the one reduction over keys."""
+        return torch.bmm(probs, values)
