@@ -29,4 +29,14 @@ def import_interpreted():
         else:
             os.environ["TRITON_INTERPRET"] = old
     assert sys.modules[KERNEL_MODULES[0]].INTERPRETED
+    # triton.language's own helpers (tl.cdiv, ...) are interpreted only if triton itself was
+    # first imported here: a test module that imports torch._dynamo (or triton) at collection,
+    # before the kernel tests, makes every kernel fail with "Cannot call @triton.jit'd ..."
+    from triton.language import standard
+    from triton.runtime.interpreter import InterpretedFunction
+
+    assert isinstance(standard.cdiv, InterpretedFunction), (
+        "triton was imported before the interpreter was set: import torch._dynamo/_inductor "
+        "or triton inside test functions, not at a test module's top level"
+    )
     return mods
