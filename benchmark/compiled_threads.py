@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
 
 import torch
+from step_overhead import median_ms
 
 from srt_ascend.decoding import DecoderHandles
 from srt_ascend.decoding.plain import PlainDecoder
@@ -59,18 +59,6 @@ def build(platform: CpuPlatform):
     return lambda: runner.forward(fb, kind)
 
 
-@torch.inference_mode()
-def median_ms(fn, iters: int) -> float:
-    for _ in range(10):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 3)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=4)
@@ -89,7 +77,8 @@ def main() -> None:
             try:
                 time.sleep(0.2 if busy else 0)
                 for name, fn in forwards.items():
-                    ms = median_ms(fn, a.iters)
+                    with torch.inference_mode():
+                        ms = median_ms(fn, a.iters)
                     rows.append({"round": r, "busy": busy, "rule": name, "ms": ms})
                     print(json.dumps(rows[-1]), flush=True)
             finally:

@@ -126,11 +126,11 @@ def bare(a) -> dict:
 
     out = {"compile_s": round(compile_s, 1)}
     for name, fn in (("forward_ms", forward), ("least_step_ms", least_step)):
-        out[name] = _median_ms(fn, a.iters)
+        out[name] = median_ms(fn, a.iters)
     if a.compile:  # what dynamo's guards cost a call: measured without them, then with again
         with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-            out["forward_no_guards_ms"] = _median_ms(forward, a.iters)
-        out["forward_again_ms"] = _median_ms(forward, a.iters)
+            out["forward_no_guards_ms"] = median_ms(forward, a.iters)
+        out["forward_again_ms"] = median_ms(forward, a.iters)
     return out
 
 
@@ -141,7 +141,8 @@ def _pow2_at_least(n: int) -> int:
     return w
 
 
-def _median_ms(fn, iters: int) -> float:
+def median_ms(fn, iters: int) -> float:
+    """Median wall time of `fn` in ms over `iters` calls, after 10 warm-up calls."""
     for _ in range(10):
         fn()
     times = []
