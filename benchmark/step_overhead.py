@@ -52,9 +52,9 @@ PARTS = [
     ("step (decode)", "srt_ascend.managers.scheduler:Scheduler", "_run_decode"),
     ("  kv alloc", "srt_ascend.managers.kv_book:KVBook", "alloc_running"),
     ("  batch build", "srt_ascend.model_executor.model_runner:ModelRunner", "build_forward_batch"),
-    ("  forward", "srt_ascend.model_executor.model_runner:ModelRunner", "forward"),
-    ("    graph replay", "srt_ascend.model_executor.graph_runner:GraphRunner", "try_replay"),
-    ("  logits", "srt_ascend.model_executor.model_runner:ModelRunner", "compute_logits"),
+    ("  forward + logits", "srt_ascend.model_executor.model_runner:ModelRunner", "forward_logits"),
+    ("    graph replay", "srt_ascend.model_executor.graph_runner:GraphRunner", "run"),
+    ("    eager logits", "srt_ascend.model_executor.model_runner:ModelRunner", "compute_logits"),
     ("  sample + read", "srt_ascend.decoding.base:sample_rows", None),
     ("  commit", "srt_ascend.managers.scheduler:Scheduler", "_commit"),
     ("    stop check", "srt_ascend.managers.stop_checker:StopChecker", "check"),
@@ -117,12 +117,12 @@ def bare(a) -> dict:
 
     fb = batch()
 
-    def forward():
-        runner.forward(fb, kind)
+    def forward():  # the graph's LM head included
+        runner.forward_logits(fb, kind)
 
     def least_step():
-        hidden = runner.forward(batch(), kind)
-        runner.compute_logits(hidden).argmax(dim=-1).tolist()
+        _, logits = runner.forward_logits(batch(), kind)
+        logits.argmax(dim=-1).tolist()
 
     out = {"compile_s": round(compile_s, 1)}
     for name, fn in (("forward_ms", forward), ("least_step_ms", least_step)):

@@ -149,10 +149,10 @@ class Decoder(ABC):
             [1] * len(reqs),
             loc,
         )
-        hidden = self.runner.forward(fb, kind)
+        hidden, logits = self.runner.forward_logits(fb, kind)
         for r in reqs:
             r.kv_len += 1
-        self.sample_and_commit(reqs, self.runner.compute_logits(hidden))
+        self.sample_and_commit(reqs, logits)
         return hidden
 
     @abstractmethod

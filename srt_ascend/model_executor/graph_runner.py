@@ -3,7 +3,10 @@
 Each forward *kind* is captured once per batch-size bucket over static buffers sized for the
 largest bucket; buckets are captured largest first and share one memory pool. A replay copies
 the batch into the buffers, pads it to the bucket (padding rows: KV length 0, padding slot 0),
-replays, and slices the real rows back out. Prefill stays eager.
+replays, and slices the real rows back out. Prefill stays eager. A kind's graph holds the LM
+head too (`GraphKind.logits`, all but the KV-only passes of later MTP layers): a replay hands
+back the hidden states and their float32 logits, so a decode, verify or draft step runs no
+eager matmul after its forward (compiled, the LM head is compiled with the forward).
 
 A replayed step costs what its live KV needs (DESIGN section 8). Kinds whose attention backend
 gathers the whole static KV window (torch_native) are also captured per KV window: powers of
@@ -43,7 +46,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -132,6 +135,7 @@ class GraphKind:
     rows_per_req: int  # ForwardBatch rows per request
     backend: AttentionBackend  # the attention backend its batches run through
     mtp_layer: int | None = None  # None: the main model; else this MTP layer
+    logits: bool = True  # the LM head runs inside the graph (False: its output is KV only)
 
     @property
     def q_per_row(self) -> int:
@@ -167,14 +171,21 @@ class _Buffers:
 class _Captured:
     graph: DeviceGraph
     fb: ForwardBatch  # over the static buffers; its host lists are refreshed at each replay
-    out: torch.Tensor  # the graph's output hidden states [tokens, D]
     num_tokens: int
     num_rows: int
     compiled: bool  # a torch.compile'd forward (--enable-torch-compile)
 
 
-# (fb, kind, MTP input hidden or None) -> output hidden: the eager forward a graph captures
-EagerForward = Callable[[ForwardBatch, GraphKind, "torch.Tensor | None"], torch.Tensor]
+class Replayed(NamedTuple):
+    """A replay's results for the batch's real tokens (owned by the caller)."""
+
+    hidden: torch.Tensor  # [tokens, D] output hidden states (final-normed)
+    logits: torch.Tensor | None  # [tokens, V] float32 from the LM head in the graph, or None
+
+
+# (fb, kind, MTP input hidden or None) -> (output hidden,) or, for a kind with logits,
+# (output hidden, its logits): the eager forward a graph captures
+EagerForward = Callable[[ForwardBatch, GraphKind, "torch.Tensor | None"], tuple[torch.Tensor, ...]]
 
 
 class GraphRunner:
@@ -345,8 +356,8 @@ class GraphRunner:
         with self.platform.stream(self.stream):
             for _ in range(graph.warmup_runs):
                 fn()
-        out = graph.capture(fn, self.pool, self.stream)
-        return _Captured(graph, fb, out, fb.num_tokens, fb.batch_size, compiled)
+        graph.capture(fn, self.pool, self.stream)
+        return _Captured(graph, fb, fb.num_tokens, fb.batch_size, compiled)
 
     # replay ----------------------------------------------------------------------------
     def _bucket(self, kind: GraphKind, fb: ForwardBatch) -> int | None:
@@ -388,12 +399,12 @@ class GraphRunner:
     def replay(
         self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None = None
     ) -> torch.Tensor:
-        out = self.try_replay(fb, kind, hidden)
+        """`run`'s hidden states; raises when no graph holds the batch."""
+        out = self.run(fb, kind, hidden)
         if out is None:
             raise ValueError(f"no captured {kind.name} graph holds this batch")
-        return out
+        return out.hidden
 
-    @torch.inference_mode()
     def try_replay(
         self,
         fb: ForwardBatch,
@@ -401,11 +412,24 @@ class GraphRunner:
         hidden: torch.Tensor | None = None,
         bucket: int | None = None,
     ) -> torch.Tensor | None:
+        """`run`'s hidden states, or None."""
+        out = self.run(fb, kind, hidden, bucket)
+        return None if out is None else out.hidden
+
+    @torch.inference_mode()
+    def run(
+        self,
+        fb: ForwardBatch,
+        kind: GraphKind,
+        hidden: torch.Tensor | None = None,
+        bucket: int | None = None,
+    ) -> Replayed | None:
         """Runs `fb` (eager-built, real rows only) through the captured graph of `kind`;
-        returns the real tokens' hidden states [fb.num_tokens, D] (a copy: the graph's output
-        is reused), or None when no graph of that kind holds the batch. `bucket`: the one the
-        DP ranks agreed on (dp_graph), at least `fb`'s own; `fb` may then have no rows at all
-        (an idle DP group), and the graph runs over padding only."""
+        returns the real tokens' hidden states [fb.num_tokens, D] and, for a kind with
+        logits, their logits [fb.num_tokens, V] (copies where the graph reuses its outputs),
+        or None when no graph of that kind holds the batch. `bucket`: the one the DP ranks
+        agreed on (dp_graph), at least `fb`'s own; `fb` may then have no rows at all (an idle
+        DP group), and the graph runs over padding only."""
         if bucket is None:
             bucket = self.bucket_for(fb, kind)
             if bucket is None:
@@ -440,8 +464,9 @@ class GraphRunner:
                 "actual_seq_lengths": to_cumulative(g.fb.extend_seq_lens_cpu),
                 "actual_seq_lengths_kv": list(g.fb.seq_lens_cpu),
             }
-        g.graph.replay(host)
+        outs = g.graph.replay(host)
         self.replays[kind.name] += 1
         self.window_replays[window] += 1
         self.compiled_replays[kind.name] += g.compiled
-        return g.out[:n_tok].clone()
+        real = [o[:n_tok].clone() if g.graph.outputs_reused else o[:n_tok] for o in outs]
+        return Replayed(real[0], real[1] if kind.logits else None)

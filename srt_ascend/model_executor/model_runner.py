@@ -22,6 +22,7 @@ from srt_ascend.model_executor.graph_runner import (
     MIN_KV_WINDOW,
     GraphKind,
     GraphRunner,
+    Replayed,
     graph_buckets,
 )
 from srt_ascend.model_executor.torch_compile import compile_max_bs
@@ -136,7 +137,7 @@ class ModelRunner:
             compile_on = False
         self.graph_runner = GraphRunner(
             self.platform,
-            lambda fb, kind, hidden: self._forward(fb, kind.mtp_layer, hidden),
+            self._captured_forward,
             self.req_to_token_pool,
             self.kv_pool,
             self.config.hidden_size,
@@ -220,10 +221,11 @@ class ModelRunner:
         kind: GraphKind | None,
         mtp_step: int | None,
         hidden: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """A replay of `kind`'s graph when one holds `fb`, else eager. Under data-parallel
-        attention with graphs, the ranks first exchange their demands and all replay the
-        agreed kind and bucket, or all run eagerly (model_executor/dp_graph.py)."""
+    ) -> Replayed:
+        """A replay of `kind`'s graph when one holds `fb` (its logits too, where the kind has
+        them), else eager (no logits). Under data-parallel attention with graphs, the ranks
+        first exchange their demands and all replay the agreed kind and bucket, or all run
+        eagerly (model_executor/dp_graph.py)."""
         graphs = self.graph_runner
         if graphs is not None and self.tp.dp_size > 1:
             demands = self.tp.dp_exchange(graphs.demand(fb, kind))
@@ -231,14 +233,22 @@ class ModelRunner:
             if choice is not None:
                 agreed = graphs.kind_at(choice[0])
                 self._check_same_module(agreed, mtp_step)
-                return graphs.try_replay(fb, agreed, hidden, bucket=choice[1])
+                return graphs.run(fb, agreed, hidden, bucket=choice[1])
             fb.dp_token_counts = token_counts(demands)
-            return self._forward(fb, mtp_step, hidden)
+            return Replayed(self._forward(fb, mtp_step, hidden), None)
         if graphs is not None and kind is not None:
-            out = graphs.try_replay(fb, kind, hidden)
+            out = graphs.run(fb, kind, hidden)
             if out is not None:
                 return out
-        return self.forward_eager(fb, mtp_step, hidden)
+        return Replayed(self.forward_eager(fb, mtp_step, hidden), None)
+
+    def _with_logits(self, out: Replayed, rows: torch.Tensor | None):
+        """(hidden, logits of `rows` of it, or of every row when None): the graph's logits
+        where it ran the LM head, else the LM head now over those rows only."""
+        hidden, logits = out
+        if logits is None:
+            return hidden, self.compute_logits(hidden if rows is None else hidden[rows])
+        return hidden, logits if rows is None else logits[rows]
 
     def _check_same_module(self, kind: GraphKind, mtp_step: int | None) -> None:
         """The DP ranks agreed on `kind`; this rank runs the main model (mtp_step None) or
@@ -252,7 +262,17 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch, kind: GraphKind | None = None) -> torch.Tensor:
         """Main model forward: a replay of `kind`'s graph when one holds this batch, else
         eager. Returns final-normed hidden states [T, hidden]."""
-        return self._run(forward_batch, kind, None, None)
+        return self._run(forward_batch, kind, None, None).hidden
+
+    @torch.inference_mode()
+    def forward_logits(
+        self, forward_batch: ForwardBatch, kind: GraphKind | None = None, rows=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` and the logits [len(rows) or T, V] (float32) of `rows` (a device index
+        tensor; None: every row) of its hidden states. A replayed graph ran the LM head
+        over every row inside it (a compiled graph: compiled with the forward); eager, the
+        LM head runs over the rows asked for only."""
+        return self._with_logits(self._run(forward_batch, kind, None, None), rows)
 
     @torch.inference_mode()
     def forward_mtp(
@@ -265,7 +285,20 @@ class ModelRunner:
         """MTP draft forward for draft step `step` (input ids = token t+1, `hidden` = h_t);
         replayed from `kind`'s graph when one holds it. Returns the normed hidden the LM
         head reads."""
-        return self._run(forward_batch, kind, step, hidden)
+        return self._run(forward_batch, kind, step, hidden).hidden
+
+    @torch.inference_mode()
+    def forward_mtp_logits(
+        self,
+        forward_batch: ForwardBatch,
+        hidden: torch.Tensor,
+        step: int,
+        kind: GraphKind | None = None,
+        rows=None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward_mtp` and the logits of `rows` of its output (as `forward_logits`: the
+        MTP module shares the main model's LM head)."""
+        return self._with_logits(self._run(forward_batch, kind, step, hidden), rows)
 
     @torch.inference_mode()
     def forward_eager(
@@ -288,6 +321,15 @@ class ModelRunner:
         if mtp_step is None:
             return self.model(fb.input_ids, fb.positions, fb)
         return self.mtp(fb.input_ids, hidden, fb.positions, fb, step=mtp_step)
+
+    def _captured_forward(
+        self, fb: ForwardBatch, kind: GraphKind, hidden: torch.Tensor | None
+    ) -> tuple[torch.Tensor, ...]:
+        """What a graph of `kind` captures: the forward, and where the kind has logits the
+        LM head over its every row (so a replayed decode, verify or draft step reads logits
+        the graph computed)."""
+        out = self._forward(fb, kind.mtp_layer, hidden)
+        return (out, self.model.compute_logits(out)) if kind.logits else (out,)
 
     @torch.inference_mode()
     def forward_idle(self, mtp_step: int | None = None) -> None:

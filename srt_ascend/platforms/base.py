@@ -24,39 +24,46 @@ class DeviceUnavailable(RuntimeError):
     """The requested device cannot be used here; the message is one line for the CLI."""
 
 
+Outputs = tuple[torch.Tensor, ...]  # what a captured forward returns
+
+
 class DeviceGraph(ABC):
     """One captured forward. `capture` runs `fn` once under capture and returns its output
-    tensor; `replay` re-runs the captured work, which writes that same tensor again.
+    tensors; `replay` re-runs the captured work and returns its outputs: on a device graph
+    the captured tensors, written again (`outputs_reused`: a caller that keeps a result past
+    the next replay copies it), on the CPU stand-in fresh tensors.
 
     Host-side parameters (Python lists handed to an op, such as FIA's sequence lengths) are
     baked into a device graph at capture. A graph class that can refresh them says so with
     `supports_host_params`; `replay(host_params)` then passes the new values."""
 
     supports_host_params: bool = False
+    outputs_reused: bool = True
     warmup_runs: int = 2  # eager runs before capture (lazy kernels, workspaces)
 
     @abstractmethod
-    def capture(self, fn: Callable[[], torch.Tensor], pool, stream) -> torch.Tensor: ...
+    def capture(self, fn: Callable[[], Outputs], pool, stream) -> Outputs: ...
 
     @abstractmethod
-    def replay(self, host_params: dict[str, list[int]] | None = None) -> None: ...
+    def replay(self, host_params: dict[str, list[int]] | None = None) -> Outputs: ...
 
 
 class EagerReplayGraph(DeviceGraph):
     """CPU stand-in: "replay" runs the captured function again over the same static buffers
-    and copies the result into the captured output, so capture/pad/replay logic is shared
-    with the device graphs. Host parameters are read afresh on every run."""
+    and returns what it returns, so capture/pad/replay logic is shared with the device
+    graphs. Host parameters are read afresh on every run. It keeps no output of its own
+    (a forward's logits are [tokens, vocab] floats: every captured shape would hold some)."""
 
     supports_host_params = True
+    outputs_reused = False
     warmup_runs = 0
 
     def capture(self, fn, pool, stream):
         self._fn = fn
-        self._out = fn()
-        return self._out
+        return fn()
 
     def replay(self, host_params=None):
-        self._out.copy_(self._fn())
+        return self._fn()
 
 
 class Platform(ABC):

@@ -14,11 +14,12 @@ class CudaGraph(DeviceGraph):
     def capture(self, fn, pool, stream):
         self._graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self._graph, pool=pool, stream=stream):
-            out = fn()
-        return out
+            self._out = fn()
+        return self._out
 
     def replay(self, host_params=None):
         self._graph.replay()
+        return self._out
 
 
 @register_platform("cuda")

@@ -36,13 +36,14 @@ class AclGraph(DeviceGraph):
     def capture(self, fn, pool, stream):
         self._graph = torch.npu.NPUGraph()
         with torch.npu.graph(self._graph, pool=pool, stream=stream, auto_dispatch_capture=True):
-            out = fn()
-        return out
+            self._out = fn()
+        return self._out
 
     def replay(self, host_params=None):
         if host_params:
             self._graph.update(cpu_update_input=[host_params])
         self._graph.replay()
+        return self._out
 
 
 @register_platform("npu")

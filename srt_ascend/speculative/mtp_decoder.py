@@ -106,6 +106,7 @@ class MTPDecoder(Decoder):
                 1,
                 backend,
                 layer,
+                logits=False,  # its KV only
             )
             for j in extend_kinds
             for layer in later
@@ -113,7 +114,7 @@ class MTPDecoder(Decoder):
         self.worker = MTPWorker(
             DraftHandles(
                 runner.forward_mtp,
-                runner.mtp.compute_logits,
+                runner.forward_mtp_logits,
                 runner.build_forward_batch,
                 handles.req_to_token,
                 self.vocab,
@@ -171,7 +172,7 @@ class MTPDecoder(Decoder):
             fb = runner.build_forward_batch(
                 ForwardMode.DECODE, loc[:, 0], rows, [context + 1] * bs, [1] * bs, loc[:, 0]
             )
-            runner.compute_logits(runner.forward(fb, self.plain_kind))
+            runner.forward_logits(fb, self.plain_kind)
             return
         for j in range(1, k):
             kind = self.step_kinds[j]
@@ -179,16 +180,16 @@ class MTPDecoder(Decoder):
             ids = loc[:, :n].reshape(-1)
             fb = runner.build_forward_batch(kind.mode, ids, rows, [context + j] * bs, [n] * bs, ids)
             steps = hidden.new_zeros(bs * n, hidden.shape[-1])
-            runner.mtp.compute_logits(runner.forward_mtp(fb, steps, j, kind)[:bs])
+            last = torch.arange(n - 1, bs * n, n, device=runner.device)
+            runner.forward_mtp_logits(fb, steps, j, kind, last)
         verify = self.verifies[k]
-        out = runner.forward(verify.build(loc, rows, [context] * bs, loc), verify.kind)
-        runner.compute_logits(out)
+        out, _ = runner.forward_logits(verify.build(loc, rows, [context] * bs, loc), verify.kind)
         flat = loc.reshape(-1)
         build = lambda: runner.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
         )
-        out = self.worker.mtp_pass(build, out, self.worker.extend_kinds[k], k)
-        runner.mtp.compute_logits(out[:bs])
+        first = torch.arange(bs, device=runner.device)
+        self.worker.mtp_pass(build, out, self.worker.extend_kinds[k], k, first)
 
     def _timed(self, seconds: float) -> float | None:
         """A step's seconds for the cost table, None for the SETTLE_STEPS after a prefill."""
@@ -257,8 +258,8 @@ class MTPDecoder(Decoder):
             [r.seq_len for r in reqs],
             loc,
         )
-        hidden = self.runner.forward(fb, verify.kind)  # [B*(K+1), D]
-        logits = self.runner.compute_logits(hidden)[:, : self.vocab].view(len(reqs), k1, -1)
+        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
+        logits = logits[:, : self.vocab].view(len(reqs), k1, -1)
         verdict = self._accept(reqs, logits, drafts)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]

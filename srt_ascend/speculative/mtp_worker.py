@@ -54,12 +54,18 @@ def draft_seed_offset(start_len: int, j: int) -> int:
 
 # (fb, h_t, draft step, graph kind or None) -> output hidden
 MtpForward = Callable[[ForwardBatch, torch.Tensor, int, "GraphKind | None"], torch.Tensor]
+# the same, and the rows (a device index tensor) whose logits are wanted
+# -> (output hidden, logits of those rows [rows, V] float32): ModelRunner.forward_mtp_logits
+MtpLogitsForward = Callable[
+    [ForwardBatch, torch.Tensor, int, "GraphKind | None", torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 @dataclass
 class DraftHandles:
     forward: MtpForward
-    compute_logits: Callable[[torch.Tensor], torch.Tensor]
+    forward_logits: MtpLogitsForward
     build_forward_batch: Callable[..., ForwardBatch]  # (mode, ids, rows, seq, ext, loc)
     req_to_token: torch.Tensor  # [rows, max_context] slot table
     vocab_size: int
@@ -106,11 +112,13 @@ class MTPWorker:
         hidden: torch.Tensor,
         kind: GraphKind | None,
         k: int,
-    ) -> torch.Tensor:
+        rows: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """MTP layer 0 over a DRAFT_EXTEND batch (its output drafts d_1), and every later MTP
         layer a draft step runs over the same inputs (h_p, token p+1), for their KV at these
-        positions: each layer's attention reads its own KV layer. Returns layer 0's output."""
-        out = self.h.forward(build(), hidden, 0, kind)
+        positions: each layer's attention reads its own KV layer. Returns layer 0's output
+        and the logits of its `rows` (a device index tensor)."""
+        out = self.h.forward_logits(build(), hidden, 0, kind, rows)
         for layer in self.later_layers:
             self.h.forward(build(), hidden, layer, self.layer_kinds[k, layer])
         return out
@@ -136,9 +144,10 @@ class MTPWorker:
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc
         )
-        out = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds))
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        self._draft_first(reqs, out, ends, draft_rows)
+        picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
+        out, logits = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds), last)
+        self._draft_first(picked, out[last], logits)
 
     @torch.inference_mode()
     def draft_after_verify(
@@ -164,8 +173,10 @@ class MTPWorker:
             [k1] * len(reqs),
             loc.reshape(-1),
         )
-        out = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1)
-        self._draft_first(reqs, out, [i * k1 + n - 1 for i, n in enumerate(accepted)], draft_rows)
+        ends = [i * k1 + n - 1 for i, n in enumerate(accepted)]
+        picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
+        out, logits = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1, last)
+        self._draft_first(picked, out[last], logits)
 
     def defer(
         self,
@@ -226,16 +237,19 @@ class MTPWorker:
         ]
         self.draft_extend(stale, starts, lens, hidden, next_tokens, [draft] * len(stale))
 
-    def _draft_first(
-        self, reqs, out: torch.Tensor, last_rows: list[int], draft_rows: list[bool]
-    ) -> None:
+    @staticmethod
+    def _drafting(reqs, last_rows: list[int], draft_rows: list[bool], device):
+        """The requests that draft d_1 now, and the output rows (their last positions, a
+        device index tensor) whose logits draft it."""
         chosen = [i for i, d in enumerate(draft_rows) if d]
-        if not chosen:
+        return [reqs[i] for i in chosen], to_device([last_rows[i] for i in chosen], device)
+
+    def _draft_first(self, picked, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+        """d_1 of each `picked` request from its row of `logits` [B, V]; `hidden` [B, D]: the
+        outputs that drafted it (the next draft step's input)."""
+        if not picked:
             return
-        picked = [reqs[i] for i in chosen]
-        rows = to_device([last_rows[i] for i in chosen], out.device)
-        hidden = out.index_select(0, rows)
-        tokens, probs = self._draft_step(picked, hidden, None)
+        tokens, probs = self._draft_step(picked, logits, None)
         for i, r in enumerate(picked):
             s = state_of(r)
             s.token, s.hidden = tokens[i], hidden[i]
@@ -270,8 +284,10 @@ class MTPWorker:
                 loc[:, j - n : j].reshape(-1),
             )
             hidden = torch.stack(outs[j - n :], dim=1).reshape(-1, outs[0].shape[-1])
-            out = self.h.forward(fb, hidden, j, kind).view(len(reqs), n, -1)[:, -1]
-            token, p = self._draft_step(reqs, out, torch.stack(tokens, dim=1))
+            last = torch.arange(n - 1, len(reqs) * n, n, device=loc.device)  # each one's last
+            out, logits = self.h.forward_logits(fb, hidden, j, kind, last)
+            out = out.view(len(reqs), n, -1)[:, -1]
+            token, p = self._draft_step(reqs, logits, torch.stack(tokens, dim=1))
             outs.append(out)
             tokens.append(token)
             probs.append(p)
@@ -299,12 +315,12 @@ class MTPWorker:
     def _draft_step(
         self,
         reqs: list[StepRequest],
-        out_hidden: torch.Tensor,  # [B, D]
+        logits: torch.Tensor,  # [B, V'] the MTP head's logits of each row's drafting output
         drafted: torch.Tensor | None,  # [B, j] drafts of this chain so far (None: j = 0)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft of every row [B] and the distribution it came from [B, V] (None
         when every row drafts greedily), on the device."""
-        logits = self.h.compute_logits(out_hidden)[:, : self.h.vocab_size]
+        logits = logits[:, : self.h.vocab_size]
         if all_plain_greedy(reqs):
             return logits.argmax(dim=-1), None
         n_drafted = 0 if drafted is None else drafted.shape[1]  # the same for every row

@@ -66,7 +66,10 @@ def _worker() -> MTPWorker:
     draft_logits = DRAFT.log()
     handles = DraftHandles(
         forward=lambda fb, hidden, step, kind: torch.zeros(fb, 1),
-        compute_logits=lambda hidden: draft_logits.expand(hidden.shape[0], V).clone(),
+        forward_logits=lambda fb, hidden, step, kind, rows: (
+            torch.zeros(fb, 1),
+            draft_logits.expand(len(rows), V).clone(),
+        ),
         build_forward_batch=lambda mode, ids, rows, seq, ext, loc: len(ids),
         req_to_token=torch.zeros(1, 1, dtype=torch.int64),
         vocab_size=V,

@@ -201,6 +201,8 @@ def test_captures_every_kind_largest_bucket_first(runners):
         "decode", "verify_fia", "draft_extend", "draft_extend_l1", "draft_step1"
     }  # fmt: skip
     assert list(gr.graphs)[0][1] == 4 and len(gr.graphs) == 2 * len(gr.kinds)
+    # every kind runs the LM head inside its graph but layer 1's pass (its KV only)
+    assert [n for n, k in gr.kinds.items() if not k.logits] == ["draft_extend_l1"]
     assert set(runners["expand"].graph_runner.kinds) >= {"verify_expand"}
 
 
@@ -217,10 +219,13 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
         assert gr.can_run(fb, graph_kind)
         name = graph_kind.name
         before = gr.replays[name]
-        replayed = gr.replay(fb, graph_kind, hidden if layer is not None else None)
+        replayed, logits = gr.run(fb, graph_kind, hidden if layer is not None else None)
         assert gr.replays[name] == before + 1
         eager = runner.forward_eager(fb, layer, hidden)
         torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
+        # the LM head ran inside the graph, over every real row
+        assert logits.shape == (fb.num_tokens, runner.vocab_size)
+        torch.testing.assert_close(logits, runner.compute_logits(eager), rtol=1e-4, atol=1e-4)
 
         # Same replay with garbage in every padding row (ids, positions, hidden, KV lengths,
         # request rows): real rows are bit-identical, and no KV outside slot 0 and the real
@@ -234,8 +239,9 @@ def test_replay_matches_eager_and_padding_never_leaks(runners, verify, kind, lay
         b.seq_lens[n_rows : g.num_rows].random_(0, 9, generator=reqs.gen)
         b.req_pool_indices[n_rows : g.num_rows] = reqs.rows[0]
         with torch.inference_mode():
-            g.graph.replay(None)
-        assert torch.equal(g.out[:n_tok], replayed)
+            again = g.graph.replay(None)
+        assert torch.equal(again[0][:n_tok], replayed)
+        assert torch.equal(again[1][:n_tok], logits)
         touched = torch.cat([fb.out_cache_loc, torch.zeros(1, dtype=torch.int64)])
         for i, before_kv in enumerate(kv):
             after = runner.kv_pool.get_key_buffer(i).clone()

@@ -29,14 +29,19 @@ from srt_ascend.server_args import ServerArgs
 
 
 class TracingPlatform(CpuPlatform):
-    """The CPU platform compiling with dynamo's eager backend, counting compilations."""
+    """The CPU platform compiling with dynamo's eager backend, counting compilations and
+    keeping each compiled graph's outputs' (shape, dtype)."""
 
     def __init__(self) -> None:
         self.compiles = 0
+        self.outputs: list[list[tuple[tuple[int, ...], torch.dtype]]] = []
 
     def compile(self, fn):
         def count(gm, example_inputs):
             self.compiles += 1
+            outs = gm.graph.output_node().args[0]
+            vals = [o.meta["example_value"] for o in outs]  # dynamo's fake outputs
+            self.outputs.append([(tuple(v.shape), v.dtype) for v in vals])
             return gm.forward
 
         return torch.compile(fn, fullgraph=True, dynamic=False, backend=count)
@@ -64,6 +69,12 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
     kinds = {"decode", f"verify_{verify}", "draft_extend", "draft_extend_l1", "draft_step1"}
     assert set(gr.kinds) == kinds
     assert platform.compiles == len(kinds)  # bucket 2 of each kind; bucket 4 uncompiled
+    # the LM head is compiled into every kind's graph but layer 1's pass (its KV only)
+    vocab = runner.vocab_size
+    with_logits = [
+        o for o in platform.outputs if (o[-1][0][-1], o[-1][1]) == (vocab, torch.float32)
+    ]
+    assert len(with_logits) == len(kinds) - 1, platform.outputs
     for lens in ((5, 11), (9, 3), (7,)):  # bucket 2 (compiled) twice, then padded from 1
         reqs = Requests(runner, lens=lens)
         try:
@@ -78,9 +89,12 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
                 fb = reqs.batch(prefix, q_lens if verify == "fia" else None)
                 hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, generator=reqs.gen)
                 hidden = hidden if layer is not None else None
-                replayed = gr.replay(fb, reqs.kind(prefix), hidden)
+                replayed, logits = gr.run(fb, reqs.kind(prefix), hidden)
                 eager = runner.forward_eager(fb, layer, hidden)
                 torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
+                if layer != 1:
+                    want = runner.compute_logits(eager)
+                    torch.testing.assert_close(logits, want, rtol=1e-4, atol=1e-4)
         finally:
             for s in reqs.slots:
                 runner.allocator.free(s)
