@@ -1,18 +1,20 @@
-"""Serving overhead at one request: the bare decode forward beside the step it serves.
+"""Serving overhead: the bare decode forward beside the step it serves.
 
-    python benchmark/step_overhead.py [--compile] [--input-len 64] [--output-len 64]
-        [--num-prompts 16] [--context-length 256] [--py-spy FILE [--gil]]
+    python benchmark/step_overhead.py [--compile] [--concurrency 1] [--input-len 64]
+        [--output-len 64] [--num-prompts 16] [--context-length 256] [--py-spy FILE [--gil]]
         [--switch-interval S] [--json-out FILE] [--server-flags --num-threads 1 ...]
 
-One run, shipped checkpoint, bf16, MTP off, greedy, one request at a time:
-1. bare: a ModelRunner with the server's settings (graphs at batch 1; `--compile`:
-   compiled) replays the decode forward back to back over one request with KV of the served
-   mean length: the forward alone, and the least a step needs (batch build + forward + logits +
-   argmax read); compiled, also the forward without dynamo's guard evaluation.
+One run, shipped checkpoint, bf16, MTP off, greedy, `--concurrency` C requests at a time:
+1. bare: a ModelRunner with the server's settings (graphs at batch C; `--compile`:
+   compiled) replays the decode forward (the LM head inside its graph) back to back over C
+   requests with KV of the served mean length: the forward alone, and the least a step needs
+   (batch build + forward + argmax read); compiled, also the forward without dynamo's guard
+   evaluation.
 2. served: the same settings as a server (`launch_server.run` in a child process, with timers
-   wrapped around the parts of a step and GC callbacks), and a streaming client here sends the
-   prompts one after another to /generate; TPOT per request from the chunks' arrival times
-   (bench_serving's definition: (last - first) / (tokens - 1)), median over requests.
+   wrapped around the parts of a step and GC callbacks), and C streaming clients here each
+   send their share of the prompts one after another to /generate; TPOT per request from the
+   chunks' arrival times (bench_serving's definition: (last - first) / (tokens - 1)), median
+   over requests.
 The breakdown is ms per decode step of each timed part during the measured requests, in the
 scheduler thread (the step) and in the event loop thread (output dispatch, detokenization,
 response building; the HTTP streaming itself is what the loop spends beyond them).
@@ -70,10 +72,12 @@ PARTS = [
 
 
 def server_flags(a) -> list[str]:
-    flags = ["--context-length", str(a.context_length), "--max-running-requests", "4"]
-    flags += ["--cuda-graph-bs", "1", "--enable-cpu-graph"]
+    c = str(a.concurrency)
+    flags = ["--context-length", str(a.context_length)]
+    flags += ["--max-running-requests", str(max(4, a.concurrency))]
+    flags += ["--cuda-graph-bs", c, "--enable-cpu-graph"]
     if a.compile:
-        flags += ["--enable-torch-compile", "--torch-compile-max-bs", "1"]
+        flags += ["--enable-torch-compile", "--torch-compile-max-bs", c]
     return flags + a.server_flags
 
 
@@ -102,18 +106,25 @@ def bare(a) -> dict:
     while runner.compile_next_graph():
         pass
     compile_s = time.perf_counter() - t0
-    row = runner.req_to_token_pool.alloc(1)[0]
-    slots = runner.allocator.alloc(prefix + 1)
-    runner.req_to_token_pool.write([row], [0], slots, [prefix + 1])
+    n = a.concurrency
+    rows = runner.req_to_token_pool.alloc(n)
     g = torch.Generator().manual_seed(0)
     pool = runner.kv_pool
-    for layer in range(runner.num_layers):
-        c = torch.randn(prefix, pool.kv_lora_rank, generator=g)
-        pool.set_mla_kv_buffer(layer, slots[:prefix], c, torch.randn(prefix, pool.qk_rope_head_dim))
-    loc = slots[prefix:]
+    locs = []
+    for row in rows:
+        slots = runner.allocator.alloc(prefix + 1)
+        runner.req_to_token_pool.write([row], [0], slots, [prefix + 1])
+        for layer in range(runner.num_layers):
+            c = torch.randn(prefix, pool.kv_lora_rank, generator=g)
+            k_pe = torch.randn(prefix, pool.qk_rope_head_dim, generator=g)
+            pool.set_mla_kv_buffer(layer, slots[:prefix], c, k_pe)
+        locs.append(slots[prefix:])
+    loc = torch.cat(locs)
 
     def batch():
-        return runner.build_forward_batch(ForwardMode.DECODE, [5], [row], [prefix + 1], [1], loc)
+        return runner.build_forward_batch(
+            ForwardMode.DECODE, [5] * n, rows, [prefix + 1] * n, [1] * n, loc
+        )
 
     fb = batch()
 
@@ -249,12 +260,22 @@ def stream_one(port: int, ids: list[int], n: int) -> list[float]:
 
 
 def client(port: int, a, prompts: list[list[int]]) -> tuple[float, float, list[float]]:
-    """(wall start, wall end, TPOT ms per request) of one request at a time."""
+    """(wall start, wall end, TPOT ms per request) of `a.concurrency` streams at a time, each
+    sending its share of `prompts` one after another."""
     start = time.perf_counter()
-    tpots = []
-    for ids in prompts:
-        t = stream_one(port, ids, a.output_len)
-        tpots.append((t[-1] - t[0]) / (len(t) - 1) * 1e3)
+    tpots: list[float] = []
+
+    def one_stream(share):
+        for ids in share:
+            t = stream_one(port, ids, a.output_len)
+            tpots.append((t[-1] - t[0]) / (len(t) - 1) * 1e3)
+
+    c = a.concurrency
+    streams = [threading.Thread(target=one_stream, args=(prompts[i::c],)) for i in range(c)]
+    for t in streams:
+        t.start()
+    for t in streams:
+        t.join()
     return start, time.perf_counter(), tpots
 
 
@@ -348,11 +369,12 @@ def served(a) -> dict:
         g = torch.Generator().manual_seed(1)
         prompts = [
             torch.randint(3, 8000, (a.input_len,), generator=g).tolist()
-            for _ in range(a.num_prompts + 2)
+            for _ in range(a.num_prompts + 2 * a.concurrency)
         ]
-        client(port, a, prompts[:2])  # warm-up
-        start, end, tpots = client(port, a, prompts[2:])
-        spy = py_spy_profile(proc.pid, port, a, prompts[2:]) if a.py_spy else None
+        warm = 2 * a.concurrency
+        client(port, a, prompts[:warm])  # warm-up
+        start, end, tpots = client(port, a, prompts[warm:])
+        spy = py_spy_profile(proc.pid, port, a, prompts[warm:]) if a.py_spy else None
     finally:
         proc.terminate()
         proc.join(60)
@@ -367,6 +389,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=SHIPPED_MODEL)
     p.add_argument("--compile", action="store_true", help="--enable-torch-compile")
+    p.add_argument("--concurrency", type=int, default=1, help="requests at a time")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=16)
@@ -404,6 +427,8 @@ def report(res: dict) -> None:
         f"TPOT / forward {s['tpot_ms'] / b['forward_ms']:.2f}x"
     )
     print(f"scheduler step period     {s['step_period_ms']} ms over {s['decode_steps']} steps")
+    if s["step_period_ms"]:
+        print(f"step period / forward     {s['step_period_ms'] / b['forward_ms']:.2f}x")
     print("ms per decode step, by thread (median call x calls per step / mean):")
     order = {label: i for i, (label, _, _) in enumerate(PARTS)}
     keys = sorted(s["parts"], key=lambda k: (k.split(" | ")[0], order.get(k.split(" | ")[1], 99)))
