@@ -362,10 +362,12 @@ def served(a) -> dict:
         target=serve,
         args=([*argv, *server_flags(a)], records_path, a.switch_interval),
     )
+    launched = time.perf_counter()
     proc.start()
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
+        ready_s = time.perf_counter() - launched  # every shape compiled (the bare run's cache)
         g = torch.Generator().manual_seed(1)
         prompts = [
             torch.randint(3, 8000, (a.input_len,), generator=g).tolist()
@@ -382,7 +384,13 @@ def served(a) -> dict:
         records = json.load(f)
     shutil.rmtree(tmp)
     parts, counts = breakdown(records, start, end)
-    return {"tpot_ms": round(statistics.median(tpots), 3), **counts, "parts": parts, "py_spy": spy}
+    return {
+        "tpot_ms": round(statistics.median(tpots), 3),
+        "ready_s": round(ready_s, 1),
+        **counts,
+        "parts": parts,
+        "py_spy": spy,
+    }
 
 
 def main() -> None:
@@ -426,6 +434,7 @@ def report(res: dict) -> None:
         f"served TPOT (median)      {s['tpot_ms']:8.3f} ms   "
         f"TPOT / forward {s['tpot_ms'] / b['forward_ms']:.2f}x"
     )
+    print(f"server ready (compiled)   {s['ready_s']} s from launch")
     print(f"scheduler step period     {s['step_period_ms']} ms over {s['decode_steps']} steps")
     if s["step_period_ms"]:
         print(f"step period / forward     {s['step_period_ms'] / b['forward_ms']:.2f}x")

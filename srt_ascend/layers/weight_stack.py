@@ -9,8 +9,8 @@ then reports False and the owning module goes back to its unstacked path.
 
 Under torch.compile `intact()` gives the answer of its last eager call (the compiler runs each
 forward eagerly before tracing it), a constant of the compiled graph with no data-pointer
-guard: a compiled forward keeps the layout it was traced with, so it is rebuilt, not
-re-checked, after weights get new storage.
+guard: a compiled forward holds its weights as they were then (freezing folds them in), so it
+is rebuilt, not re-checked, after weights get new storage.
 """
 
 from __future__ import annotations

@@ -22,14 +22,13 @@ class CpuPlatform(Platform):
     # Eager replay saves no launch overhead on CPU; --enable-cpu-graph runs it anyway.
     graphs_by_default = False
     # mode "max-autotune-no-cudagraphs" (autotuning picks AMX / AVX micro-GEMMs over oneDNN
-    # for the small matmuls) and the C++ wrapper (no Python between kernels). Not freezing
-    # (weights folded in as constants): AOT autograd cannot cache a frozen graph, so every
-    # start re-ran its tracing per shape (a warm shape 56 s frozen against 12 s, for the same
-    # compiled decode forward time; benchmark/README.md, "Warm start").
+    # for the small matmuls), the C++ wrapper (no Python between kernels) and freezing
+    # (weights folded in as constants): each alone gains less (benchmark/compile.py).
     compile_options = {
         "max_autotune": True,
         "coordinate_descent_tuning": True,
         "cpp_wrapper": True,
+        "freezing": True,
     }
 
     @staticmethod

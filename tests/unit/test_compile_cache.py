@@ -1,9 +1,11 @@
-"""A warm start compiles nothing (--enable-torch-compile, CPU, the platform's real inductor
-settings): a second model runner started against the same compile cache loads every shape
-through AOT autograd's cache (which also skips AOT autograd's tracing: the costly part of a
-warm start) with inductor's FX graph cache behind it; neither cache misses or is bypassed.
-With frozen weights (inductor's `freezing`) AOT autograd cannot cache a graph at all, and a
-warm start re-ran AOT autograd for every shape (benchmark/README.md, "Warm start")."""
+"""A warm start generates and builds no code (--enable-torch-compile, CPU, the platform's real
+inductor settings): a second model runner started against the same compile cache (and with
+dynamo's in-memory code emptied, as in a new process) finds every shape's compiled code in
+inductor's FX graph cache; none misses. AOT autograd's own cache, which would also skip AOT
+autograd's tracing (most of a warm shape's seconds), is bypassed while weights are frozen
+(inductor's `freezing`); with freezing off it hit, but a warm hit across processes failed in
+the server (benchmark/README.md, "Warm start"), so freezing stays and this pins the bypass.
+"""
 
 from __future__ import annotations
 
@@ -62,7 +64,10 @@ def test_a_second_start_with_the_same_cache_compiles_nothing(
     assert shapes == 1, first.graph_runner.graphs
     assert cold == {
         ("inductor", "fxgraph_cache_miss"): 1,
-        ("aot_autograd", "autograd_cache_miss"): 1,
+        ("aot_autograd", "autograd_cache_bypass"): 1,
     }
     _, warm = start(path)
-    assert warm == {("inductor", "fxgraph_cache_hit"): 1, ("aot_autograd", "autograd_cache_hit"): 1}
+    assert warm == {
+        ("inductor", "fxgraph_cache_hit"): 1,
+        ("aot_autograd", "autograd_cache_bypass"): 1,
+    }

@@ -67,7 +67,7 @@ def test_a_compiled_forward_leaves_a_core_and_restores_the_threads():
 
 def mlp():
     """A 16-layer bf16 MLP at one row, the issue's example shape class (inductor-compiled
-    with the CPU platform's C++ wrapper, without autotuning: seconds, not
+    with the CPU platform's C++ wrapper and freezing, without autotuning: seconds, not
     minutes, to compile)."""
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(256, 256, generator=g).to(torch.bfloat16) / 16 for _ in range(16)]
@@ -83,7 +83,7 @@ def mlp():
 
 
 class FastCompilePlatform(CpuPlatform):
-    compile_options = {"cpp_wrapper": True}
+    compile_options = {"cpp_wrapper": True, "freezing": True}
 
 
 def median_ms(fn, iters: int = 150) -> float:
