@@ -59,6 +59,7 @@ from srt_ascend.model_executor.torch_compile import (
     CompileQueue,
     Shape,
     allow_compiled_shapes,
+    set_intra_op_threads,
 )
 from srt_ascend.utils import to_device
 
@@ -205,8 +206,11 @@ class GraphRunner:
         smallest_kv_window: int = MIN_KV_WINDOW,
         compile_max_bs: int = 0,
         dp_size: int = 1,
+        eager_threads: int | None = None,
     ) -> None:
         self.platform = platform
+        # intra-op threads of uncompiled replays (compiled ones: CompiledForward's own count)
+        self.eager_threads = eager_threads or torch.get_num_threads()
         self.dp_size = dp_size  # DP attention groups whose tokens each MLP gathers
         self.compile_max_bs = compile_max_bs  # buckets up to this are compiled (0: none)
         self.eager_forward = eager_forward
@@ -352,7 +356,7 @@ class GraphRunner:
         fn = body
         if compiled:
             body()  # eagerly first: what the compiled graph only reads is built (caches)
-            fn = CompiledForward(self.platform, body)
+            fn = CompiledForward(self.platform, body, self.eager_threads)
         with self.platform.stream(self.stream):
             for _ in range(graph.warmup_runs):
                 fn()
@@ -438,6 +442,7 @@ class GraphRunner:
         g = self.graphs[kind.name, bucket, window]
         if not g.compiled:
             self.compile_queue.hit((kind.name, bucket, window))
+            set_intra_op_threads(self.eager_threads)
         n_tok, n_rows, b = fb.num_tokens, fb.batch_size, self.buf
         for dst, src, n, total in (
             (b.input_ids, fb.input_ids, n_tok, g.num_tokens),

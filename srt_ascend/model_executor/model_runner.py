@@ -25,7 +25,7 @@ from srt_ascend.model_executor.graph_runner import (
     Replayed,
     graph_buckets,
 )
-from srt_ascend.model_executor.torch_compile import compile_max_bs
+from srt_ascend.model_executor.torch_compile import compile_max_bs, set_intra_op_threads
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
@@ -56,6 +56,9 @@ class ModelRunner:
         self.server_args = server_args
         self.platform = platform
         self.tp = tp
+        # intra-op threads eager forwards run with (a compiled forward leaves its own count
+        # in force for the eager work after it: torch_compile.CompiledForward)
+        self.eager_threads = torch.get_num_threads()
         self.device = platform.device
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config)
@@ -149,6 +152,7 @@ class ModelRunner:
             smallest_kv_window,
             compile_max_bs(compile_on, args.torch_compile_max_bs, self.platform),
             self.tp.dp_size,
+            self.eager_threads,
         )
         self.graph_runner.capture(defer_compile=not args.torch_compile_at_start)
 
@@ -235,6 +239,7 @@ class ModelRunner:
                 self._check_same_module(agreed, mtp_step)
                 return graphs.run(fb, agreed, hidden, bucket=choice[1])
             fb.dp_token_counts = token_counts(demands)
+            set_intra_op_threads(self.eager_threads)
             return Replayed(self._forward(fb, mtp_step, hidden), None)
         if graphs is not None and kind is not None:
             out = graphs.run(fb, kind, hidden)
@@ -310,6 +315,7 @@ class ModelRunner:
         the other ranks do not either: dp_graph)."""
         if self.tp.dp_size > 1:
             fb.dp_token_counts = token_counts(self.tp.dp_exchange(demand(fb.num_tokens)))
+        set_intra_op_threads(self.eager_threads)
         return self._forward(fb, mtp_step, hidden)
 
     def _forward(self, fb: ForwardBatch, mtp_step: int | None, hidden: torch.Tensor | None):

@@ -50,17 +50,18 @@ def test_threads_leaving_a_core():
 
 
 @pytest.mark.skipif(cores() < 2, reason="one core: nothing to leave")
-def test_a_compiled_forward_leaves_a_core_and_restores_the_threads():
+def test_a_compiled_forward_leaves_a_core_and_keeps_that_count_for_the_work_after_it():
     n = cores()
     before = torch.get_num_threads()
-    torch.set_num_threads(n)  # eager ops: every core
     try:
         platform = RecordingPlatform()
-        fwd = CompiledForward(platform, lambda: torch.ones(3))
+        fwd = CompiledForward(platform, lambda: torch.ones(3), eager_threads=n)
+        torch.set_num_threads(n)  # an eager forward ran before: every core
         fwd()
+        assert torch.get_num_threads() == n - 1  # the step's argmax, sampling: same team
+        torch.set_num_threads(n)
         fwd()
         assert platform.seen == [n - 1, n - 1]  # the compile's run and a replay alike
-        assert torch.get_num_threads() == n  # eager ops get every core back
     finally:
         torch.set_num_threads(before)
 
@@ -120,7 +121,7 @@ def test_compiled_forward_in_the_serving_thread_as_fast_as_in_the_main_thread():
     from torch._dynamo.utils import counters
 
     graphs = counters["stats"]["unique_graphs"]
-    fwd = CompiledForward(FastCompilePlatform(), mlp())
+    fwd = CompiledForward(FastCompilePlatform(), mlp(), torch.get_num_threads())
 
     def build():
         fwd()  # compiled here, in the serving thread, as the scheduler compiles

@@ -102,6 +102,38 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
     assert platform.compiles == len(kinds), "a replay recompiled"
 
 
+@pytest.mark.skipif(
+    CpuPlatform().compiled_forward_threads(64) == 64, reason="one core: nothing to leave"
+)
+def test_compiled_replays_keep_their_thread_count_and_eager_forwards_take_every_core_back(
+    tiny_mtp_factory,
+):
+    """A compiled replay runs with the compiled forwards' count and leaves it for the step's
+    eager work after it (argmax, sampling); an eager forward, or a replay of an uncompiled
+    graph (bucket 4 here), sets the eager count back."""
+    before = torch.get_num_threads()
+    try:
+        runner = compiled_runner(tiny_mtp_factory(num_mtp=2).path, "fia", TracingPlatform())
+        eager = runner.eager_threads
+        compiled = runner.platform.compiled_forward_threads(eager)
+        decode = None
+        for lens, want in (((5, 11), compiled), ((5, 7, 9), eager), ((4,), compiled)):
+            reqs = Requests(runner, lens=lens)
+            try:
+                fb = reqs.batch("decode")
+                decode = reqs.kind("decode")
+                runner.forward_logits(fb, decode)  # bucket 2 compiled, bucket 4 not
+                assert torch.get_num_threads() == want, lens
+                runner.forward_eager(reqs.batch("decode"))
+                assert torch.get_num_threads() == eager
+            finally:
+                for s in reqs.slots:
+                    runner.allocator.free(s)
+                runner.req_to_token_pool.free(reqs.rows)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_no_compiler_warns_once_and_runs_uncompiled(monkeypatch, caplog):
     monkeypatch.setenv("CXX", "")
     monkeypatch.setattr("shutil.which", lambda name: None)
