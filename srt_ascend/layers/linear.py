@@ -167,6 +167,16 @@ def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return total
 
 
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1, keepdim=True); in batch-invariant mode on CUDA a product with a ones column
+    through the fixed-tile GEMM (the row reduced in fixed 32-wide steps). CUDA's reduction
+    kernel spreads a long row's sum (a vocabulary's probabilities) over more threads and
+    blocks when there are few rows, so a row's sum would follow the batch."""
+    if (gemm := _invariant_gemm(x)) is not None:
+        return gemm.linear(x, x.new_ones(1, x.shape[-1]))
+    return x.sum(-1, keepdim=True)
+
+
 class Linear(nn.Linear):
     """nn.Linear (same parameters and names) whose forward is `linear`."""
 
