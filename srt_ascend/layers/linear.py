@@ -21,7 +21,8 @@ of n, one call per tile): the same kernel serves every row of every forward, so 
 depends on that row alone. The MKL routing above then depends on the weight alone (n rows).
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
 (`ops/matmul_triton.py`: one tile shape, no split-K, the reduction in fixed steps), and
-`ordered_sum` replaces the small reductions whose CUDA kernel's order follows the row count.
+`ordered_sum` / `sum_last` replace the reductions whose CUDA kernel's order follows the row
+count (the MoE's short sums; the sampler's sums over the vocabulary).
 """
 
 from __future__ import annotations
