@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,8 @@ from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
+
+ENDED_ROOMS_KEPT = 4096  # rooms whose request ended, remembered to answer a late registration
 
 
 def pool_buffers(runner: ModelRunner) -> tuple[list[torch.Tensor], int]:
@@ -72,6 +75,9 @@ class PrefillSide:
         self.held: dict[int, tuple[Any, float]] = {}  # room -> (prefilled request, since)
         self.dests: dict[int, tuple[KVDestination, float]] = {}  # room -> (registration, since)
         self.failures = 0  # requests failed here (a transfer, a timeout, a mismatch)
+        # rooms whose request ended here before its registration came: room -> why
+        self.ended: OrderedDict[int, str] = OrderedDict()
+        self.cancelled: set[int] = set()  # rooms the decode server gave up, request still here
         self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, submit)
 
     # ---- from the scheduler -------------------------------------------------------------------
@@ -87,7 +93,9 @@ class PrefillSide:
         """Its prompt is computed and its first token committed: hold it until its
         registration is here, then send it."""
         room = req.bootstrap.room
-        if room in self.dests:
+        if room in self.cancelled:
+            self._fail(req, "the decode server gave up the request", answer=False)
+        elif room in self.dests:
             self._send(req, self.dests.pop(room)[0])
         else:
             self.held[room] = (req, time.monotonic())
@@ -97,6 +105,9 @@ class PrefillSide:
             room = msg.dest.room
             if room in self.held:
                 self._send(self.held.pop(room)[0], msg.dest)
+            elif room in self.ended:
+                message = f"the prefill request ended: {self.ended[room]}"
+                self.server.answer(room, KVResult(False, message), 500)
             else:
                 self.dests[room] = (msg.dest, time.monotonic())
         elif isinstance(msg, RoomCancelled):
@@ -105,6 +116,8 @@ class PrefillSide:
             if msg.room in self.held:
                 req, _ = self.held.pop(msg.room)
                 self._fail(req, "the decode server gave up the request", answer=False)
+            elif msg.room in self.rooms:  # still queued or prefilling: fails once prefilled
+                self.cancelled.add(msg.room)
 
     def take_held(self, hit: Callable[[Any], bool]) -> list:
         """The held requests that `hit` selects, no longer held (an abort): their rooms'
@@ -119,12 +132,18 @@ class PrefillSide:
         """The request ended (any way): its room is free again; a registration for it that
         is still waiting is answered with the request's end."""
         room = req.bootstrap.room
-        if self.rooms.get(room) is req:
-            del self.rooms[room]
+        if self.rooms.get(room) is not req:
+            return
+        del self.rooms[room]
+        self.cancelled.discard(room)
+        reason = req.finished_reason.message if req.finished_reason else "ended"
         if room in self.dests:
             del self.dests[room]
-            reason = req.finished_reason.message if req.finished_reason else "ended"
             self.server.answer(room, KVResult(False, f"the prefill request ended: {reason}"), 500)
+        else:  # its registration may still come
+            self.ended[room] = reason
+            while len(self.ended) > ENDED_ROOMS_KEPT:
+                self.ended.popitem(last=False)
 
     def poll(self) -> None:
         """Ends what waited past --disaggregation-timeout: held requests without a

@@ -1,0 +1,316 @@
+"""Prefill-decode disaggregation behind sglang-router 0.3.2 (`--pd-disaggregation`), on CPU
+with Mooncake's transfer engine over TCP: one prefill and one decode server, MTP off and
+K = 2, against one colocated server (conftest's `server`, float32 like them). Greedy outputs
+are token-identical on /generate, /v1/completions and /v1/chat/completions, streaming or
+not; logprobs agree; the decode server never computes a prompt; bad bootstrap fields get
+HTTP 400; a client that leaves mid-stream leaves nothing held on either server (both run
+--kv-invariant-check fatal, so a broken invariant would end a server)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+import requests
+from conftest import (
+    E2E_MODEL,
+    REPO,
+    Server,
+    _wait_healthy,
+    child_env,
+    free_port,
+)
+
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
+GREEDY = {"temperature": 0, "max_new_tokens": 24}
+MTP = ("--speculative-algorithm", "MTP", "--speculative-num-steps", "2")
+LOGPROB_TOL = 1e-5  # float32, the last bit apart where a GEMM's shape differs
+
+
+@dataclass
+class Pair:
+    prefill: Server
+    decode: Server
+    router: str
+
+
+def _server_cmd(port: int, *extra: str) -> list[str]:
+    cmd = [sys.executable, "-m", "srt_ascend.launch_server", "--model-path", E2E_MODEL]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]
+    cmd += ["--max-total-tokens", "32768", "--served-model-name", "tiny-mtp"]
+    cmd += ["--dtype", "float32", "--kv-invariant-check", "fatal"]
+    return cmd + ["--disaggregation-timeout", "20", *extra]
+
+
+@contextlib.contextmanager
+def _processes(cmds: list[tuple[list[str], str | None]], log_dir):
+    """Starts every command at once (the servers load side by side), yields their Server
+    handles once each answers /health (None for `url` None: the router, checked by the
+    caller), stops them all afterwards."""
+    procs = []
+    log_dir.mkdir(exist_ok=True)
+    try:
+        for i, (cmd, _) in enumerate(cmds):
+            log_path = log_dir / f"proc{i}.log"
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO
+                )
+            procs.append((proc, log_path))
+        handles = []
+        for (proc, log_path), (_, url) in zip(procs, cmds):
+            if url is None:
+                handles.append(None)
+                continue
+            _wait_healthy(proc, url, log_path)
+            handles.append(Server(url, E2E_MODEL, proc, log_path))
+        yield handles, procs
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+        for proc, _ in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _wait_router(proc, url: str, log_path) -> None:
+    """Until the router answers a request end to end (it registers both workers first)."""
+    deadline = time.monotonic() + 60
+    body = {"text": "a", "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log_path.read_text(errors="replace")
+        with contextlib.suppress(requests.ConnectionError):
+            if requests.post(url + "/generate", json=body, timeout=30).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise AssertionError("the router never served:\n" + log_path.read_text(errors="replace"))
+
+
+@contextlib.contextmanager
+def _pair(log_dir, *extra: str):
+    p_port, d_port, boot, r_port = free_port(), free_port(), free_port(), free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
+    router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
+    prefill = _server_cmd(p_port, "--disaggregation-mode", "prefill", *extra)
+    prefill += ["--disaggregation-bootstrap-port", str(boot)]
+    decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra)
+    with _processes([(prefill, p_url), (decode, d_url)], log_dir) as (servers, _):
+        # the router once both answer: it gives up on workers that do not answer in time
+        with _processes([(router, None)], log_dir / "router") as (_, procs):
+            url = f"http://127.0.0.1:{r_port}"
+            _wait_router(procs[0][0], url, procs[0][1])
+            yield Pair(servers[0], servers[1], url)
+
+
+@pytest.fixture(scope="module")
+def plain_pair(tmp_path_factory):
+    with _pair(tmp_path_factory.mktemp("pd_plain")) as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tmp_path_factory):
+    with _pair(tmp_path_factory.mktemp("pd_mtp"), *MTP) as pair:
+        yield pair
+
+
+@pytest.fixture(params=["plain", "mtp"])
+def pair(request) -> Pair:
+    return request.getfixturevalue(f"{request.param}_pair")
+
+
+def _generate(url: str, body: dict, stream: bool = False) -> dict:
+    """The /generate answer (the last event when streaming, its ids the concatenation)."""
+    r = requests.post(url + "/generate", json={**body, "stream": stream}, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["meta_info"]["finish_reason"] is not None
+    return events[-1]
+
+
+def _openai(url: str, route: str, body: dict, stream: bool = False) -> str:
+    """The text of choice 0 (concatenated from the deltas when streaming)."""
+    r = requests.post(url + route, json={**body, "stream": stream}, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        c = r.json()["choices"][0]
+        return c["text"] if "text" in c else c["message"]["content"]
+    text = ""
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return text
+
+
+def _prefills(server: Server) -> int:
+    return server.log().count("Prefill batch.")
+
+
+def _wait_settled(*servers: Server, timeout: float = 30.0) -> None:
+    """Until every server is idle with its KV invariant holding and nothing held between
+    the servers (the invariant check itself runs only when nothing is)."""
+    deadline = time.monotonic() + timeout
+    for s in servers:
+        while True:
+            st = s.internal_state()
+            held = sum(v for k, v in st.items() if k.startswith("disagg_"))
+            if st["kv_invariant"] == "ok" and held == 0:
+                break
+            assert time.monotonic() < deadline, f"{s.url} never settled: {st}"
+            time.sleep(0.2)
+        assert s.proc.poll() is None, s.log()
+
+
+# ---- outputs ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_generate_matches_colocated(server, pair, stream):
+    decode_prefills = _prefills(pair.decode)
+    for prompt in PROMPTS:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        got = _generate(pair.router, body, stream)
+        want = _generate(server.url, body, stream)
+        assert got["output_ids"] == want["output_ids"], prompt
+        assert got["text"] == want["text"]
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert _prefills(pair.decode) == decode_prefills  # nothing of a prompt computed there
+    _wait_settled(pair.prefill, pair.decode)
+
+
+def test_openai_routes_match_colocated(server, pair):
+    for stream in (False, True):
+        for prompt in PROMPTS[:2]:
+            body = {"model": "tiny-mtp", "prompt": prompt, "max_tokens": 20, "temperature": 0}
+            assert _openai(pair.router, "/v1/completions", body, stream) == _openai(
+                server.url, "/v1/completions", body, stream
+            )
+            chat = {
+                "model": "tiny-mtp",
+                "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": 20,
+                "temperature": 0,
+            }
+            assert _openai(pair.router, "/v1/chat/completions", chat, stream) == _openai(
+                server.url, "/v1/chat/completions", chat, stream
+            )
+
+
+def _close(got: list, want: list) -> None:
+    """Logprob lists ([logprob, id, text] entries, nested lists of them, None) alike: ids
+    equal, logprobs within LOGPROB_TOL."""
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        if w is None or g is None:
+            assert g == w
+        elif isinstance(w[0], list):
+            _close(g, w)
+        else:
+            assert g[1:] == w[1:]
+            assert (g[0] is None) == (w[0] is None)
+            if w[0] is not None:
+                assert abs(g[0] - w[0]) <= LOGPROB_TOL, (g, w)
+
+
+def test_logprobs_match_colocated(server, pair):
+    body = {
+        "text": PROMPTS[2],
+        "sampling_params": {**GREEDY, "max_new_tokens": 12},
+        "return_logprob": True,
+        "top_logprobs_num": 3,
+        "logprob_start_len": 0,
+        "token_ids_logprob": [10, 201],
+    }
+    got, want = _generate(pair.router, body)["meta_info"], _generate(server.url, body)["meta_info"]
+    for key in (
+        "output_token_logprobs",
+        "output_top_logprobs",
+        "output_token_ids_logprobs",
+        "input_token_logprobs",  # the prefill server's, prepended by the router
+        "input_top_logprobs",
+        "input_token_ids_logprobs",
+    ):
+        _close(got[key], want[key])
+
+
+def test_seeded_sampling_matches_colocated(server, plain_pair):
+    """The first token is drawn on the prefill server, the rest on the decode server, each
+    from the request's seeded stream at its output length, as on one server."""
+    sp = {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 1234, "max_new_tokens": 20}
+    for prompt in PROMPTS[:2]:
+        body = {"text": prompt, "sampling_params": sp}
+        got = _generate(plain_pair.router, body)["output_ids"]
+        assert got == _generate(server.url, body)["output_ids"]
+
+
+def test_mtp_decode_starts_with_verify_steps(mtp_pair):
+    before = mtp_pair.decode.internal_state()["spec_num_verify"]
+    decode_prefills = _prefills(mtp_pair.decode)
+    _generate(mtp_pair.router, {"text": PROMPTS[0], "sampling_params": GREEDY})
+    st = mtp_pair.decode.internal_state()
+    assert st["spec_num_verify"] > before and st["avg_spec_accept_length"] > 1.0
+    assert _prefills(mtp_pair.decode) == decode_prefills
+
+
+def test_transfer_metrics(plain_pair):
+    _generate(plain_pair.router, {"text": PROMPTS[3], "sampling_params": GREEDY})
+    assert plain_pair.prefill.metric("sglang:kv_transfer_bytes_total") > 0
+    assert plain_pair.prefill.metric("sglang:kv_transfer_seconds_total") > 0
+    assert plain_pair.prefill.metric("sglang:kv_transfer_failures_total") == 0
+
+
+# ---- failures --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_bootstrap_fields_missing_or_wrong_get_400(plain_pair, role):
+    s = getattr(plain_pair, role)
+    body = {"text": "hi", "sampling_params": {"max_new_tokens": 2}}
+    r = s.post("/generate", json=body)
+    assert r.status_code == 400 and "bootstrap_room" in r.text
+    bad = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "bootstrap_room": "x"}
+    r = s.post("/generate", json=bad)
+    assert r.status_code == 400 and "bootstrap_room must be an integer" in r.text
+    r = s.post("/v1/completions", json={"model": "tiny-mtp", "prompt": "hi", "max_tokens": 2})
+    assert r.status_code == 400 and "bootstrap_room" in r.text
+    two = {**body, "text": ["a", "b"], "bootstrap_host": "127.0.0.1"}
+    two.update(bootstrap_port=1, bootstrap_room=7)
+    assert s.post("/generate", json=two).status_code == 400
+
+
+def test_client_abort_frees_both_servers(server, pair):
+    """Clients that leave mid-stream, and right after sending: both servers end the requests
+    and give back their rows and slots (the invariant check passes), then serve on."""
+    body = {"text": PROMPTS[3], "sampling_params": {**GREEDY, "max_new_tokens": 400}}
+    for _ in range(3):
+        with requests.post(
+            pair.router + "/generate", json={**body, "stream": True}, stream=True, timeout=60
+        ) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the first event: the request runs on the decode server
+    with contextlib.suppress(requests.Timeout):  # gone before the prefill is done
+        requests.post(pair.router + "/generate", json=body, timeout=0.05)
+    _wait_settled(pair.prefill, pair.decode)
+    greedy = {"text": PROMPTS[0], "sampling_params": GREEDY}
+    assert (
+        _generate(pair.router, greedy)["output_ids"] == _generate(server.url, greedy)["output_ids"]
+    )
+    _wait_settled(pair.prefill, pair.decode)
