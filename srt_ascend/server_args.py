@@ -352,10 +352,14 @@ class ServerArgs:
             raise ValueError("--disaggregation-timeout must be > 0")
         if not self.disaggregated:
             return
-        if self.tp_size > 1 or self.enable_dp_attention or self.nnodes > 1:
+        if self.enable_dp_attention:
             raise ValueError(
-                f"--disaggregation-mode {self.disaggregation_mode} runs with --tp-size 1 and "
-                "without --enable-dp-attention (one rank moves the KV)"
+                "--disaggregation-mode cannot be combined with --enable-dp-attention (yet)"
+            )
+        if self.disaggregation_mode == "decode" and self.tp_size > 1:
+            raise ValueError(
+                "--disaggregation-mode decode runs with --tp-size 1 (each rank's pool would "
+                "need the KV); a prefill server may run any --tp-size"
             )
 
     def _check_speculative(self) -> None:

@@ -17,7 +17,6 @@ the prefill server is told (`/disagg/cancel`) and answers at once when it is not
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -76,7 +75,8 @@ class DecodeSide:
         self.given_up: set[str] = set()  # rids among them ended for their client already
         self.failures = 0
         self._pool = ThreadPoolExecutor(args.max_running_requests, "disagg-register")
-        self._lock = threading.Lock()
+        # cancels apart: every registration thread may be waiting for an answer
+        self._cancels = ThreadPoolExecutor(2, "disagg-cancel")
 
     # ---- from the scheduler -------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class DecodeSide:
         for r in out:
             self.given_up.add(r.rid)
             b = r.bootstrap
-            self._pool.submit(cancel_room, b.host, b.port, b.room)
+            self._cancels.submit(cancel_room, b.host, b.port, b.room)
         return pending, out
 
     def busy(self) -> bool:
@@ -139,6 +139,7 @@ class DecodeSide:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._cancels.shutdown(wait=False, cancel_futures=True)
 
     # ---- internals ----------------------------------------------------------------------------
 

@@ -28,9 +28,16 @@ from srt_ascend.disaggregation.protocol import (
     KVDestination,
     KVResult,
     RoomCancelled,
+    RoomExpired,
     prompt_digest,
 )
-from srt_ascend.disaggregation.transfer import KVTransfer, TransferError, slot_runs, write_plan
+from srt_ascend.disaggregation.transfer import (
+    KVTransfer,
+    TransferError,
+    TransferStats,
+    slot_runs,
+    write_plan,
+)
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.server_args import ServerArgs
 
@@ -62,15 +69,22 @@ class PrefillSide:
     ) -> None:
         self.args = args
         self.runner = runner
+        self.submit = submit
         self.finish = finish
-        self.transfer = KVTransfer(args.host, args.disaggregation_ib_device)
+        # Under tensor parallelism every rank keeps these states alike (its messages are the
+        # leader's, broadcast); the leader alone, which holds the whole latent KV like every
+        # rank, runs the engine and the endpoint, decides timeouts (as messages) and tells
+        # the others how each transfer went.
+        self.tp = runner.tp
         self.buffers, self.num_main = pool_buffers(runner)
-        self.transfer.register(self.buffers)
-        # MTP staging: d_1's hidden state and distribution per request row, written from here
         rows, d = runner.req_to_token_pool.size, runner.config.hidden_size
-        self.hidden_stage = torch.zeros(rows, d, dtype=runner.dtype)
-        self.probs_stage = torch.zeros(rows, runner.vocab_size, dtype=torch.float32)
-        self.transfer.register([self.hidden_stage, self.probs_stage])
+        if self.tp.is_leader:
+            self.transfer = KVTransfer(args.host, args.disaggregation_ib_device)
+            self.transfer.register(self.buffers)
+            # MTP staging: d_1's hidden state and distribution per request row
+            self.hidden_stage = torch.zeros(rows, d, dtype=runner.dtype)
+            self.probs_stage = torch.zeros(rows, runner.vocab_size, dtype=torch.float32)
+            self.transfer.register([self.hidden_stage, self.probs_stage])
         self.rooms: dict[int, Any] = {}  # room -> its live request (queued, running or held)
         self.held: dict[int, tuple[Any, float]] = {}  # room -> (prefilled request, since)
         self.dests: dict[int, tuple[KVDestination, float]] = {}  # room -> (registration, since)
@@ -78,7 +92,14 @@ class PrefillSide:
         # rooms whose request ended here before its registration came: room -> why
         self.ended: OrderedDict[int, str] = OrderedDict()
         self.cancelled: set[int] = set()  # rooms the decode server gave up, request still here
-        self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, submit)
+        self._expiring: set[int] = set()  # rooms whose RoomExpired is on its way (leader)
+        self.server = None
+        if self.tp.is_leader:
+            self.server = BootstrapServer(args.host, args.disaggregation_bootstrap_port, submit)
+
+    def _answer(self, room: int, result: KVResult, status: int = 200) -> None:
+        if self.server is not None:
+            self.server.answer(room, result, status)
 
     # ---- from the scheduler -------------------------------------------------------------------
 
@@ -107,12 +128,14 @@ class PrefillSide:
                 self._send(self.held.pop(room)[0], msg.dest)
             elif room in self.ended:
                 message = f"the prefill request ended: {self.ended[room]}"
-                self.server.answer(room, KVResult(False, message), 500)
+                self._answer(room, KVResult(False, message), 500)
             else:
                 self.dests[room] = (msg.dest, time.monotonic())
+        elif isinstance(msg, RoomExpired):
+            self._expire(msg.room)
         elif isinstance(msg, RoomCancelled):
             self.dests.pop(msg.room, None)
-            self.server.answer(msg.room, KVResult(False, "cancelled"), 499)
+            self._answer(msg.room, KVResult(False, "cancelled"), 499)
             if msg.room in self.held:
                 req, _ = self.held.pop(msg.room)
                 self._fail(req, "the decode server gave up the request", answer=False)
@@ -125,7 +148,7 @@ class PrefillSide:
         taken = [r for r, _ in self.held.values() if hit(r)]
         for r in taken:
             del self.held[r.bootstrap.room]
-            self.server.answer(r.bootstrap.room, KVResult(False, "aborted on the prefill server"))
+            self._answer(r.bootstrap.room, KVResult(False, "aborted on the prefill server"))
         return taken
 
     def forget(self, req) -> None:
@@ -139,32 +162,47 @@ class PrefillSide:
         reason = req.finished_reason.message if req.finished_reason else "ended"
         if room in self.dests:
             del self.dests[room]
-            self.server.answer(room, KVResult(False, f"the prefill request ended: {reason}"), 500)
+            self._answer(room, KVResult(False, f"the prefill request ended: {reason}"), 500)
         else:  # its registration may still come
             self.ended[room] = reason
             while len(self.ended) > ENDED_ROOMS_KEPT:
                 self.ended.popitem(last=False)
 
     def poll(self) -> None:
-        """Ends what waited past --disaggregation-timeout: held requests without a
-        registration, and registrations of rooms no request here has."""
+        """The leader: what waited past --disaggregation-timeout (held requests without a
+        registration, registrations of rooms no request here has) ends, through a
+        RoomExpired message, which every rank handles at the same point."""
+        if not self.tp.is_leader:
+            return
         now, limit = time.monotonic(), self.args.disaggregation_timeout
-        for room, (req, since) in list(self.held.items()):
-            if now - since > limit:
-                del self.held[room]
-                self._fail(req, f"no decode server registered bootstrap_room {room} in {limit} s")
-        for room, (_, since) in list(self.dests.items()):
-            if room not in self.rooms and now - since > limit:
-                del self.dests[room]
-                self.failures += 1
-                message = f"no request with bootstrap_room {room} arrived in {limit} s"
-                self.server.answer(room, KVResult(False, message), 404)
+        late = [room for room, (_, since) in self.held.items() if now - since > limit]
+        late += [
+            room
+            for room, (_, since) in self.dests.items()
+            if room not in self.rooms and now - since > limit
+        ]
+        for room in late:
+            if room not in self._expiring:
+                self._expiring.add(room)
+                self.submit(RoomExpired(room))
+
+    def _expire(self, room: int) -> None:
+        self._expiring.discard(room)
+        limit = self.args.disaggregation_timeout
+        if room in self.held:
+            req, _ = self.held.pop(room)
+            self._fail(req, f"no decode server registered bootstrap_room {room} in {limit} s")
+        elif room in self.dests and room not in self.rooms:
+            del self.dests[room]
+            self.failures += 1
+            message = f"no request with bootstrap_room {room} arrived in {limit} s"
+            self._answer(room, KVResult(False, message), 404)
 
     def busy(self) -> bool:
         return bool(self.held)
 
     def stats(self) -> dict:
-        s = self.transfer.stats
+        s = self.transfer.stats if self.tp.is_leader else TransferStats()
         return {
             "disagg_held_reqs": len(self.held),
             "disagg_waiting_registrations": len(self.dests),
@@ -174,17 +212,22 @@ class PrefillSide:
         }
 
     def close(self) -> None:
-        self.server.close()
+        if self.server is not None:
+            self.server.close()
 
     # ---- sending ------------------------------------------------------------------------------
 
     def _send(self, req, dest: KVDestination) -> None:
-        problem = self._mismatch(req, dest)
-        if problem is None:
-            try:
-                self._write(req, dest)
-            except TransferError as e:
-                problem = str(e)
+        problem = None
+        if self.tp.is_leader:
+            problem = self._mismatch(req, dest)
+            if problem is None:
+                try:
+                    self._write(req, dest)
+                except TransferError as e:
+                    problem = str(e)
+        if self.tp.size > 1:  # every rank ends the request alike
+            problem = self.tp.broadcast_object(problem)
         if problem is not None:
             self._fail(req, problem)
             return
@@ -204,14 +247,14 @@ class PrefillSide:
             input_top_logprobs=req.input_top_logprobs,
             input_token_ids_logprobs=req.input_token_ids_logprobs,
         )
-        self.server.answer(dest.room, result)
+        self._answer(dest.room, result)
         self.finish(req, None)
 
     def _fail(self, req, message: str, answer: bool = True) -> None:
         self.failures += 1
         logger.warning("disaggregated request %s failed: %s", req.rid, message)
         if answer:
-            self.server.answer(req.bootstrap.room, KVResult(False, message), 500)
+            self._answer(req.bootstrap.room, KVResult(False, message), 500)
         self.finish(req, message)
 
     def _mismatch(self, req, dest: KVDestination) -> str | None:

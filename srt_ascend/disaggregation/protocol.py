@@ -135,6 +135,14 @@ class RoomCancelled:
 
 
 @dataclass
+class RoomExpired:
+    """Prefill side: room `room` waited past --disaggregation-timeout (the leader decides, so
+    that every tensor-parallel rank ends it at the same point)."""
+
+    room: int
+
+
+@dataclass
 class KVArrived:
     """Decode side: the prefill server answered request `rid`'s registration (or the
     registration failed: `result.ok` False)."""

@@ -27,6 +27,7 @@ from srt_ascend.disaggregation.protocol import (
     KVArrived,
     KVResult,
     RoomCancelled,
+    RoomExpired,
 )
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
@@ -296,7 +297,9 @@ class Scheduler:
                 msg.reply.set_result(flushed)
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
-        elif isinstance(msg, (DestinationArrived, RoomCancelled)) and self.prefill_side:
+        elif (
+            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired)) and self.prefill_side
+        ):
             self.prefill_side.handle(msg)
         elif isinstance(msg, KVArrived) and self.decode_side:
             self.decode_side.handle(msg)

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -42,6 +43,8 @@ class Pair:
     prefill: Server
     decode: Server
     router: str
+    prefill_cmd: list[str]
+    bootstrap_port: int
 
 
 def _server_cmd(port: int, *extra: str) -> list[str]:
@@ -99,22 +102,27 @@ def _wait_router(proc, url: str, log_path) -> None:
     raise AssertionError("the router never served:\n" + log_path.read_text(errors="replace"))
 
 
+def _prefill_cmd(port: int, boot: int, *extra: str) -> list[str]:
+    cmd = _server_cmd(port, "--disaggregation-mode", "prefill", *extra)
+    return cmd + ["--disaggregation-bootstrap-port", str(boot)]
+
+
 @contextlib.contextmanager
-def _pair(log_dir, *extra: str):
+def _pair(log_dir, *extra: str, decode_extra: tuple[str, ...] = ()):
     p_port, d_port, boot, r_port = free_port(), free_port(), free_port(), free_port()
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
     router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
     router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
-    prefill = _server_cmd(p_port, "--disaggregation-mode", "prefill", *extra)
-    prefill += ["--disaggregation-bootstrap-port", str(boot)]
-    decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra)
+    router += ["--health-check-interval-secs", "2"]
+    prefill = _prefill_cmd(p_port, boot, *extra)
+    decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra, *decode_extra)
     with _processes([(prefill, p_url), (decode, d_url)], log_dir) as (servers, _):
         # the router once both answer: it gives up on workers that do not answer in time
         with _processes([(router, None)], log_dir / "router") as (_, procs):
             url = f"http://127.0.0.1:{r_port}"
             _wait_router(procs[0][0], url, procs[0][1])
-            yield Pair(servers[0], servers[1], url)
+            yield Pair(servers[0], servers[1], url, prefill, boot)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +133,10 @@ def plain_pair(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtp_pair(tmp_path_factory):
-    with _pair(tmp_path_factory.mktemp("pd_mtp"), *MTP) as pair:
+    """MTP K=2 on both; the decode server verifies with fia (one row of 1+K queries), the
+    colocated server's MTP default is expand (the prefill server never verifies)."""
+    decode_extra = ("--speculative-verify", "fia")
+    with _pair(tmp_path_factory.mktemp("pd_mtp"), *MTP, decode_extra=decode_extra) as pair:
         yield pair
 
 
@@ -314,3 +325,121 @@ def test_client_abort_frees_both_servers(server, pair):
         _generate(pair.router, greedy)["output_ids"] == _generate(server.url, greedy)["output_ids"]
     )
     _wait_settled(pair.prefill, pair.decode)
+
+
+def test_mismatched_registration_fails_on_both_sides(plain_pair):
+    """A registration whose prompt digest does not match the prefill request (two servers
+    that tokenized differently): the request ends with an abort naming it, the registration
+    is answered with it, and the prefill server frees the request's KV."""
+    room = 987654321
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": plain_pair.bootstrap_port}
+    body = {"text": PROMPTS[1], "sampling_params": GREEDY, **fields, "bootstrap_room": room}
+    dest = {
+        "room": room, "session": "127.0.0.1:1", "prompt_len": 1, "digest": "x", "slots": [1],
+        "buffers": [1], "row_bytes": [1], "num_main": 1,
+    }  # fmt: skip
+    boot = f"http://127.0.0.1:{plain_pair.bootstrap_port}/disagg/kv"
+    with ThreadPoolExecutor(1) as pool:
+        registered = pool.submit(requests.post, boot, json=dest, timeout=60)
+        out = plain_pair.prefill.post("/generate", json=body).json()
+        answer = registered.result()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert "tokenized the prompt differently" in out["meta_info"]["finish_reason"]["message"]
+    assert answer.status_code == 500 and "tokenized the prompt differently" in answer.text
+    assert plain_pair.prefill.metric("sglang:kv_transfer_failures_total") >= 1
+    _wait_settled(plain_pair.prefill)
+
+
+def test_abort_storm_leaves_nothing_held(server, plain_pair):
+    """Clients leaving at every stage (queued, prefilling, held for the registration,
+    decoding), many at once."""
+    body = {"text": PROMPTS[3] * 3, "sampling_params": {**GREEDY, "max_new_tokens": 300}}
+
+    def leave_after(seconds: float) -> None:
+        with contextlib.suppress(requests.RequestException):
+            requests.post(plain_pair.router + "/generate", json=body, timeout=seconds)
+
+    with ThreadPoolExecutor(12) as pool:
+        list(pool.map(leave_after, [0.02 * 1.6**i for i in range(12)]))
+    _wait_settled(plain_pair.prefill, plain_pair.decode, timeout=60)
+    greedy = {"text": PROMPTS[2], "sampling_params": GREEDY}
+    want = _generate(server.url, greedy)["output_ids"]
+    assert _generate(plain_pair.router, greedy)["output_ids"] == want
+
+
+@pytest.fixture(scope="module")
+def fragile_pair(tmp_path_factory):
+    """A pair whose prefill server a test kills (and starts again)."""
+    with _pair(tmp_path_factory.mktemp("pd_fragile")) as pair:
+        yield pair
+
+
+def test_killed_prefill_server_fails_its_requests_cleanly(server, fragile_pair, tmp_path):
+    """Requests in flight when the prefill server dies end (an error or an abort, none
+    hangs); the decode server frees what they held and, once a prefill server is back on
+    the same ports, serves through the router again."""
+    pair = fragile_pair
+    body = {"text": PROMPTS[3] * 4, "sampling_params": {**GREEDY, "max_new_tokens": 64}}
+
+    def send(_) -> str:
+        try:
+            r = requests.post(pair.router + "/generate", json=body, timeout=90)
+        except requests.RequestException as e:
+            return f"error {type(e).__name__}"
+        if r.status_code != 200:
+            return f"status {r.status_code}"
+        return r.json()["meta_info"]["finish_reason"]["type"]
+
+    with ThreadPoolExecutor(6) as pool:
+        outcomes = pool.map(send, range(6))
+        time.sleep(0.5)
+        pair.prefill.proc.kill()
+        outcomes = list(outcomes)
+    assert outcomes and all(
+        o in ("length", "abort") or o.startswith(("status", "error")) for o in outcomes
+    )
+    _wait_settled(pair.decode, timeout=60)
+    url = pair.prefill.url
+    with _processes([(pair.prefill_cmd, url)], tmp_path) as (servers, _):
+        greedy = {"text": PROMPTS[0], "sampling_params": GREEDY}
+        want = _generate(server.url, greedy)["output_ids"]
+        deadline = time.monotonic() + 60
+        while True:  # the router takes the worker back at a health check
+            r = requests.post(pair.router + "/generate", json=greedy, timeout=60)
+            if r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length":
+                assert r.json()["output_ids"] == want
+                break
+            assert time.monotonic() < deadline, r.text
+            time.sleep(1)
+        _wait_settled(servers[0], pair.decode)
+
+
+def test_three_prefill_servers_one_decode_server(server, plain_pair, mtp_pair, tmp_path):
+    """3P1D behind one router: both pairs' prefill servers (one with MTP: its MTP state is
+    not sent to a decode server without MTP) and a third with --tp-size 2 (rank 0 holds the
+    whole latent KV and sends it), all into the plain pair's decode server (--tp-size 1)."""
+    tp_port, tp_boot = free_port(), free_port()
+    tp_cmd = _prefill_cmd(tp_port, tp_boot, "--tp-size", "2")
+    with _processes([(tp_cmd, f"http://127.0.0.1:{tp_port}")], tmp_path) as (tp, _):
+        prefills = [
+            (plain_pair.prefill, plain_pair.bootstrap_port),
+            (mtp_pair.prefill, mtp_pair.bootstrap_port),
+            (tp[0], tp_boot),
+        ]
+        port = free_port()
+        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        for p, boot in prefills:
+            cmd += ["--prefill", p.url, str(boot)]
+        cmd += ["--decode", plain_pair.decode.url, "--policy", "round_robin"]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+        sent = [p.metric("sglang:kv_transfer_bytes_total") for p, _ in prefills]
+        with _processes([(cmd, None)], tmp_path / "router") as (_, procs):
+            url = f"http://127.0.0.1:{port}"
+            _wait_router(procs[0][0], url, procs[0][1])
+            for prompt in PROMPTS + PROMPTS[:2]:
+                body = {"text": prompt, "sampling_params": GREEDY}
+                want = _generate(server.url, body)["output_ids"]
+                assert _generate(url, body)["output_ids"] == want
+        for (p, _), before in zip(prefills, sent):
+            assert p.metric("sglang:kv_transfer_bytes_total") > before  # each took requests
+        _wait_settled(*(p for p, _ in prefills), plain_pair.decode)

@@ -130,7 +130,7 @@ def test_flags_parse_and_refuse_what_cannot_run(capsys):
         (["--disaggregation-mode", "both"], "invalid choice"),
         (["--disaggregation-transfer-backend", "nixl"], "not available here (accepted: mooncake)"),
         (["--disaggregation-bootstrap-port", "0"], "--disaggregation-bootstrap-port must be"),
-        (["--disaggregation-mode", "decode", "--tp-size", "2"], "runs with --tp-size 1"),
+        (["--disaggregation-mode", "decode", "--tp-size", "2"], "decode runs with --tp-size 1"),
         (["--disaggregation-timeout", "0"], "--disaggregation-timeout must be > 0"),
     ):
         with pytest.raises(SystemExit) as e:
