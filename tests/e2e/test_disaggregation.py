@@ -108,36 +108,49 @@ def _prefill_cmd(port: int, boot: int, *extra: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def _pair(log_dir, *extra: str, decode_extra: tuple[str, ...] = ()):
-    p_port, d_port, boot, r_port = free_port(), free_port(), free_port(), free_port()
-    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
-    router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
-    router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
-    router += ["--health-check-interval-secs", "2"]
-    prefill = _prefill_cmd(p_port, boot, *extra)
-    decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra, *decode_extra)
-    with _processes([(prefill, p_url), (decode, d_url)], log_dir) as (servers, _):
-        # the router once both answer: it gives up on workers that do not answer in time
-        with _processes([(router, None)], log_dir / "router") as (_, procs):
-            url = f"http://127.0.0.1:{r_port}"
-            _wait_router(procs[0][0], url, procs[0][1])
-            yield Pair(servers[0], servers[1], url, prefill, boot)
+def _pairs(log_dir, specs: list[tuple[tuple[str, ...], tuple[str, ...]]]):
+    """Pairs of (args of both servers, the decode server's own), each with its router; the
+    servers all load at once, the routers start once they answer (a router gives up on
+    workers that do not answer in time)."""
+    plans, servers, routers = [], [], []
+    for extra, decode_extra in specs:
+        p_port, d_port, boot, r_port = free_port(), free_port(), free_port(), free_port()
+        p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+        router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+        router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
+        router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
+        routers.append((router + ["--health-check-interval-secs", "2"], None))
+        prefill = _prefill_cmd(p_port, boot, *extra)
+        decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra, *decode_extra)
+        servers += [(prefill, p_url), (decode, d_url)]
+        plans.append((prefill, boot, f"http://127.0.0.1:{r_port}"))
+    with _processes(servers, log_dir) as (handles, _):
+        with _processes(routers, log_dir / "routers") as (_, procs):
+            pairs = []
+            for i, (prefill, boot, url) in enumerate(plans):
+                _wait_router(procs[i][0], url, procs[i][1])
+                pairs.append(Pair(handles[2 * i], handles[2 * i + 1], url, prefill, boot))
+            yield pairs
 
 
 @pytest.fixture(scope="module")
-def plain_pair(tmp_path_factory):
-    with _pair(tmp_path_factory.mktemp("pd_plain")) as pair:
-        yield pair
+def pairs(tmp_path_factory) -> dict[str, Pair]:
+    """MTP off on both servers; MTP K=2 on both, the decode server verifying with fia (one
+    row of 1+K queries; the colocated server's MTP default is expand, and a prefill server
+    never verifies)."""
+    specs = [((), ()), (MTP, ("--speculative-verify", "fia"))]
+    with _pairs(tmp_path_factory.mktemp("pd"), specs) as (plain, mtp):
+        yield {"plain": plain, "mtp": mtp}
 
 
 @pytest.fixture(scope="module")
-def mtp_pair(tmp_path_factory):
-    """MTP K=2 on both; the decode server verifies with fia (one row of 1+K queries), the
-    colocated server's MTP default is expand (the prefill server never verifies)."""
-    decode_extra = ("--speculative-verify", "fia")
-    with _pair(tmp_path_factory.mktemp("pd_mtp"), *MTP, decode_extra=decode_extra) as pair:
-        yield pair
+def plain_pair(pairs) -> Pair:
+    return pairs["plain"]
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(pairs) -> Pair:
+    return pairs["mtp"]
 
 
 @pytest.fixture(params=["plain", "mtp"])
@@ -370,7 +383,7 @@ def test_abort_storm_leaves_nothing_held(server, plain_pair):
 @pytest.fixture(scope="module")
 def fragile_pair(tmp_path_factory):
     """A pair whose prefill server a test kills (and starts again)."""
-    with _pair(tmp_path_factory.mktemp("pd_fragile")) as pair:
+    with _pairs(tmp_path_factory.mktemp("pd_fragile"), [((), ())]) as (pair,):
         yield pair
 
 
