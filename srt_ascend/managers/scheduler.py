@@ -613,6 +613,16 @@ class Scheduler:
             self.kv.release(req)
         finally:
             self._emit([self._make_output(req)])
+            self._forget_room([req])
+
+    def _forget_room(self, reqs: list[Req]) -> None:
+        """Prefill server: these requests ended here (sent, failed or aborted): their rooms
+        are free, and a registration still to come for one is answered at once. (A request
+        whose first token finished it is not ended by that: it is still to be sent.)"""
+        if self.prefill_side is not None:
+            for r in reqs:
+                if r.bootstrap is not None:
+                    self.prefill_side.forget(r)
 
     # ---- abort / flush / state --------------------------------------------------------------
 
@@ -653,6 +663,7 @@ class Scheduler:
                 self.kv.release(r)
         finally:  # one emit for all: their clients must not wait, even if a release raised
             self._emit([self._make_output(r) for r in victims])
+            self._forget_room(victims)
 
     def _fail_in_flight(self, message: str) -> None:
         """After a step raised: its requests end with an abort finish (streamed to their
@@ -671,6 +682,7 @@ class Scheduler:
             r.finished_reason = FinishReason("abort", message=message)
             self.kv.release(r)
             self._emit([self._make_output(r)])
+        self._forget_room(failed)
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -728,8 +740,6 @@ class Scheduler:
         )
         req.pending_ids = []
         req.pending_logprobs, req.pending_top_logprobs, req.pending_ids_logprobs = [], [], []
-        if req.finished and req.bootstrap is not None and self.prefill_side is not None:
-            self.prefill_side.forget(req)
         if req.return_logprob and not req.input_logprobs_sent and (req.output_ids or req.finished):
             out.input_token_logprobs = req.input_token_logprobs
             out.input_top_logprobs = req.input_top_logprobs

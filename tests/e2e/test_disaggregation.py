@@ -220,6 +220,20 @@ def test_generate_matches_colocated(server, pair, stream):
     _wait_settled(pair.prefill, pair.decode)
 
 
+def test_one_token_and_chunked_prompts_match_colocated(server, pair):
+    """A request whose first token is its last (it finishes on the prefill server and is
+    still sent: the decode server commits it and stops), and a prompt longer than
+    --chunked-prefill-size (1024: prefilled in two chunks, sent once complete)."""
+    long_prompt = PROMPTS[3] * 26
+    for text, n in ((PROMPTS[0], 1), (long_prompt, 8)):
+        body = {"text": text, "sampling_params": {"temperature": 0, "max_new_tokens": n}}
+        got, want = _generate(pair.router, body), _generate(server.url, body)
+        assert want["meta_info"]["prompt_tokens"] > 1024 or n == 1
+        assert got["output_ids"] == want["output_ids"] and len(got["output_ids"]) == n
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    _wait_settled(pair.prefill, pair.decode)
+
+
 def test_openai_routes_match_colocated(server, pair):
     for stream in (False, True):
         for prompt in PROMPTS[:2]:
