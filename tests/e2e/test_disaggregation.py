@@ -234,6 +234,16 @@ def test_one_token_and_chunked_prompts_match_colocated(server, pair):
     _wait_settled(pair.prefill, pair.decode)
 
 
+def test_prefill_radix_hits_reach_the_client(plain_pair):
+    """The prefill server's radix cache serves a repeated prompt; the decode server reports
+    its hit as the request's cached_tokens."""
+    body = {"text": PROMPTS[2] + " # again", "sampling_params": GREEDY}
+    first = _generate(plain_pair.router, body)
+    second = _generate(plain_pair.router, body)
+    assert second["output_ids"] == first["output_ids"]
+    assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 1
+
+
 def test_openai_routes_match_colocated(server, pair):
     for stream in (False, True):
         for prompt in PROMPTS[:2]:
@@ -439,6 +449,14 @@ def test_killed_prefill_server_fails_its_requests_cleanly(server, fragile_pair, 
             assert time.monotonic() < deadline, r.text
             time.sleep(1)
         _wait_settled(servers[0], pair.decode)
+        # and the decode server dies with requests in flight: the prefill server ends them
+        # (a held one when its registration breaks, one not registered at its timeout)
+        with ThreadPoolExecutor(4) as pool:
+            outcomes = pool.map(send, range(4))
+            time.sleep(0.5)
+            pair.decode.proc.kill()
+            assert all(isinstance(o, str) for o in outcomes)
+        _wait_settled(servers[0], timeout=60)
 
 
 def test_three_prefill_servers_one_decode_server(server, plain_pair, mtp_pair, tmp_path):
