@@ -244,6 +244,7 @@ class PrefillSide:
             cached_tokens=req.cached_tokens,
             draft_token=None if draft is None else int(draft),
             draft_probs=draft is not None and state.probs is not None,
+            input_token_logprobs=req.input_token_logprobs,
             input_top_logprobs=req.input_top_logprobs,
             input_token_ids_logprobs=req.input_token_ids_logprobs,
         )

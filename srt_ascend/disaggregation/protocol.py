@@ -104,8 +104,9 @@ class KVResult:
     cached_tokens: int = 0  # the prefill server's radix-cache hit
     draft_token: int | None = None  # d_1 (MTP); its hidden state (and probs) were written
     draft_probs: bool = False  # whether d_1's distribution was written (a sampled draft)
-    # the prompt's top / asked-id logprobs (the prompt's token logprobs come to the client
-    # from the prefill server's answer: sglang-router prepends them to the decode server's)
+    # the prompt's logprobs, as the decode server reports them (the prefill server's own
+    # answer has none: sglang-router would prepend them to the decode server's)
+    input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     input_token_ids_logprobs: list = field(default_factory=list)
 

@@ -745,6 +745,11 @@ class Scheduler:
             out.input_top_logprobs = req.input_top_logprobs
             out.input_token_ids_logprobs = req.input_token_ids_logprobs
             req.input_logprobs_sent = True
+            if req.bootstrap is not None and self.prefill_side is not None:
+                # the decode server's answer carries them: a prefill server's own answer,
+                # which sglang-router merges into it, has none (docs/disaggregation.md)
+                out.input_token_logprobs, out.input_top_logprobs = [], []
+                out.input_token_ids_logprobs = []
         return out
 
     # ---- prefill-decode disaggregation --------------------------------------------------------
@@ -779,8 +784,8 @@ class Scheduler:
         as if prefilled here (its first tokens committed), in the decode batch."""
         req.kv_len = len(req.origin_input_ids)
         req.cached_tokens = result.cached_tokens
-        # the prompt's token logprobs stay [] here: sglang-router prepends the prefill
-        # server's to these (docs/disaggregation.md); the rest of the prompt's come from it
+        # the prompt's logprobs, computed by the prefill server (docs/disaggregation.md)
+        req.input_token_logprobs = [tuple(t) for t in result.input_token_logprobs]
         req.input_top_logprobs = [_top(t) for t in result.input_top_logprobs]
         req.input_token_ids_logprobs = [_top(t) for t in result.input_token_ids_logprobs]
         if not result.tokens:  # max_new_tokens 0: nothing to generate

@@ -278,7 +278,10 @@ def _close(got: list, want: list) -> None:
                 assert abs(g[0] - w[0]) <= LOGPROB_TOL, (g, w)
 
 
-def test_logprobs_match_colocated(server, pair):
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_match_colocated(server, pair, stream):
+    """Output and prompt logprobs as one server reports them, streaming or not (the
+    prompt's come from the prefill server through the decode server's answer)."""
     body = {
         "text": PROMPTS[2],
         "sampling_params": {**GREEDY, "max_new_tokens": 12},
@@ -287,12 +290,13 @@ def test_logprobs_match_colocated(server, pair):
         "logprob_start_len": 0,
         "token_ids_logprob": [10, 201],
     }
-    got, want = _generate(pair.router, body)["meta_info"], _generate(server.url, body)["meta_info"]
+    got = _generate(pair.router, body, stream)["meta_info"]
+    want = _generate(server.url, body, stream)["meta_info"]
     for key in (
         "output_token_logprobs",
         "output_top_logprobs",
         "output_token_ids_logprobs",
-        "input_token_logprobs",  # the prefill server's, prepended by the router
+        "input_token_logprobs",
         "input_top_logprobs",
         "input_token_ids_logprobs",
     ):
