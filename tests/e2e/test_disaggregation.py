@@ -313,6 +313,19 @@ def test_seeded_sampling_matches_colocated(server, plain_pair):
         assert got == _generate(server.url, body)["output_ids"]
 
 
+def test_mtp_seeded_sampling_matches_colocated_mtp(mtp_server, mtp_pair):
+    """Sampled drafts: d_1's distribution travels with it (the acceptance rule reads it at
+    the decode server's first verify step), so seeded MTP sampling repeats a colocated MTP
+    server's tokens (K=2 on all three; target logits alike in expand and fia)."""
+    # hot enough that a draft's own probability is far from 1: read as one-hot (its
+    # distribution lost on the way), the first step's acceptance would differ
+    sp = {"temperature": 1.5, "sampling_seed": 77, "max_new_tokens": 16}
+    for prompt in PROMPTS + [p + "\n" for p in PROMPTS]:
+        body = {"text": prompt, "sampling_params": sp}
+        got = _generate(mtp_pair.router, body)["output_ids"]
+        assert got == _generate(mtp_server.url, body)["output_ids"], prompt
+
+
 def test_mtp_decode_starts_with_verify_steps(mtp_pair):
     before = mtp_pair.decode.internal_state()["spec_num_verify"]
     decode_prefills = _prefills(mtp_pair.decode)
