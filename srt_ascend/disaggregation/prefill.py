@@ -109,6 +109,7 @@ class PrefillSide:
     def add(self, req) -> None:
         """A new request with bootstrap fields (room not taken: `room_taken`)."""
         self.rooms[req.bootstrap.room] = req
+        self.ended.pop(req.bootstrap.room, None)
 
     def prefilled(self, req) -> None:
         """Its prompt is computed and its first token committed: hold it until its
@@ -126,7 +127,7 @@ class PrefillSide:
             room = msg.dest.room
             if room in self.held:
                 self._send(self.held.pop(room)[0], msg.dest)
-            elif room in self.ended:
+            elif room in self.ended and room not in self.rooms:
                 message = f"the prefill request ended: {self.ended[room]}"
                 self._answer(room, KVResult(False, message), 500)
             else:
@@ -155,9 +156,9 @@ class PrefillSide:
         """The request ended (any way): its room is free again; a registration for it that
         is still waiting is answered with the request's end."""
         room = req.bootstrap.room
-        if self.rooms.get(room) is not req:
-            return
-        del self.rooms[room]
+        if room in self.rooms and self.rooms[room] is not req:
+            return  # the room is another live request's (this one was refused for it)
+        self.rooms.pop(room, None)  # absent: refused before it was queued (a bad prompt)
         self.cancelled.discard(room)
         reason = req.finished_reason.message if req.finished_reason else "ended"
         if room in self.dests:
