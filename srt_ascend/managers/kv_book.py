@@ -71,6 +71,12 @@ class KVBook:
             raise RuntimeError("KV allocation failed after admission control (accounting bug)")
         return loc
 
+    def alloc_positions(self, req: Req, n: int) -> bool:
+        """n slots for positions kv_len .. kv_len+n-1 of one request (evicting from the
+        prefix cache if needed), written into req_to_token; False (nothing taken) when they
+        do not fit."""
+        return self._alloc([req], [n]) is not None
+
     def alloc_running(self, reqs: list[Req], n: int) -> tuple[list[Req], torch.Tensor]:
         """n new slots per request (positions kv_len .. kv_len+n-1, written into
         req_to_token), evicting from the tree and then retracting requests, latest admitted

@@ -131,3 +131,20 @@ def test_srt_ascend_bounds_and_sglang_serving_flags_pass_through(sglang_python):
     assert (kwargs["grammar_compile_timeout"], kwargs["grammar_max_size"]) == (3, 1000)
     assert kwargs["dist_timeout"] == 60
     assert kwargs["constrained_json_max_whitespace_cnt"] == 4
+
+
+def test_sglang_disaggregation_flags_pass_through(sglang_python):
+    """SGLang's prefill-decode disaggregation flags reach srt_ascend's ServerArgs by name;
+    --disaggregation-timeout (srt_ascend's) is taken out before SGLang's parser."""
+    argv = "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake".split()
+    argv += "--disaggregation-bootstrap-port 9001 --disaggregation-ib-device mlx5_0".split()
+    argv += "--disaggregation-timeout 5".split()
+    kwargs, unsupported = _translate(sglang_python, *argv)
+    assert unsupported == []
+    assert (kwargs["disaggregation_mode"], kwargs["disaggregation_bootstrap_port"]) == (
+        "prefill",
+        9001,
+    )
+    assert kwargs["disaggregation_transfer_backend"] == "mooncake"
+    assert kwargs["disaggregation_ib_device"] == "mlx5_0"
+    assert kwargs["disaggregation_timeout"] == 5
