@@ -65,6 +65,7 @@ class ServerArgs:
     enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
     enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
+    disable_overlap_schedule: bool = False  # SGLang's flag: the serial step loop
     # parallelism
     tp_size: int = 1
     ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
@@ -526,6 +527,12 @@ class ServerArgs:
             choices=["log", "fatal"],
             help="when the scheduler goes idle it checks that every KV slot and request row is "
             "free or owned by the prefix cache; log a mismatch, or stop the scheduler (tests)",
+        )
+        a(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="run each decode step's forward after the previous step's results are "
+            "committed (the serial loop) instead of overlapping them",
         )
         a(
             "--tp-size",
