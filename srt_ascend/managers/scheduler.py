@@ -96,6 +96,7 @@ class Scheduler:
             runner.platform.new_device_worker() if self.overlap else InlineWorker()
         )
         self._launched: LaunchedStep | None = None  # the decode step in flight (overlap)
+        self.num_overlapped_steps = 0  # decode steps launched before the previous one's read
         self.decoder = create_decoder(
             server_args,
             DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids, self.worker),
@@ -324,6 +325,7 @@ class Scheduler:
             return finished or worked
         previous, self._launched = self._launched, launched
         if previous is not None:
+            self.num_overlapped_steps += 1
             self._finish_step(previous)
         self.in_flight = []
         return True
@@ -685,6 +687,7 @@ class Scheduler:
             "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
