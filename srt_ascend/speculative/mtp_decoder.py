@@ -139,6 +139,13 @@ class MTPDecoder(Decoder):
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)
 
+    def can_overlap(self, reqs: list[StepRequest]) -> bool:
+        """Not yet: a round's next inputs (accepted tokens, the next draft chain, positions
+        and sequence lengths) come from the host read of its acceptance, so MTP runs its
+        serial `step` with overlap scheduling on (DESIGN.md's device-resident round is the
+        missing piece)."""
+        return False
+
     def stats(self) -> dict:
         n, acceptance = self.num_verify, self.draft_length.acceptance
         return {
