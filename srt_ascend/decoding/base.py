@@ -123,6 +123,10 @@ class LaunchedStep:
 
 
 class Decoder(ABC):
+    # whether `launch` / `finish` are implemented (overlap scheduling); a decoder without them
+    # runs `step` in the serial loop whatever --disable-overlap-schedule says
+    overlaps = False
+
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         self.args = args
         self.h = handles
@@ -229,5 +233,9 @@ DECODERS: Registry[Decoder] = Registry("speculative algorithm")
 PLAIN = "NONE"  # SGLang's name for no speculation
 
 
+def decoder_class(args: ServerArgs) -> type[Decoder]:
+    return DECODERS.get(args.speculative_algorithm or PLAIN)
+
+
 def create_decoder(args: ServerArgs, handles: DecoderHandles) -> Decoder:
-    return DECODERS.get(args.speculative_algorithm or PLAIN)(args, handles)
+    return decoder_class(args)(args, handles)

@@ -13,6 +13,8 @@ from srt_ascend.utils import HOST_READS, to_device
 
 @DECODERS.register(PLAIN)
 class PlainDecoder(Decoder):
+    overlaps = True
+
     def __init__(self, args, handles) -> None:
         super().__init__(args, handles)
         self.kind = self.decode_kind()

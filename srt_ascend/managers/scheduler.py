@@ -31,7 +31,7 @@ import torch
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
 from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions
 from srt_ascend.decoding import DecoderHandles, create_decoder
-from srt_ascend.decoding.base import LaunchedStep
+from srt_ascend.decoding.base import LaunchedStep, decoder_class
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
@@ -90,8 +90,12 @@ class Scheduler:
         self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
         # overlap scheduling: with one rank (the ranks of a group agree on each step's tokens
-        # before it commits, serially)
-        self.overlap = not server_args.disable_overlap_schedule and self.tp.size == 1
+        # before it commits, serially) and a decoder that splits its steps (not MTP yet)
+        self.overlap = (
+            not server_args.disable_overlap_schedule
+            and self.tp.size == 1
+            and decoder_class(server_args).overlaps
+        )
         self.worker: DeviceWorker = (
             runner.platform.new_device_worker() if self.overlap else InlineWorker()
         )
