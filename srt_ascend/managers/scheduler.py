@@ -331,6 +331,10 @@ class Scheduler:
         if previous is not None:
             self.num_overlapped_steps += 1
             self._finish_step(previous)
+        if not self.running:
+            # every request of the step just launched has finished: finish it now, so the
+            # loop is idle (a cache flush right after the last output is not refused)
+            self._finish_launched()
         self.in_flight = []
         return True
 
@@ -348,8 +352,9 @@ class Scheduler:
         its KV position freed)."""
         before = {id(r): len(r.output_ids) for r in step.reqs}
         stepped = self.decoder.finish(step)
-        new_tokens = sum(len(r.output_ids) - before[id(r)] for r in stepped)
-        self.batch_log.decode(len(stepped), new_tokens, self._pool_usage(), len(self.waiting))
+        if stepped:
+            new_tokens = sum(len(r.output_ids) - before[id(r)] for r in stepped)
+            self.batch_log.decode(len(stepped), new_tokens, self._pool_usage(), len(self.waiting))
         done = [r for r in stepped if r.finished]
         for r in done:
             self._roll_back(r)

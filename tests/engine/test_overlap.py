@@ -193,3 +193,38 @@ def test_mtp_equals_plain_under_overlap(model_path, overlapped):
         out, problem, n_overlapped, _ = mtp[name]
         assert problem is None and n_overlapped == 0
         assert out[0] == overlapped[name][0][0]
+
+
+def test_idle_once_the_last_request_finishes(model_path):
+    """The step that finds the last running request finished also finishes the step launched
+    after it (whose token is dropped): the scheduler is idle when the last output goes out, so
+    a cache flush sent right after it is not refused."""
+    from srt_ascend.managers.io_struct import TokenizedGenerateReq
+    from srt_ascend.managers.tp_ranks import build_scheduler, load_tokenizer
+    from srt_ascend.platforms import get_platform
+    from srt_ascend.sampling.sampling_params import SamplingParams
+    from srt_ascend.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024)
+    outputs: list = []
+    sched = build_scheduler(
+        args, get_platform("cpu"), load_tokenizer(args.tokenizer), outputs.extend
+    )
+    try:
+        for i, n in enumerate((4, 7)):
+            params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+            params.normalize()
+            sched.handle(TokenizedGenerateReq(f"r{i}", [5, 17, 33 + i, 81], params))
+        finished: set[str] = set()
+        for _ in range(20):
+            sched.step()
+            finished |= {o.rid for o in outputs if o.finish_reason is not None}
+            if len(finished) == 2:
+                break
+        assert finished == {"r0", "r1"}
+        assert sched.num_overlapped_steps > 0
+        assert not sched.has_work()
+        assert sched.flush_cache()
+        assert sched.idle_invariant_problem() is None
+    finally:
+        sched.worker.close()
