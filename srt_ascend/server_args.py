@@ -66,6 +66,7 @@ class ServerArgs:
     enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
     enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
+    disable_overlap_schedule: bool = False  # SGLang's flag: the serial step loop
     # parallelism
     tp_size: int = 1
     ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
@@ -599,6 +600,12 @@ class ServerArgs:
             default=d["disaggregation_timeout"].default,
             help="seconds a disaggregated request waits for its peer (the decode server's "
             "registration on the prefill side, the KV on the decode side) before it fails",
+        )
+        a(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="run each decode step's forward after the previous step's results are "
+            "committed (the serial loop) instead of overlapping them",
         )
         a(
             "--tp-size",

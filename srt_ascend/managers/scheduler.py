@@ -6,6 +6,15 @@ in through `submit`, per-step ReqOutputs go out through the `emit` callback.
 Under tensor parallelism every rank runs one Scheduler; only the leader's (rank 0) gets
 messages through `submit`, and at the top of each loop it broadcasts those it took (`_receive`),
 so every rank handles the same messages at the same point and then runs the same step.
+
+Overlap scheduling (the default with one rank; `--disable-overlap-schedule` gives the serial
+loop): in a decode phase the scheduler launches step N+1 (`Decoder.launch`, its inputs step
+N's tokens still on the device) before it finishes step N (`Decoder.finish`: the host read,
+commits, stop checks, releases, outputs), so that host work runs while the device computes.
+Everything else (a prefill, a retraction, a batch the decoder cannot overlap, a graph compile)
+first finishes the step in flight and then runs serially, as without overlap; so does
+everything while tokens are waiting to be admitted. The device work runs on the platform's
+DeviceWorker (`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import torch
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
 from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions
 from srt_ascend.decoding import DecoderHandles, create_decoder
+from srt_ascend.decoding.base import LaunchedStep, decoder_class
 from srt_ascend.disaggregation.protocol import (
     DestinationArrived,
     KVArrived,
@@ -50,6 +60,7 @@ from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.mem_cache import ChunkCache, RadixCache
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.sampling.sample_step import input_logprobs
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.utils import to_device
@@ -85,9 +96,21 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
+        # overlap scheduling: with one rank (the ranks of a group agree on each step's tokens
+        # before it commits, serially) and a decoder that splits its steps (not MTP yet)
+        self.overlap = (
+            not server_args.disable_overlap_schedule
+            and self.tp.size == 1
+            and decoder_class(server_args).overlaps
+        )
+        self.worker: DeviceWorker = (
+            runner.platform.new_device_worker() if self.overlap else InlineWorker()
+        )
+        self._launched: LaunchedStep | None = None  # the decode step in flight (overlap)
+        self.num_overlapped_steps = 0  # decode steps launched before the previous one's read
         self.decoder = create_decoder(
             server_args,
-            DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
+            DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids, self.worker),
         )
         runner.capture_graphs(self.decoder.graph_kinds())
         self.decoder.calibrate()
@@ -161,7 +184,7 @@ class Scheduler:
         loop: its warm-up forwards are collective under tensor parallelism). A failed
         compile leaves that graph uncompiled; under tensor parallelism it raises."""
         try:
-            self._graphs_to_compile = self.runner.compile_next_graph()
+            self._graphs_to_compile = self.worker.run(self.runner.compile_next_graph)
         except Exception:
             if self.tp.size > 1:
                 raise
@@ -214,7 +237,7 @@ class Scheduler:
         return "; ".join(problems) or None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req) or self._launched is not None
 
     def _receive(self, block: bool) -> bool:
         """Handles the messages that arrived (waiting up to 0.5 s for one when `block`);
@@ -349,7 +372,76 @@ class Scheduler:
 
     def step(self) -> bool:
         """Runs one prefill or decode batch; False when there was nothing to run (the loop
-        then checks the idle invariant only after a step that ran)."""
+        then checks the idle invariant only after a step that ran). With overlap, a decode
+        step is launched and the one before it finished (`_overlap_step`)."""
+        if self.overlap:
+            return self._overlap_step()
+        return self._serial_step()
+
+    def _overlap_step(self) -> bool:
+        """Launches the running batch's next decode step, then finishes the one in flight.
+        When it cannot launch (requests waiting for admission or a chunk to prefill, a batch
+        the decoder runs serially, KV that does not fit without retracting), it finishes the
+        step in flight and runs `_serial_step` on the device worker: prefills, retractions
+        and serial batches see exactly the state they would without overlap."""
+        self.in_flight = list(self.running)
+        launched = None
+        reqs = self.running
+        if reqs and not self.waiting and self.chunked_req is None:
+            if self.decoder.can_overlap(reqs):
+                launched = self.decoder.launch(reqs, self._launched)
+        if launched is None:
+            finished = self._finish_launched()
+            worked = self.worker.run(self._serial_step)
+            self.in_flight = []
+            return finished or worked
+        previous, self._launched = self._launched, launched
+        if previous is not None:
+            self.num_overlapped_steps += 1
+            self._finish_step(previous)
+        if not self.running:
+            # every request of the step just launched has finished: finish it now, so the
+            # loop is idle (a cache flush right after the last output is not refused)
+            self._finish_launched()
+        self.in_flight = []
+        return True
+
+    def _finish_launched(self) -> bool:
+        """Finishes the step in flight, if any (nothing is launched after it)."""
+        step, self._launched = self._launched, None
+        if step is None:
+            return False
+        self._finish_step(step)
+        return True
+
+    def _finish_step(self, step: LaunchedStep) -> None:
+        """A launched step's commits; the requests it finished are released, each first
+        rolled back to its start in the step launched after it (that step's token is dropped,
+        its KV position freed)."""
+        before = {id(r): len(r.output_ids) for r in step.reqs}
+        stepped = self.decoder.finish(step)
+        if stepped:
+            new_tokens = sum(len(r.output_ids) - before[id(r)] for r in stepped)
+            self.batch_log.decode(len(stepped), new_tokens, self._pool_usage(), len(self.waiting))
+        done = [r for r in stepped if r.finished]
+        for r in done:
+            self._roll_back(r)
+            self.kv.release(r)
+        if done:
+            ids = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in ids]
+        self._flush_outputs()
+
+    def _roll_back(self, req: Req) -> None:
+        """A request leaving while a launched step holds it: its KV is valid only up to that
+        step's start (the step's write lands later, into a slot its release frees)."""
+        if self._launched is not None:
+            start = self._launched.start_of(req)
+            if start is not None and req.req_pool_idx is not None:
+                req.kv_len = min(req.kv_len, start)
+
+    def _serial_step(self) -> bool:
+        """`step` without overlap."""
         batch = self._schedule_prefill()
         if batch is not None:
             self.in_flight = batch.reqs
@@ -658,6 +750,7 @@ class Scheduler:
             self._emit([self._make_output(r) for r in registered])
         for r in victims:
             r.finished_reason = FinishReason("abort", message=msg)
+            self._roll_back(r)
         try:
             for r in victims:
                 self.kv.release(r)
@@ -671,6 +764,9 @@ class Scheduler:
         step retracted before the fault are back in the waiting queue, hold nothing and did
         not run: they stay queued."""
         self._flush_outputs()  # tokens committed before the fault still reach their clients
+        for r in self.in_flight:
+            self._roll_back(r)
+        self._launched = None
         queued = {id(r) for r in self.waiting}
         failed = [r for r in self.in_flight if id(r) not in queued]
         self.in_flight = []
@@ -699,6 +795,7 @@ class Scheduler:
             "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
@@ -846,10 +943,11 @@ def start_scheduler_thread(
     returns it once built, or raises what building raised. `on_crash(message)` is called if
     the loop itself raises (a fault it cannot contain: the server cannot go on).
 
-    All tensor work then happens in one thread. On CPU this matters: a second thread with its
-    own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
-    its spin-waits once more threads than cores exist, and every small op then pays a worker
-    wake-up; decode steps measured twice as slow that way."""
+    All tensor work then happens in one thread (with overlap on CPU the scheduler's loop moves
+    to a second thread, and this one runs the device worker's closures). On CPU this matters:
+    a second thread with its own OpenMP team (the main thread's, had the model been loaded
+    there) makes libgomp throttle its spin-waits once more threads than cores exist, and every
+    small op then pays a worker wake-up; decode steps measured twice as slow that way."""
     built: Future[Scheduler] = Future()
 
     def main() -> None:
@@ -859,6 +957,19 @@ def start_scheduler_thread(
             built.set_exception(e)
             return
         built.set_result(scheduler)
+        worker = scheduler.worker
+        if not worker.needs_serving_thread:
+            loop(scheduler)
+            return
+        # overlap on CPU: this thread, which loaded the model, runs every forward; the loop
+        # moves to a thread of its own
+        worker.claim()
+        threading.Thread(
+            target=loop, args=(scheduler,), name="srt-scheduler-loop", daemon=True
+        ).start()
+        worker.serve()
+
+    def loop(scheduler: Scheduler) -> None:
         try:
             scheduler.run_forever()
         except BaseException as e:
@@ -866,6 +977,8 @@ def start_scheduler_thread(
                 raise
             logger.exception("the scheduler failed")
             on_crash(f"the scheduler stopped: {type(e).__name__}: {e}")
+        finally:
+            scheduler.worker.close()
 
     t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()

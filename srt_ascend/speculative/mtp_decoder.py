@@ -73,6 +73,11 @@ def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
 
 @DECODERS.register("MTP")
 class MTPDecoder(Decoder):
+    # Not yet: a round's next inputs (accepted tokens, the next draft chain, positions and
+    # sequence lengths) come from the host read of its acceptance, so MTP runs the serial loop
+    # with overlap scheduling on (DESIGN.md's device-resident round is the missing piece).
+    overlaps = False
+
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
