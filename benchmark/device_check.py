@@ -12,7 +12,13 @@ In-process engines on the shipped checkpoint (no HTTP: faster, same scheduler an
 4. graph replay vs eager step time per captured kind (bf16), replayed output == eager;
 5. decode replay at KV 128 vs 2048 with a 4096 context, one KV window vs windows
    (`kv_window.py`): the replay cost must follow the live KV length;
-6. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
+6. deterministic inference (`--enable-deterministic-inference`, bf16): greedy outputs and
+   logprobs of 16 prompts one at a time equal those of all at once, MTP off and K = 2 / 3
+   (fia, expand), graphs on and off, and seeded top-p sampling likewise (MTP off); and the
+   batch-invariant kernels (fixed-tile GEMM, attention with fixed KV parts) give a row the
+   same bits in any batch, with controls for cuBLAS / rms_norm / log_softmax
+   (`kernels.check_batch_invariant`);
+7. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
    true float32 dots, not TF32), their timings, and each compiled attention kernel's shared
    memory, registers and spills (within 100 KiB, no spills) (`kernels.py`).
 Prints one summary table; with $OUT set, writes $OUT/device_check.json (every figure).
@@ -291,6 +297,56 @@ def check_kernels(rep: Report, device: str) -> None:
             rep.add("attention kernel resources (<= 100 KiB, no spills)", tile, figure, r["ok"])
 
 
+def check_deterministic(rep: Report, device: str, size: dict) -> None:
+    """--enable-deterministic-inference end to end (bf16): every config's outputs (tokens
+    and logprobs) equal the prompts' one-at-a-time outputs, bit for bit."""
+    checks = kernels.check_batch_invariant(device)
+    rep.data["batch_invariant_kernels"] = checks
+    for r in checks:
+        figure = f"{r['differing']} rows differ, max abs err {r['max_abs_err']:.1e}"
+        rep.add("batch-invariant kernel", r["case"], figure, r["ok"])
+    prompts = held_out_prompts(16 if size is FULL else 4)
+    params = {"max_new_tokens": size["max_new"] // 2, "temperature": 0, "ignore_eos": True}
+    det = dict(enable_deterministic_inference=True, max_running_requests=len(prompts))
+
+    def outputs(eng, sequential: bool, params=params):
+        if sequential:
+            outs = [eng.generate(p, params, return_logprob=True) for p in prompts]
+        else:
+            outs = eng.generate(prompts, params, return_logprob=True)
+        return [
+            (o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+            for o in outs
+        ]
+
+    seeded = {**params, "temperature": 0.8, "top_p": 0.95, "seed": 7}
+    with engine(device, "bfloat16", False, size, **det) as eng:
+        base = outputs(eng, True)
+        alone, batched = outputs(eng, True, seeded), outputs(eng, False, seeded)
+    same = sum(o == b for o, b in zip(batched, alone))
+    rep.add("deterministic bf16", "seeded sampling (top-p), all at once vs one at a time",
+            f"{same}/{len(alone)} bit-identical", same == len(alone))  # fmt: skip
+    mtp = dict(speculative_algorithm="MTP")
+    configs = {
+        "MTP off, graphs on": (True, {}),
+        "MTP K=2 fia, graphs on": (
+            True,
+            dict(mtp, speculative_num_steps=2, speculative_verify="fia"),
+        ),
+        "MTP K=3 expand, graphs off": (
+            False,
+            dict(mtp, speculative_num_steps=3, speculative_verify="expand"),
+        ),
+    }
+    for name, (graphs, kw) in configs.items():
+        with engine(device, "bfloat16", graphs, size, **det, **kw) as eng:
+            outs = outputs(eng, False)
+        same = sum(o == b for o, b in zip(outs, base))
+        rep.data.setdefault("deterministic", []).append(dict(config=name, identical=same))
+        rep.add("deterministic bf16", f"{name}, all at once vs one at a time",
+                f"{same}/{len(base)} bit-identical", same == len(base))  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny sizes (a CPU run end to end)")
@@ -301,7 +357,8 @@ def main() -> int:
     rep = Report()
     t0 = time.perf_counter()
     check_kernels(rep, device)  # first: on CPU, Triton's interpreter is chosen before any import
-    for step in (check_lossless, check_seeded, check_tpot, check_replay, check_kv_window):
+    steps = (check_lossless, check_seeded, check_tpot, check_replay, check_kv_window)
+    for step in (*steps, check_deterministic):
         step(rep, device, size)
     rep.data["seconds"] = time.perf_counter() - t0
     name = torch.cuda.get_device_name() if device == "cuda" else device

@@ -112,6 +112,103 @@ def check(device: str) -> list[dict]:
     return rows
 
 
+def check_batch_invariant(device: str) -> list[dict]:
+    """`--enable-deterministic-inference`'s kernels on `device` (CPU: the interpreter, small
+    shapes): the fixed-tile GEMM (`matmul_triton`) and the attention kernel with fixed KV parts
+    give a row (a query) the same bits inside products (batches) of other sizes and layouts;
+    each also against its reference. Rows with ok None are controls (cuBLAS, torch's
+    rms_norm / log_softmax on this device): they report whether the op the flag avoids or
+    relies on is batch-invariant here. Row: case, max_abs_err (vs reference; 0 for controls),
+    differing (rows whose bits change with the batch), ok."""
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch.nn.functional as F
+
+    from srt_ascend.layers.ops import matmul_triton as mm
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+    from srt_ascend.layers.ops.mla_attention import mla_attention_reference
+
+    gen = torch.Generator().manual_seed(0)
+    k, n, m = (2048, 1536, 300) if device == "cuda" else (96, 80, 70)
+    rows = []
+
+    def windows(fn, x) -> int:
+        """Rows of x whose fn differs alone / in a short window from inside the whole x."""
+        whole = fn(x)
+        bad = 0
+        for r in (0, 1, 7, m // 2, m - 1):
+            bad += not torch.equal(fn(x[r : r + 1])[0], whole[r])
+            lo = max(0, r - 2)
+            bad += not torch.equal(fn(x[lo : lo + 5])[r - lo], whole[r])
+        return bad
+
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-1)):
+        x = torch.randn(m, k, generator=gen).to(device, dtype)
+        w = (torch.randn(n, k, generator=gen) / k**0.5).to(device, dtype)
+        err = (mm.linear(x, w).float() - F.linear(x.float(), w.float())).abs().max().item()
+        bad = windows(lambda v, w=w: mm.linear(v, w), x)
+        name = f"triton linear {str(dtype)[6:]} [{m}, {k}] x [{n}, {k}]"
+        rows.append(
+            {"case": name, "max_abs_err": err, "differing": bad, "ok": not bad and err < tol}
+        )
+        wt = w.view(4, n // 4, k).transpose(1, 2)
+        xb = x.view(1, m, k).expand(4, m, k)
+        err = (mm.bmm(xb, wt).float() - torch.bmm(xb.float(), wt.float())).abs().max().item()
+        bad = windows(lambda v, wt=wt: mm.bmm(v.unsqueeze(0).expand(4, -1, -1), wt)[1], x)
+        name = f"triton bmm {str(dtype)[6:]} 4 x [{m}, {k}] x [{k}, {n // 4}]"
+        rows.append(
+            {"case": name, "max_abs_err": err, "differing": bad, "ok": not bad and err < tol}
+        )
+        if device == "cuda":  # controls: what the flag replaces / relies on
+            for op, fn in (
+                ("cuBLAS F.linear", lambda v, w=w: F.linear(v, w)),
+                ("torch rms_norm", lambda v: F.rms_norm(v.float(), (k,), eps=1e-6)),
+                ("torch log_softmax", lambda v: torch.log_softmax(v.float(), -1)),
+            ):
+                bad = windows(fn, x)
+                name = f"control {op} {str(dtype)[6:]}"
+                rows.append({"case": name, "max_abs_err": 0.0, "differing": bad, "ok": None})
+
+    # attention: the last q queries of a kv-key row as a verify row among others, as one-query
+    # rows (expanded verify), each alone as a decode, and second in another batch
+    shape = dict(h=16, r=512, p=64) if device == "cuda" else dict(h=4, r=32, p=8)
+    kv, q = (1500, 4) if device == "cuda" else (150, 3)
+    for dtype in (torch.float32, torch.bfloat16):
+        args = list(make_decode(3, kv, device, dtype, q=q, **shape))
+        args[6] = torch.tensor([kv, kv // 2, kv - 7], device=device)
+        size = 256 if device == "cuda" else 64
+
+        def run(batch, args=args, size=size):
+            """batch: (request row, seq_len, its query indices) per batch row."""
+            qi = torch.tensor([i for _, _, idx in batch for i in idx], device=device)
+            ql = torch.tensor([len(idx) for _, _, idx in batch], device=device)
+            seq_lens = [n for _, n, _ in batch]
+            call = (args[0][qi], args[1][qi], args[2], args[3], args[4],
+                    torch.tensor([r for r, _, _ in batch], device=device),
+                    torch.tensor(seq_lens, device=device), ql, torch.cumsum(ql, 0) - ql,
+                    args[9])  # fmt: skip
+            out = tri.mla_attention(
+                *call, max_q_len=int(ql.max()), kv_split_size=size,
+                num_kv_splits=tri.invariant_kv_splits(max(seq_lens), size),
+            )  # fmt: skip
+            return out, (out.float() - mla_attention_reference(*call).float()).abs().max().item()
+
+        lens = args[6].tolist()
+        own = [list(range(r * q, r * q + q)) for r in range(3)]  # row r's queries
+        verify, err = run([(r, lens[r], own[r]) for r in range(3)])
+        subject = verify[:q]
+        expand, _ = run([(0, kv - q + 1 + i, [i]) for i in range(q)])
+        alone = torch.cat([run([(0, kv - q + 1 + i, [i])])[0] for i in range(q)])
+        longer, _ = run([(1, lens[1], own[1]), (0, kv, own[0])])
+        bad = sum(not torch.equal(o, subject) for o in (expand, alone, longer[q:]))
+        name = f"triton attention fixed parts {str(dtype)[6:]} kv{kv} verify/expand/decode"
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        rows.append(
+            {"case": name, "max_abs_err": err, "differing": bad, "ok": not bad and err < tol}
+        )
+    return rows
+
+
 def resources() -> list[dict]:
     """Shared memory, registers and spills of every attention kernel compiled so far in this
     process (run `check` and `bench_cuda` first); ok: within the 100 KiB budget, no spills."""

@@ -11,7 +11,8 @@ held-out stdlib snippets written as a local ShareGPT-format file) and the shippe
 `--repeats N` runs every configuration N times round-robin and reports medians (this VM's
 speed drifts by 20-40% over minutes: interleaving keeps the ratios fair). Reported per
 run: request and output throughput, median TTFT and TPOT, and (MTP) the server's mean accept
-length from /server_info. A configuration name ending in `@onednn` adds `--cpu-small-gemm off`.
+length from /server_info. A configuration name ending in `@onednn` adds `--cpu-small-gemm off`,
+one ending in `@serial` adds `--disable-overlap-schedule`.
 """
 
 from __future__ import annotations
@@ -51,6 +52,10 @@ CONFIGS = {
 # "<config>@onednn": the same server with --cpu-small-gemm off (every bf16 matmul via oneDNN).
 CONFIGS.update(
     {f"{name}@onednn": [*args, "--cpu-small-gemm", "off"] for name, args in CONFIGS.items()}
+)
+# "<config>@serial": the same server with --disable-overlap-schedule (the serial step loop).
+CONFIGS.update(
+    {f"{name}@serial": [*args, "--disable-overlap-schedule"] for name, args in CONFIGS.items()}
 )
 
 

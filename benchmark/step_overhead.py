@@ -22,7 +22,10 @@ response building; the HTTP streaming itself is what the loop spends beyond them
 not a dependency; `--gil`: only the thread holding the GIL is sampled), keeps the raw samples
 in FILE and prints each thread's most frequent frames: the sampler costs CPU itself, so those
 times are not comparable with the timed run. `--switch-interval` sets the server's
-`sys.setswitchinterval` (an experiment on GIL hand-offs).
+`sys.setswitchinterval` (an experiment on GIL hand-offs). The server overlaps decode steps
+(the default: "step (overlapped)" is the finish of a launched step, in the loop's thread, and
+the forward runs in the device worker's, `srt-scheduler`); `--disable-overlap-schedule`
+(after `--server-flags`) times the serial loop ("step (decode)").
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ from srt_ascend.server_args import SHIPPED_MODEL
 # label's indent shows nesting.
 PARTS = [
     ("step (decode)", "srt_ascend.managers.scheduler:Scheduler", "_run_decode"),
+    # overlap scheduling (the default): a decode step is launched, then finished a step later
+    ("step (overlapped)", "srt_ascend.managers.scheduler:Scheduler", "_finish_step"),
+    ("  launch", "srt_ascend.decoding.plain:PlainDecoder", "launch"),
+    ("  finish", "srt_ascend.decoding.plain:PlainDecoder", "finish"),
     ("  kv alloc", "srt_ascend.managers.kv_book:KVBook", "alloc_running"),
     ("  batch build", "srt_ascend.model_executor.model_runner:ModelRunner", "build_forward_batch"),
     ("  forward + logits", "srt_ascend.model_executor.model_runner:ModelRunner", "forward_logits"),
@@ -287,7 +294,7 @@ def breakdown(records: list, start: float, end: float) -> tuple[dict, dict]:
     inside = [
         r for r in records if start <= r[2] <= end and not (r[0] == "loop: receive" and r[3] > 0.02)
     ]
-    steps = [r for r in inside if r[0] == "step (decode)"]
+    steps = [r for r in inside if r[0] in ("step (decode)", "step (overlapped)")]
     n = max(1, len(steps))
     calls: dict[str, list[float]] = collections.defaultdict(list)
     for label, thread, _, dt in inside:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Everything the tests need, on a fresh machine: this package with its test extra, and the lean
+# Everything the tests need, on a fresh machine: this package with its test and pd extras, the lean
 # set of SGLang's own clients (frontend DSL, bench_serving) in `.venv-sglang`, a venv of their
 # own that sees the packages of the environment running this script, a virtualenv or not (a
 # .pth file lists its site-packages; `--system-site-packages` would share the base
@@ -9,7 +9,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-python -m pip install -q -e ".[test]"
+# Mooncake's transfer engine (the pd extra: prefill-decode disaggregation) loads libibverbs and
+# librdmacm even over TCP; CI runs as root on a fresh Debian machine.
+if ! ldconfig -p | grep -q librdmacm.so.1 || ! ldconfig -p | grep -q libibverbs.so.1; then
+  apt-get update -q && apt-get install -y -q libibverbs1 librdmacm1
+fi
+python -m pip install -q -e ".[test,pd]"
 
 [ -x .venv-sglang/bin/python ] || python -m venv .venv-sglang
 # Re-pointed on every run (the environment running the tests may have changed), and before

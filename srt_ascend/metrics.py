@@ -102,6 +102,7 @@ class ServerMetrics:
         self.spec_enabled = spec_enabled
         self.spec_tokens = 0  # completion tokens of requests that ran MTP verify steps
         self.spec_verify_ct = 0
+        self._seen: dict[str, float] = {}  # scheduler totals already counted (`_advance`)
         labels = ("model_name",)
         r = self.registry
 
@@ -124,6 +125,20 @@ class ServerMetrics:
         self.prompt_tokens = counter("sglang:prompt_tokens", "Prompt tokens processed")
         self.generation_tokens = counter("sglang:generation_tokens", "Tokens generated")
         self.cached_tokens = counter("sglang:cached_tokens", "Prompt tokens served from cache")
+        # prefill-decode disaggregation (scheduler-side totals, advanced at each scrape; they
+        # stay 0 on a server that is not disaggregated)
+        self.kv_transfer = {
+            key: counter(f"sglang:{key}", doc)
+            for key, doc in (
+                ("kv_transfer_bytes", "KV bytes this server sent to decode servers"),
+                ("kv_transfer_seconds", "Seconds spent in KV transfers to decode servers"),
+                (
+                    "kv_transfer_failures",
+                    "Disaggregated requests failed on this server (a transfer, a timeout, a "
+                    "peer that went away or refused the request)",
+                ),
+            )
+        }
         self.ttft = histogram(
             "sglang:time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS
         )
@@ -187,7 +202,6 @@ class ServerMetrics:
                 registry=r,
             )
             self._model_name = model_name
-            self._seen: dict[str, float] = {}
 
     def observe_request(self, s: RequestStats) -> None:
         self.num_requests.inc()
@@ -231,6 +245,8 @@ class ServerMetrics:
         self.cache_hit_rate.set(st["cache_hit_rate"])
         total = st["max_total_num_tokens"]
         self.token_usage.set((total - st["available_kv_tokens"]) / total if total else 0.0)
+        for key, c in self.kv_transfer.items():
+            self._advance(key, c, st.get(key, 0))
         if self.spec_enabled:
             for key, c in self.spec_sched.items():
                 self._advance(key, c, st.get(key, 0))

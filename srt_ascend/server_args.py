@@ -19,6 +19,7 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 # under expert parallelism with DP attention. SGLang's other values (deepep mooncake nixl mori
 # ascend_fuseep flashinfer) are vendor all-to-all libraries, not available here.
 MOE_A2A_BACKENDS = ("none", "all_to_all")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # --grammar-backend values served here: xgrammar (SGLang's default). SGLang's outlines,
 # llguidance and none are not available.
 GRAMMAR_BACKENDS = ("xgrammar",)
@@ -65,6 +66,7 @@ class ServerArgs:
     enable_metrics: bool = False  # accepted for SGLang: /metrics is always on here
     enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
+    disable_overlap_schedule: bool = False  # SGLang's flag: the serial step loop
     # parallelism
     tp_size: int = 1
     ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
@@ -85,6 +87,12 @@ class ServerArgs:
     constrained_json_max_whitespace_cnt: int = 16  # 0: unbounded (SGLang's default)
     grammar_compile_timeout: float = 30.0  # seconds one grammar may compile
     grammar_max_size: int = 131072  # characters of a grammar's source
+    # prefill-decode disaggregation (docs/disaggregation.md)
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_transfer_backend: str = "mooncake"
+    disaggregation_bootstrap_port: int = 8998  # the prefill server's bootstrap endpoint
+    disaggregation_ib_device: str | None = None  # RDMA device(s); None: TCP
+    disaggregation_timeout: float = 60.0  # seconds a request waits for its peer / its KV
     # speculative decoding
     speculative_algorithm: str | None = None
     speculative_num_steps: int = 1
@@ -252,6 +260,7 @@ class ServerArgs:
             )
         self._check_sglang_features()
         self._check_parallel()
+        self._check_disaggregation()
         if self.spec_enabled:
             self._check_speculative()
 
@@ -321,6 +330,38 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
                 raise ValueError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+
+    @property
+    def disaggregated(self) -> bool:
+        """A prefill or decode server of a disaggregated pair (not `null`)."""
+        return self.disaggregation_mode != "null"
+
+    def _check_disaggregation(self) -> None:
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(
+                f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                f"got {self.disaggregation_mode!r}"
+            )
+        if self.disaggregation_transfer_backend != "mooncake":
+            raise ValueError(
+                f"--disaggregation-transfer-backend {self.disaggregation_transfer_backend!r} is "
+                "not available here (accepted: mooncake)"
+            )
+        if not 1 <= self.disaggregation_bootstrap_port <= 65535:
+            raise ValueError("--disaggregation-bootstrap-port must be in [1, 65535]")
+        if self.disaggregation_timeout <= 0:
+            raise ValueError("--disaggregation-timeout must be > 0")
+        if not self.disaggregated:
+            return
+        if self.enable_dp_attention:
+            raise ValueError(
+                "--disaggregation-mode cannot be combined with --enable-dp-attention (yet)"
+            )
+        if self.disaggregation_mode == "decode" and self.tp_size > 1:
+            raise ValueError(
+                "--disaggregation-mode decode runs with --tp-size 1 (each rank's pool would "
+                "need the KV); a prefill server may run any --tp-size"
+            )
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm != "MTP":
@@ -526,6 +567,45 @@ class ServerArgs:
             choices=["log", "fatal"],
             help="when the scheduler goes idle it checks that every KV slot and request row is "
             "free or owned by the prefix cache; log a mismatch, or stop the scheduler (tests)",
+        )
+        a(
+            "--disaggregation-mode",
+            default="null",
+            choices=list(DISAGGREGATION_MODES),
+            help="prefill-decode disaggregation behind sglang-router --pd-disaggregation: "
+            "prefill (computes prompts, sends their KV), decode (receives it, generates), or "
+            "null (both, one server)",
+        )
+        a(
+            "--disaggregation-transfer-backend",
+            default="mooncake",
+            help="how KV moves between the servers: mooncake (Mooncake's transfer engine; pip "
+            "install srt-ascend[pd])",
+        )
+        a(
+            "--disaggregation-bootstrap-port",
+            type=int,
+            default=d["disaggregation_bootstrap_port"].default,
+            help="prefill server: the port of its bootstrap endpoint, where decode servers "
+            "say where a request's KV goes (give the router the same port)",
+        )
+        a(
+            "--disaggregation-ib-device",
+            default=None,
+            help="RDMA device(s) for the transfer engine, e.g. mlx5_0; none: TCP",
+        )
+        a(
+            "--disaggregation-timeout",
+            type=float,
+            default=d["disaggregation_timeout"].default,
+            help="seconds a disaggregated request waits for its peer (the decode server's "
+            "registration on the prefill side, the KV on the decode side) before it fails",
+        )
+        a(
+            "--disable-overlap-schedule",
+            action="store_true",
+            help="run each decode step's forward after the previous step's results are "
+            "committed (the serial loop) instead of overlapping them",
         )
         a(
             "--tp-size",

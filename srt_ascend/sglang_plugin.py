@@ -16,10 +16,13 @@ Translation: SGLang's own parser reads the argv (so SGLang's flag names, aliases
 apply); every flag given that srt_ascend supports maps to its field, and the rest are listed
 in one warning line at start (parallelism: `--tp-size`, `--ep-size`, `--dist-init-addr`,
 `--nnodes`, `--node-rank`, `--enable-dp-attention`, `--dp-size`, `--load-balance-method`,
-`--moe-a2a-backend` map to srt_ascend's fields of the same names). Flags that only srt_ascend has
+`--moe-a2a-backend` map to srt_ascend's fields of the same names; so do
+`--disaggregation-mode`, `--disaggregation-transfer-backend`, `--disaggregation-bootstrap-port`
+and `--disaggregation-ib-device`). Flags that only srt_ascend has
 (`--num-threads`, `--speculative-verify`, `--cpu-small-gemm`, `--max-request-body-mb`,
 `--shutdown-timeout`, `--request-read-timeout`, `--max-prompts-per-request`,
-`--grammar-compile-timeout`, `--grammar-max-size`), and `--moe-a2a-backend` (whose
+`--grammar-compile-timeout`, `--grammar-max-size`, `--disaggregation-timeout`), and
+`--moe-a2a-backend` (whose
 `all_to_all` value SGLang's parser does not know; srt_ascend checks the value), are taken out
 of argv before SGLang parses it.
 
@@ -74,6 +77,7 @@ def _split_own_flags(argv: Sequence[str]) -> tuple[dict, list[str]]:
     own.add_argument("--max-prompts-per-request", type=int, default=argparse.SUPPRESS)
     own.add_argument("--grammar-compile-timeout", type=float, default=argparse.SUPPRESS)
     own.add_argument("--grammar-max-size", type=int, default=argparse.SUPPRESS)
+    own.add_argument("--disaggregation-timeout", type=float, default=argparse.SUPPRESS)
     # SGLang's parser knows its own values only; srt_ascend checks this one (all_to_all is ours)
     own.add_argument("--moe-a2a-backend", default=argparse.SUPPRESS)
     ns, rest = own.parse_known_args(list(argv))

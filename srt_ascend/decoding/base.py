@@ -13,13 +13,24 @@ Contract of one step, for the running batch `reqs`:
    the first that finishes the request) and set `req.kv_len` to the positions that now hold
    valid KV, freeing any allocated beyond them with `kv.free_positions`;
 4. return the requests that took part. The caller releases the finished ones.
+
+Overlapped (the default; `--disable-overlap-schedule` keeps to `step`): a decoder that can
+(`can_overlap`) splits a step in two. `launch` allocates the step's KV (without retracting:
+None when it does not fit), advances `kv_len` over the positions it will write, and submits
+the device work to the handles' DeviceWorker; its inputs are the previous launched step's
+tokens, which stay on the device. `finish` reads the step's tokens (the one host read) and
+commits them, skipping requests that finished meanwhile (found one step late, or aborted):
+their tokens of this step are dropped. The scheduler launches step N+1 before it finishes
+step N, and a request it finds finished rolls `kv_len` back to its start in step N+1
+(`LaunchedStep.start_of`) before releasing it.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -28,6 +39,7 @@ from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.registry import Registry
 from srt_ascend.sampling.sample_step import SamplingRequest, sample_rows
 from srt_ascend.server_args import ServerArgs
@@ -65,6 +77,11 @@ class KVHandle(Protocol):
         first) until it fits. Returns the requests kept and their slots [len(kept) * n]."""
         ...
 
+    def try_alloc_running(self, reqs: list[StepRequest], n: int) -> torch.Tensor | None:
+        """`alloc_running` without retracting: the slots [len(reqs) * n], or None (nothing
+        allocated) when they do not fit after evicting from the prefix cache."""
+        ...
+
     def free_positions(self, req: StepRequest, lo: int, hi: int) -> None:
         """Frees the request's slots of positions [lo, hi) (whole pages only)."""
         ...
@@ -81,13 +98,35 @@ class DecoderHandles:
     kv: KVHandle
     commit: CommitFn
     eos_ids: list[int]  # stop tokens, for the min-new-tokens mask
+    worker: DeviceWorker = field(default_factory=InlineWorker)  # where launched steps run
 
     @property
     def req_to_token(self) -> torch.Tensor:  # [rows, max_context] slot table
         return self.runner.req_to_token_pool.req_to_token
 
 
+@dataclass
+class LaunchedStep:
+    """A decode step whose device work is submitted and whose tokens are not read yet."""
+
+    reqs: list[StepRequest]
+    starts: list[int]  # each request's kv_len before the step: where it rolls back to
+    result: Future  # -> SampledTokens: the tokens [B] on the device, logprobs if asked
+    index: dict[int, int] = field(init=False)  # id(req) -> its row
+
+    def __post_init__(self) -> None:
+        self.index = {id(r): i for i, r in enumerate(self.reqs)}
+
+    def start_of(self, req: StepRequest) -> int | None:
+        i = self.index.get(id(req))
+        return None if i is None else self.starts[i]
+
+
 class Decoder(ABC):
+    # whether `launch` / `finish` are implemented (overlap scheduling); a decoder without them
+    # runs `step` in the serial loop whatever --disable-overlap-schedule says
+    overlaps = False
+
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         self.args = args
         self.h = handles
@@ -160,6 +199,21 @@ class Decoder(ABC):
         """One decode step over the running batch (contract in the module docstring). A step
         left with no request (all retracted) runs `idle_step` instead."""
 
+    def can_overlap(self, reqs: list[StepRequest]) -> bool:
+        """Whether this batch may run as `launch` + `finish` (module docstring)."""
+        return False
+
+    def launch(self, reqs: list[StepRequest], prev: LaunchedStep | None) -> LaunchedStep | None:
+        """Submits a step whose inputs follow `prev` (the launched step not finished yet, if
+        any; every request here took part in it). None, with nothing changed, when it cannot
+        launch (its KV does not fit without retracting)."""
+        return None
+
+    def finish(self, step: LaunchedStep) -> list[StepRequest]:
+        """Reads a launched step's results and commits them (module docstring). Returns the
+        requests committed (the caller releases the finished ones)."""
+        raise NotImplementedError
+
     def idle_prefill(self) -> None:
         """The model forwards of a prefill step (EXTEND, then `after_prefill`'s), over no
         tokens: what a data-parallel attention group without a prefill batch runs while
@@ -179,5 +233,9 @@ DECODERS: Registry[Decoder] = Registry("speculative algorithm")
 PLAIN = "NONE"  # SGLang's name for no speculation
 
 
+def decoder_class(args: ServerArgs) -> type[Decoder]:
+    return DECODERS.get(args.speculative_algorithm or PLAIN)
+
+
 def create_decoder(args: ServerArgs, handles: DecoderHandles) -> Decoder:
-    return DECODERS.get(args.speculative_algorithm or PLAIN)(args, handles)
+    return decoder_class(args)(args, handles)

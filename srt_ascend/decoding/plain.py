@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, StepRequest
+import torch
+
+from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, LaunchedStep, StepRequest
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.sampling.penalty_state import has_penalties
+from srt_ascend.sampling.sample_step import sample_tokens
+from srt_ascend.utils import HOST_READS, to_device
 
 
 @DECODERS.register(PLAIN)
 class PlainDecoder(Decoder):
+    overlaps = True
+
     def __init__(self, args, handles) -> None:
         super().__init__(args, handles)
         self.kind = self.decode_kind()
@@ -18,3 +26,66 @@ class PlainDecoder(Decoder):
             return []
         self.decode_and_commit(reqs, loc, self.kind)
         return reqs
+
+    def can_overlap(self, reqs: list[StepRequest]) -> bool:
+        """Not with a grammar (its mask for step N+1 needs step N's token on the host, and its
+        matcher advances at every commit) nor with penalties (their token statistics are
+        updated from the committed tokens): such a batch runs `step`, serially."""
+        return self.runner.tp.size == 1 and not any(
+            r.grammar is not None or has_penalties(r.sampling_params) for r in reqs
+        )
+
+    def launch(self, reqs: list[StepRequest], prev: LaunchedStep | None) -> LaunchedStep | None:
+        """One token per request. Its input is the token `prev` sampled for it (gathered on the
+        device inside the submitted closure, once `prev`'s has run), or its last committed one
+        when nothing is in flight. Sampling counts `prev`'s token as generated (seeds,
+        min_new_tokens) without reading `output_ids`, which the scheduler's thread appends to
+        meanwhile."""
+        if prev is not None and any(prev.start_of(r) is None for r in reqs):
+            return None
+        loc = self.h.kv.try_alloc_running(reqs, 1)
+        if loc is None:
+            return None
+        device, ahead = self.runner.device, 0 if prev is None else 1
+        if prev is None:
+            inputs = to_device([r.all_ids[-1] for r in reqs], device)
+            rows = None
+        else:
+            inputs = torch.empty(len(reqs), dtype=torch.int64, device=device)
+            order = [prev.index[id(r)] for r in reqs]
+            rows = None if order == list(range(len(prev.reqs))) else to_device(order, device)
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE,
+            inputs,
+            [r.req_pool_idx for r in reqs],
+            [r.kv_len + 1 for r in reqs],
+            [1] * len(reqs),
+            loc,
+        )
+        starts = [r.kv_len for r in reqs]
+        for r in reqs:
+            r.kv_len += 1
+        generated = [len(r.output_ids) + ahead for r in reqs]
+        batch = list(reqs)
+
+        @torch.inference_mode()
+        def run():
+            if prev is not None:  # the future-token gather: prev's tokens, still on the device
+                tokens = prev.result.result().token_ids
+                inputs.copy_(tokens if rows is None else tokens.index_select(0, rows))
+            _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head
+            return sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)
+
+        return LaunchedStep(batch, starts, self.h.worker.submit(run))
+
+    def finish(self, step: LaunchedStep) -> list[StepRequest]:
+        res = step.result.result()
+        token_ids = HOST_READS.read(res.token_ids)
+        committed = []
+        for i, r in enumerate(step.reqs):
+            if r.finished:  # finished one step late or aborted: this step's token is dropped
+                continue
+            lps = None if res.logprobs is None else res.logprobs.rows(i, i + 1)
+            self.h.commit(r, [token_ids[i]], lps)
+            committed.append(r)
+        return committed

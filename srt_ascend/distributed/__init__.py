@@ -4,6 +4,12 @@ CPU): the group a rank belongs to (`TPGroup`) and how the processes find each ot
 
 from __future__ import annotations
 
-from srt_ascend.distributed.group import SINGLE, DistInit, TPGroup, init_tp_group
+from srt_ascend.distributed.group import (
+    SINGLE,
+    DistInit,
+    TPGroup,
+    init_tp_group,
+    set_fixed_order_sums,
+)
 
-__all__ = ["SINGLE", "DistInit", "TPGroup", "init_tp_group"]
+__all__ = ["SINGLE", "DistInit", "TPGroup", "init_tp_group", "set_fixed_order_sums"]

@@ -44,6 +44,23 @@ class DistInit:
         return f"tcp://{self.addr}"
 
 
+# --enable-deterministic-inference (`set_fixed_order_sums`): all-reduces add the ranks' parts
+# in rank order on every rank, whatever the tensor's size.
+_fixed_order_sums = False
+
+
+def set_fixed_order_sums(on: bool) -> None:
+    """Process-wide: make `TPGroup.all_reduce` a fixed-order sum (set by the model runner
+    before the first forward). With two ranks every element is one addition, which is
+    commutative, so any algorithm gives the same bits; with more, ring and tree all-reduces
+    (gloo, NCCL, HCCL) add an element's parts in an order that follows where the element falls
+    in the chunked buffer and which algorithm the buffer's size selects, i.e. the batch: a
+    row's sum would depend on the rows around it. Then every rank gathers all parts and adds
+    them in rank order instead (size times the traffic of a ring all-reduce's share)."""
+    global _fixed_order_sums
+    _fixed_order_sums = on
+
+
 @dataclass(frozen=True)
 class TPGroup:
     rank: int = 0
@@ -98,12 +115,20 @@ class TPGroup:
         entry[1] += nbytes
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum of `x` over the ranks, in place; `x` itself with one rank."""
+        """Sum of `x` over the ranks, in place; `x` itself with one rank; in rank order with
+        `set_fixed_order_sums`."""
         if self.size == 1:
             return x
         import torch.distributed as dist
 
         self._count("all_reduce", x.numel() * x.element_size())
+        if _fixed_order_sums and self.size > 2:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x.contiguous(), group=self.device_group)
+            total = parts[0]
+            for part in parts[1:]:
+                total = total.add_(part)
+            return x.copy_(total)
         dist.all_reduce(x, group=self.device_group)
         return x
 

@@ -19,6 +19,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from srt_ascend.disaggregation.protocol import BootstrapError, BootstrapInfo
 from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 from srt_ascend.managers.tokenizer_manager import RequestError
 
@@ -57,6 +58,7 @@ class GenerateItem:
     top_logprobs_num: int | None
     extra_key: str | None
     token_ids_logprob: list[int] | None = None
+    bootstrap: BootstrapInfo | None = None  # sglang-router's (prefill-decode disaggregation)
 
 
 def _is_int(x: Any) -> bool:
@@ -145,6 +147,7 @@ class GenerateReqInput:
     stream: bool
     return_text_in_logprobs: bool
     n: int = 1  # samples per prompt
+    bootstrap: BootstrapInfo | None = None
 
     @classmethod
     def from_json(
@@ -202,6 +205,7 @@ class GenerateReqInput:
             stream=stream,
             return_text_in_logprobs=text_lp,
             n=samples,
+            bootstrap=bootstrap_of(body),
         )
 
     async def items(self, tokenize: Callable[[str], Awaitable[list[int]]]) -> list[GenerateItem]:
@@ -220,10 +224,23 @@ class GenerateReqInput:
                 top_logprobs_num=self.top_logprobs_num[i],
                 extra_key=self.extra_key[i],
                 token_ids_logprob=self.token_ids_logprob[i],
+                bootstrap=self.bootstrap,
             )
             for i in range(len(self.prompts))
             for j in range(self.n)
         ]
+
+
+def bootstrap_of(body: dict) -> BootstrapInfo | None:
+    """sglang-router's bootstrap_host / bootstrap_port / bootstrap_room (None when absent);
+    RequestError when they are partial or malformed."""
+    try:
+        return BootstrapInfo.from_fields(*(body.get(k) for k in BOOTSTRAP_KEYS))
+    except BootstrapError as e:
+        raise RequestError(str(e)) from None
+
+
+BOOTSTRAP_KEYS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 def _prompts(text: Any, input_ids: Any) -> tuple[list, bool]:
@@ -335,6 +352,11 @@ class GenerateRequest(BaseModel):
     cache_salt: _one_or_list(str) = None  # joins extra_key: prefixes are shared within one key
     stream: bool = False
     return_text_in_logprobs: bool = False
+    # sglang-router --pd-disaggregation's: the prefill server's bootstrap endpoint, the room
+    # that pairs the request's prefill and decode halves
+    bootstrap_host: str | None = None
+    bootstrap_port: int | None = None
+    bootstrap_room: int | None = None
 
 
 class AbortRequest(BaseModel):

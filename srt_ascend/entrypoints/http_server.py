@@ -142,6 +142,7 @@ async def generate(request: Request):
     items = await obj.items(serving.tm.tokenize_async)
     reqs = await serving.tm.off_loop(_make_requests, serving, items)
     serving.check_unique_rids(reqs)
+    serving.check_disaggregated(reqs)
     await serving.attach_grammars(reqs)
     if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
         await until_disconnected(request, serving.cache_prompts(reqs, obj.n))
@@ -165,6 +166,7 @@ def _make_requests(serving: Serving, items: list[GenerateItem]) -> list[Tokenize
             top_logprobs_num=it.top_logprobs_num,
             extra_key=it.extra_key,
             token_ids_logprob=it.token_ids_logprob,
+            bootstrap=it.bootstrap,
         )
         for it in items
     ]

@@ -23,6 +23,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from srt_ascend.entrypoints.generate_input import (
+    BOOTSTRAP_KEYS,
+    bootstrap_of,
     clean_sampling_params,
     extra_key,
     parallel_samples,
@@ -167,6 +169,7 @@ class OpenAIServing:
         refuse_unsupported_fields(obj.request_fields())
         sp = clean_sampling_params(obj.sampling_params(max_tokens), prefix="")
         key = extra_key(obj.cache_salt, obj.extra_key)
+        bootstrap = bootstrap_of(obj.model_dump(include=set(BOOTSTRAP_KEYS)))
         total = len(prompts) * obj.n
         reqs = []
         for ids in prompts:
@@ -183,9 +186,11 @@ class OpenAIServing:
                         logprob_start_len=0 if prompt_logprobs else None,
                         top_logprobs_num=logprobs or 0,
                         extra_key=key,
+                        bootstrap=bootstrap,
                     )
                 )
         self.serving.check_unique_rids(reqs)
+        self.serving.check_disaggregated(reqs)
         return reqs
 
     async def _completion_prompts(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 
@@ -59,6 +59,10 @@ class _SamplingFields(BaseModel):
     rid: str | None = None
     cache_salt: str | None = None
     extra_key: str | None = None
+    # sglang-router --pd-disaggregation's (see /generate)
+    bootstrap_host: str | None = None
+    bootstrap_port: StrictInt | None = None
+    bootstrap_room: StrictInt | None = None
     # SGLang request fields, checked as /generate checks them (generate_input.UNSUPPORTED_FIELDS)
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | None = None

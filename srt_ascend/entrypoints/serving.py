@@ -41,6 +41,13 @@ class Serving:
         rid = kw.get("rid")
         if rid is not None and self.tm.has_request(rid):
             raise RequestError(f"duplicate request id {rid!r}")
+        mode = self.args.disaggregation_mode
+        if mode != "null" and kw.get("bootstrap") is None:
+            raise RequestError(
+                f"this is a {mode} server (--disaggregation-mode {mode}): a request needs "
+                "bootstrap_host, bootstrap_port and bootstrap_room (send it through "
+                "sglang-router --pd-disaggregation)"
+            )
         return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
 
     def check_prompt_count(self, n: int) -> None:
@@ -64,6 +71,15 @@ class Serving:
         except ServerBusyError:
             self.metrics.observe_rejected()
             raise
+
+    def check_disaggregated(self, reqs: list[TokenizedGenerateReq]) -> None:
+        """With --disaggregation-mode, one generation per HTTP request: its bootstrap_room
+        pairs it with one generation on the other server."""
+        if self.args.disaggregation_mode != "null" and len(reqs) > 1:
+            raise RequestError(
+                "with --disaggregation-mode, a request carries one prompt and n = 1 (its "
+                f"bootstrap_room pairs it with one generation on the other server); got {len(reqs)}"
+            )
 
     def check_unique_rids(self, reqs: list[TokenizedGenerateReq]) -> None:
         rids = [r.rid for r in reqs]

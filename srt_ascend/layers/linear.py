@@ -19,6 +19,10 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 whatever its dtype, runs as GEMMs of exactly `n` rows each (the rows zero-padded to a multiple
 of n, one call per tile): the same kernel serves every row of every forward, so a row's result
 depends on that row alone. The MKL routing above then depends on the weight alone (n rows).
+On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
+(`ops/matmul_triton.py`: one tile shape, no split-K, the reduction in fixed steps), and
+`ordered_sum` / `sum_last` replace the reductions whose CUDA kernel's order follows the row
+count (the MoE's short sums; the sampler's sums over the vocabulary).
 """
 
 from __future__ import annotations
@@ -93,9 +97,21 @@ def _batch_invariant(x: torch.Tensor) -> int | None:
     return _row_tile if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
 
 
+def _invariant_gemm(x: torch.Tensor):
+    """The batch-invariant Triton GEMM module when this matmul runs on CUDA in batch-invariant
+    mode, else None."""
+    if _row_tile is None or x.device.type != "cuda" or torch.compiler.is_compiling():
+        return None
+    from srt_ascend.layers.ops import matmul_triton
+
+    return matmul_triton
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """F.linear, through MKL when small; in batch-invariant mode over fixed row tiles (see the
     module docstring)."""
+    if (gemm := _invariant_gemm(x)) is not None:
+        return gemm.linear(x, weight, bias)
     tile = _batch_invariant(x)
     if tile is None:
         return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
@@ -108,6 +124,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, through MKL when each product has one row and all of them are small; in
     batch-invariant mode over fixed tiles of a's rows (dim 1)."""
+    if (gemm := _invariant_gemm(a)) is not None:
+        return gemm.bmm(a, b)
     tile = _batch_invariant(a)
     if tile is not None:
         parts, n = _tiles(a, 1, tile)
@@ -132,6 +150,32 @@ def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
     if tile is None or not n % tile:
         return fn(x)
     return fn(F.pad(x, [0, 0] * (x.dim() - 1) + [0, -n % tile]))[:n]
+
+
+def ordered_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.sum(dim); in batch-invariant mode off the CPU, the slices along `dim` added one by
+    one in index order. CUDA's reduction kernel picks how many threads (and blocks) share one
+    output by the number of outputs, so a short sum (a token's k routing weights, its experts'
+    outputs) is added in another order in a 1-token step than in a 300-token one. The CPU's
+    loops add along `dim` in one order whatever the other sizes (tests/unit/test_batch_invariant
+    checks the MoE's)."""
+    if _row_tile is None or x.device.type == "cpu" or torch.compiler.is_compiling():
+        return x.sum(dim)
+    parts = x.unbind(dim)
+    total = parts[0].clone()
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def sum_last(x: torch.Tensor) -> torch.Tensor:
+    """x.sum(-1, keepdim=True); in batch-invariant mode on CUDA a product with a ones column
+    through the fixed-tile GEMM (the row reduced in fixed 32-wide steps). CUDA's reduction
+    kernel spreads a long row's sum (a vocabulary's probabilities) over more threads and
+    blocks when there are few rows, so a row's sum would follow the batch."""
+    if (gemm := _invariant_gemm(x)) is not None:
+        return gemm.linear(x, x.new_ones(1, x.shape[-1]))
+    return x.sum(-1, keepdim=True)
 
 
 class Linear(nn.Linear):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
-from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, row_tile
+from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_sum, row_tile
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.weight_stack import WeightStack
 
@@ -71,10 +71,15 @@ class TopkRouter(nn.Module):
         group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1.0)
         expert_mask = group_mask.unsqueeze(-1).expand_as(per_group).reshape(-1, self.n_experts)
         choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        # batch-invariant mode off the CPU: sorted, since CUDA's unsorted top-k lists a row's
+        # picks in an order that follows its kernel choice (by row count), and the weights'
+        # sum below follows that order
+        in_order = row_tile() is not None and x.device.type != "cpu"
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=in_order)[1]
         topk_weights = scores.gather(1, topk_ids)
         if self.norm_topk_prob:
-            topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+            norm = ordered_sum(topk_weights, -1).unsqueeze(-1)
+            topk_weights = topk_weights / (norm + 1e-20)
         return topk_weights * self.routed_scaling_factor, topk_ids
 
 
@@ -184,7 +189,7 @@ class RoutedExperts(nn.Module):
         gate_up = linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
-        return (ys.float() * weights.t().unsqueeze(-1)).sum(0).to(x.dtype)
+        return ordered_sum(ys.float() * weights.t().unsqueeze(-1), 0).to(x.dtype)
 
     def forward_gathered(
         self,

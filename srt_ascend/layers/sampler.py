@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from srt_ascend.layers.linear import sum_last
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.utils import HOST_READS, to_device
 
@@ -81,7 +82,7 @@ def processed_probs(
     if keep is None:
         return probs
     probs = probs.masked_fill(~keep, 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    probs = probs / sum_last(probs)  # batch-invariant on CUDA in deterministic mode
     if info.need_top_p_top_k:
         # Pin greedy rows to argmax(logits) so they agree bit-for-bit with an all-greedy batch.
         greedy = nn.functional.one_hot(logits.argmax(dim=-1), vocab).to(torch.float32)

@@ -6,6 +6,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from srt_ascend.constrained import CompiledGrammar
+from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 
 MAX_TOP_LOGPROBS = 20  # top_logprobs_num cap on every route (OpenAI's limit)
@@ -26,6 +27,8 @@ class TokenizedGenerateReq:
     # samples of a prompt and its shared prefill: they meet in one radix cache).
     routing_key: str | None = None
     grammar: CompiledGrammar | None = None  # sampling_params.grammar_spec, compiled
+    # sglang-router's bootstrap_host / port / room (prefill-decode disaggregation)
+    bootstrap: BootstrapInfo | None = None
 
 
 ABORTED_BY_CLIENT = "aborted by the client"

@@ -71,6 +71,12 @@ class KVBook:
             raise RuntimeError("KV allocation failed after admission control (accounting bug)")
         return loc
 
+    def alloc_positions(self, req: Req, n: int) -> bool:
+        """n slots for positions kv_len .. kv_len+n-1 of one request (evicting from the
+        prefix cache if needed), written into req_to_token; False (nothing taken) when they
+        do not fit."""
+        return self._alloc([req], [n]) is not None
+
     def alloc_running(self, reqs: list[Req], n: int) -> tuple[list[Req], torch.Tensor]:
         """n new slots per request (positions kv_len .. kv_len+n-1, written into
         req_to_token), evicting from the tree and then retracting requests, latest admitted
@@ -83,6 +89,13 @@ class KVBook:
             victim = reqs.pop()
             self.retract(victim, reqs)
         return [], torch.zeros(0, dtype=torch.int64)
+
+    def try_alloc_running(self, reqs: list[Req], n: int) -> torch.Tensor | None:
+        """n new slots per request like `alloc_running`, evicting from the tree but never
+        retracting: None (nothing allocated) when they do not fit. The overlap scheduler
+        launches a step this way while the previous one is in flight, and retracts only once
+        it has finished it (serially, as without overlap)."""
+        return self._alloc(list(reqs), [n] * len(reqs))
 
     def free_positions(self, req: Req, lo: int, hi: int) -> None:
         """Frees the request's slots for positions [lo, hi), whole pages only: a page that

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from srt_ascend.constrained import Grammar
+from srt_ascend.disaggregation.protocol import BootstrapInfo
+from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.sampling.penalty_state import PenaltyState
 from srt_ascend.sampling.sampling_params import SamplingParams
@@ -71,6 +73,10 @@ class Req:
     retracted: int = 0
     grammar: Grammar | None = None  # the output's grammar state, advanced at every commit
     penalty_state: PenaltyState | None = None  # token statistics (sampling.penalty_state)
+    # prefill-decode disaggregation: where its prefill server is (None: served here alone),
+    # and the logprobs of its first token (what a prefill server sends the decode server)
+    bootstrap: BootstrapInfo | None = None
+    first_logprobs: TokenLogprobs | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -6,6 +6,15 @@ in through `submit`, per-step ReqOutputs go out through the `emit` callback.
 Under tensor parallelism every rank runs one Scheduler; only the leader's (rank 0) gets
 messages through `submit`, and at the top of each loop it broadcasts those it took (`_receive`),
 so every rank handles the same messages at the same point and then runs the same step.
+
+Overlap scheduling (the default with one rank; `--disable-overlap-schedule` gives the serial
+loop): in a decode phase the scheduler launches step N+1 (`Decoder.launch`, its inputs step
+N's tokens still on the device) before it finishes step N (`Decoder.finish`: the host read,
+commits, stop checks, releases, outputs), so that host work runs while the device computes.
+Everything else (a prefill, a retraction, a batch the decoder cannot overlap, a graph compile)
+first finishes the step in flight and then runs serially, as without overlap; so does
+everything while tokens are waiting to be admitted. The device work runs on the platform's
+DeviceWorker (`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +31,14 @@ import torch
 import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers the "MTP" decoder)
 from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions
 from srt_ascend.decoding import DecoderHandles, create_decoder
+from srt_ascend.decoding.base import LaunchedStep, decoder_class
+from srt_ascend.disaggregation.protocol import (
+    DestinationArrived,
+    KVArrived,
+    KVResult,
+    RoomCancelled,
+    RoomExpired,
+)
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
 from srt_ascend.managers.io_struct import (
@@ -43,6 +60,7 @@ from srt_ascend.managers.stop_checker import StopChecker
 from srt_ascend.mem_cache import ChunkCache, RadixCache
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.sampling.sample_step import input_logprobs
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.utils import to_device
@@ -78,9 +96,21 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
+        # overlap scheduling: with one rank (the ranks of a group agree on each step's tokens
+        # before it commits, serially) and a decoder that splits its steps (not MTP yet)
+        self.overlap = (
+            not server_args.disable_overlap_schedule
+            and self.tp.size == 1
+            and decoder_class(server_args).overlaps
+        )
+        self.worker: DeviceWorker = (
+            runner.platform.new_device_worker() if self.overlap else InlineWorker()
+        )
+        self._launched: LaunchedStep | None = None  # the decode step in flight (overlap)
+        self.num_overlapped_steps = 0  # decode steps launched before the previous one's read
         self.decoder = create_decoder(
             server_args,
-            DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids),
+            DecoderHandles(runner, self.kv, self._commit, stop_checker.eos_ids, self.worker),
         )
         runner.capture_graphs(self.decoder.graph_kinds())
         self.decoder.calibrate()
@@ -92,6 +122,25 @@ class Scheduler:
         self._outputs: list[ReqOutput] = []  # filled by commits during a step
         self._stop = threading.Event()
         self._grammars: GrammarBackend | None = None  # ranks other than the leader compile here
+        # --disaggregation-mode: the prefill or the decode server's side of the pair (or none)
+        self.prefill_side = self.decode_side = None
+        self._disagg_ended = False  # a disaggregated request ended since the last idle check
+        if server_args.disaggregation_mode == "prefill":
+            from srt_ascend.disaggregation.prefill import PrefillSide
+
+            self.prefill_side = PrefillSide(server_args, runner, self.submit, self._end_prefilled)
+        elif server_args.disaggregation_mode == "decode":
+            from srt_ascend.disaggregation.decode import DecodeSide
+
+            self.decode_side = DecodeSide(
+                server_args,
+                runner,
+                self.submit,
+                self._reserve_prompt,
+                self._activate,
+                lambda req, message: self._finish(req, FinishReason("abort", message=message)),
+                self._release_given_up,
+            )
 
     # ---- thread API -------------------------------------------------------------------------
 
@@ -101,6 +150,9 @@ class Scheduler:
     def stop(self) -> None:
         self._stop.set()
         self.inbox.put(None)
+        for side in (self.prefill_side, self.decode_side):
+            if side is not None:
+                side.close()
 
     def run_forever(self) -> None:
         """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
@@ -110,6 +162,7 @@ class Scheduler:
         read between two; counting rounds, not seconds, keeps tensor-parallel ranks in step."""
         idle_rounds = 0
         while self._receive(block=not self.has_work()):
+            self._poll_disaggregation()
             idle_rounds = 0 if self.has_work() else idle_rounds + 1
             if idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE and self._graphs_to_compile:
                 self._compile_one_graph()
@@ -131,13 +184,35 @@ class Scheduler:
         loop: its warm-up forwards are collective under tensor parallelism). A failed
         compile leaves that graph uncompiled; under tensor parallelism it raises."""
         try:
-            self._graphs_to_compile = self.runner.compile_next_graph()
+            self._graphs_to_compile = self.worker.run(self.runner.compile_next_graph)
         except Exception:
             if self.tp.size > 1:
                 raise
             logger.exception("torch.compile of a graph failed; it stays uncompiled")
 
+    def _poll_disaggregation(self) -> None:
+        """Each round of the loop: the prefill side's timeouts, the decode side's
+        reservations; the idle check once disaggregated requests ended and nothing runs."""
+        if self.prefill_side is not None:
+            self.prefill_side.poll()
+        if self.decode_side is not None:
+            held = (
+                len(self.running) + len(self.decode_side.awaiting) + (self.chunked_req is not None)
+            )
+            self.decode_side.poll(self.args.max_running_requests - held - len(self.waiting))
+        if self._disagg_ended and not self.has_work():
+            self._disagg_ended = False
+            self._check_when_idle()
+
+    def _disaggregation_busy(self) -> bool:
+        """Whether requests are held outside the queue and the batch (between the servers)."""
+        return any(
+            side is not None and side.busy() for side in (self.prefill_side, self.decode_side)
+        )
+
     def _check_when_idle(self) -> None:
+        if self._disaggregation_busy():
+            return
         problem = self.idle_invariant_problem()
         if problem is None:
             return
@@ -162,7 +237,7 @@ class Scheduler:
         return "; ".join(problems) or None
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked_req)
+        return bool(self.waiting or self.running or self.chunked_req) or self._launched is not None
 
     def _receive(self, block: bool) -> bool:
         """Handles the messages that arrived (waiting up to 0.5 s for one when `block`);
@@ -245,6 +320,12 @@ class Scheduler:
                 msg.reply.set_result(flushed)
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
+        elif (
+            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired)) and self.prefill_side
+        ):
+            self.prefill_side.handle(msg)
+        elif isinstance(msg, KVArrived) and self.decode_side:
+            self.decode_side.handle(msg)
 
     def _add_request(self, m: TokenizedGenerateReq) -> None:
         req = Req(
@@ -258,6 +339,7 @@ class Scheduler:
             m.stream,
             extra_key=m.extra_key,
             grammar=self._grammar_of(m),
+            bootstrap=m.bootstrap,
         )
         limit = self.runner.context_len
         if len(req.origin_input_ids) >= limit:
@@ -275,13 +357,91 @@ class Scheduler:
         if len(req.origin_input_ids) + self.kv.page_size > self.runner.max_total_tokens:
             self._finish(req, FinishReason("abort", message="the prompt does not fit the KV pool"))
             return
+        if req.bootstrap is not None and self.decode_side is not None:
+            self.decode_side.add(req)  # its KV comes from its prefill server
+            return
+        if req.bootstrap is not None and self.prefill_side is not None:
+            if self.prefill_side.room_taken(req.bootstrap.room):
+                message = f"bootstrap_room {req.bootstrap.room} is in use by another request"
+                self._finish(req, FinishReason("abort", message=message))
+                return
+            self.prefill_side.add(req)
         self.waiting.append(req)
 
     # ---- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
         """Runs one prefill or decode batch; False when there was nothing to run (the loop
-        then checks the idle invariant only after a step that ran)."""
+        then checks the idle invariant only after a step that ran). With overlap, a decode
+        step is launched and the one before it finished (`_overlap_step`)."""
+        if self.overlap:
+            return self._overlap_step()
+        return self._serial_step()
+
+    def _overlap_step(self) -> bool:
+        """Launches the running batch's next decode step, then finishes the one in flight.
+        When it cannot launch (requests waiting for admission or a chunk to prefill, a batch
+        the decoder runs serially, KV that does not fit without retracting), it finishes the
+        step in flight and runs `_serial_step` on the device worker: prefills, retractions
+        and serial batches see exactly the state they would without overlap."""
+        self.in_flight = list(self.running)
+        launched = None
+        reqs = self.running
+        if reqs and not self.waiting and self.chunked_req is None:
+            if self.decoder.can_overlap(reqs):
+                launched = self.decoder.launch(reqs, self._launched)
+        if launched is None:
+            finished = self._finish_launched()
+            worked = self.worker.run(self._serial_step)
+            self.in_flight = []
+            return finished or worked
+        previous, self._launched = self._launched, launched
+        if previous is not None:
+            self.num_overlapped_steps += 1
+            self._finish_step(previous)
+        if not self.running:
+            # every request of the step just launched has finished: finish it now, so the
+            # loop is idle (a cache flush right after the last output is not refused)
+            self._finish_launched()
+        self.in_flight = []
+        return True
+
+    def _finish_launched(self) -> bool:
+        """Finishes the step in flight, if any (nothing is launched after it)."""
+        step, self._launched = self._launched, None
+        if step is None:
+            return False
+        self._finish_step(step)
+        return True
+
+    def _finish_step(self, step: LaunchedStep) -> None:
+        """A launched step's commits; the requests it finished are released, each first
+        rolled back to its start in the step launched after it (that step's token is dropped,
+        its KV position freed)."""
+        before = {id(r): len(r.output_ids) for r in step.reqs}
+        stepped = self.decoder.finish(step)
+        if stepped:
+            new_tokens = sum(len(r.output_ids) - before[id(r)] for r in stepped)
+            self.batch_log.decode(len(stepped), new_tokens, self._pool_usage(), len(self.waiting))
+        done = [r for r in stepped if r.finished]
+        for r in done:
+            self._roll_back(r)
+            self.kv.release(r)
+        if done:
+            ids = {id(r) for r in done}
+            self.running = [r for r in self.running if id(r) not in ids]
+        self._flush_outputs()
+
+    def _roll_back(self, req: Req) -> None:
+        """A request leaving while a launched step holds it: its KV is valid only up to that
+        step's start (the step's write lands later, into a slot its release frees)."""
+        if self._launched is not None:
+            start = self._launched.start_of(req)
+            if start is not None and req.req_pool_idx is not None:
+                req.kv_len = min(req.kv_len, start)
+
+    def _serial_step(self) -> bool:
+        """`step` without overlap."""
         batch = self._schedule_prefill()
         if batch is not None:
             self.in_flight = batch.reqs
@@ -395,12 +555,19 @@ class Scheduler:
             self.decoder.sample_and_commit([r for r, _ in to_sample], logits)
         joining = [r for r, _ in to_sample if not r.finished]
         self.decoder.after_prefill(reqs, kv_before, lens, hidden, done, self._next_batch(joining))
+        # a prefill server's requests go to their decode server, KV and all
+        sent = set()
+        if self.prefill_side is not None:
+            sent = {id(r) for r, d in zip(reqs, done) if d and r.bootstrap is not None}
         for r in reqs:
-            if r.finished:
+            if r.finished and id(r) not in sent:
                 self.kv.release(r)
-        self._outputs += [self._make_output(r) for r in prompt_only]
-        self.running.extend(joining)
+        self._outputs += [self._make_output(r) for r in prompt_only if id(r) not in sent]
+        self.running.extend(r for r in joining if id(r) not in sent)
         self._flush_outputs()
+        for r in reqs:
+            if id(r) in sent:
+                self.prefill_side.prefilled(r)
 
     def _collect_input_logprobs(self, req: Req, hidden: torch.Tensor, a: int) -> None:
         """Positions a..a+n-1 were computed; the logits at q give the logprob of token q+1."""
@@ -497,6 +664,8 @@ class Scheduler:
         for j, t in enumerate(tokens):
             req.output_ids.append(t)
             committed.append(t)
+            if req.return_logprob and logprobs is not None and len(req.output_ids) == 1:
+                req.first_logprobs = logprobs.rows(j, j + 1)  # a prefill server sends them
             if req.return_logprob and logprobs is not None:
                 req.pending_logprobs.append((logprobs.chosen[j], t))
                 req.pending_top_logprobs.append(logprobs.top[j])
@@ -536,6 +705,16 @@ class Scheduler:
             self.kv.release(req)
         finally:
             self._emit([self._make_output(req)])
+            self._forget_room([req])
+
+    def _forget_room(self, reqs: list[Req]) -> None:
+        """Prefill server: these requests ended here (sent, failed or aborted): their rooms
+        are free, and a registration still to come for one is answered at once. (A request
+        whose first token finished it is not ended by that: it is still to be sent.)"""
+        if self.prefill_side is not None:
+            for r in reqs:
+                if r.bootstrap is not None:
+                    self.prefill_side.forget(r)
 
     # ---- abort / flush / state --------------------------------------------------------------
 
@@ -559,13 +738,25 @@ class Scheduler:
         if stopped:
             self.running = [r for r in self.running if not hit(r)]
         victims += stopped
+        if self.prefill_side is not None:
+            victims += self.prefill_side.take_held(hit)
+        if self.decode_side is not None:
+            queued, registered = self.decode_side.take(hit)
+            victims += queued
+            # they keep their row and slots until their prefill server answers (it may be
+            # writing into them): only their clients hear of the end now
+            for r in registered:
+                r.finished_reason = FinishReason("abort", message=msg)
+            self._emit([self._make_output(r) for r in registered])
         for r in victims:
             r.finished_reason = FinishReason("abort", message=msg)
+            self._roll_back(r)
         try:
             for r in victims:
                 self.kv.release(r)
         finally:  # one emit for all: their clients must not wait, even if a release raised
             self._emit([self._make_output(r) for r in victims])
+            self._forget_room(victims)
 
     def _fail_in_flight(self, message: str) -> None:
         """After a step raised: its requests end with an abort finish (streamed to their
@@ -573,6 +764,9 @@ class Scheduler:
         step retracted before the fault are back in the waiting queue, hold nothing and did
         not run: they stay queued."""
         self._flush_outputs()  # tokens committed before the fault still reach their clients
+        for r in self.in_flight:
+            self._roll_back(r)
+        self._launched = None
         queued = {id(r) for r in self.waiting}
         failed = [r for r in self.in_flight if id(r) not in queued]
         self.in_flight = []
@@ -584,6 +778,7 @@ class Scheduler:
             r.finished_reason = FinishReason("abort", message=message)
             self.kv.release(r)
             self._emit([self._make_output(r)])
+        self._forget_room(failed)
 
     def flush_cache(self) -> bool:
         if self.has_work():
@@ -600,6 +795,7 @@ class Scheduler:
             "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),
             "num_queue_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
+            "num_overlapped_steps": self.num_overlapped_steps,
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},
@@ -608,6 +804,14 @@ class Scheduler:
                 {str(w): n for w, n in graphs.window_replays.items()} if graphs else {}
             ),
             "graph_compiled_replays": dict(graphs.compiled_replays) if graphs else {},
+            # the idle self-check's verdict now ("busy" while requests run or are held)
+            "kv_invariant": (
+                "busy"
+                if self.has_work() or self._disaggregation_busy()
+                else self.idle_invariant_problem() or "ok"
+            ),
+            **(self.prefill_side.stats() if self.prefill_side else {}),
+            **(self.decode_side.stats() if self.decode_side else {}),
             "torch_compile": graphs.compile_queue.progress() if graphs else {},
             **self.decoder.stats(),
         }
@@ -638,7 +842,69 @@ class Scheduler:
             out.input_top_logprobs = req.input_top_logprobs
             out.input_token_ids_logprobs = req.input_token_ids_logprobs
             req.input_logprobs_sent = True
+            if req.bootstrap is not None and self.prefill_side is not None:
+                # the decode server's answer carries them: a prefill server's own answer,
+                # which sglang-router merges into it, has none (docs/disaggregation.md)
+                out.input_token_logprobs, out.input_top_logprobs = [], []
+                out.input_token_ids_logprobs = []
         return out
+
+    # ---- prefill-decode disaggregation --------------------------------------------------------
+
+    def _end_prefilled(self, req: Req, error: str | None) -> None:
+        """Prefill server: a request held for its decode server ends, its KV sent (error
+        None: its client gets a `length` finish at its first tokens) or not (an abort)."""
+        if error is not None:
+            reason = FinishReason("abort", message=error)
+        else:
+            reason = req.finished_reason or FinishReason("length", length=len(req.output_ids))
+        self._finish(req, reason)
+        self._disagg_ended = True
+
+    def _reserve_prompt(self, req: Req) -> bool:
+        """Decode server: a request row and slots for every prompt position (nothing matched
+        in this server's cache: the prefill server sends all of it); False when they are
+        not free now (evicting from the prefix cache first)."""
+        rows = self.req_to_token_pool.alloc(1)
+        if rows is None:
+            return False
+        req.req_pool_idx, req.last_node = rows[0], self.tree.root_node
+        req.kv_len = req.alloc_len = req.prefix_len = 0
+        if self.kv.alloc_positions(req, len(req.origin_input_ids)):
+            return True
+        self.req_to_token_pool.free(rows[0])
+        req.req_pool_idx = req.last_node = None
+        return False
+
+    def _activate(self, req: Req, result: KVResult) -> None:
+        """Decode server: the prompt's KV (and with MTP d_1) arrived: the request continues
+        as if prefilled here (its first tokens committed), in the decode batch."""
+        req.kv_len = len(req.origin_input_ids)
+        req.cached_tokens = result.cached_tokens
+        # the prompt's logprobs, computed by the prefill server (docs/disaggregation.md)
+        req.input_token_logprobs = [tuple(t) for t in result.input_token_logprobs]
+        req.input_top_logprobs = [_top(t) for t in result.input_top_logprobs]
+        req.input_token_ids_logprobs = [_top(t) for t in result.input_token_ids_logprobs]
+        if not result.tokens:  # max_new_tokens 0: nothing to generate
+            self._finish(req, FinishReason("length", length=0))
+        else:
+            lps = None
+            if result.logprobs is not None:
+                lp = result.logprobs
+                lps = TokenLogprobs(lp["chosen"], [_top(t) for t in lp["top"]], lp["ids"])
+            self._commit(req, result.tokens, lps)
+            if req.finished:
+                self.kv.release(req)
+            else:
+                self.running.append(req)
+            self._flush_outputs()
+        self._disagg_ended = True
+
+    def _release_given_up(self, req: Req) -> None:
+        """Decode server: an aborted request's prefill server answered: its row and slots
+        are free again (its client heard of the end at the abort)."""
+        self.kv.release(req)
+        self._disagg_ended = True
 
     def _emit(self, outputs: list[ReqOutput]) -> None:
         if outputs:
@@ -648,6 +914,11 @@ class Scheduler:
 def _with_ids(values: list[float], asked: list[int] | None) -> list[tuple[float, int]] | None:
     """One position's token_ids_logprob entry: (logprob, id) per asked id, in asked order."""
     return list(zip(values, asked)) if asked else None
+
+
+def _top(entries: list | None) -> list | None:
+    """A top-logprobs list read back from JSON: its (logprob, token id) pairs as tuples."""
+    return None if entries is None else [tuple(e) for e in entries]
 
 
 def wire_form(msgs: list) -> list:
@@ -672,10 +943,11 @@ def start_scheduler_thread(
     returns it once built, or raises what building raised. `on_crash(message)` is called if
     the loop itself raises (a fault it cannot contain: the server cannot go on).
 
-    All tensor work then happens in one thread. On CPU this matters: a second thread with its
-    own OpenMP team (the main thread's, had the model been loaded there) makes libgomp throttle
-    its spin-waits once more threads than cores exist, and every small op then pays a worker
-    wake-up; decode steps measured twice as slow that way."""
+    All tensor work then happens in one thread (with overlap on CPU the scheduler's loop moves
+    to a second thread, and this one runs the device worker's closures). On CPU this matters:
+    a second thread with its own OpenMP team (the main thread's, had the model been loaded
+    there) makes libgomp throttle its spin-waits once more threads than cores exist, and every
+    small op then pays a worker wake-up; decode steps measured twice as slow that way."""
     built: Future[Scheduler] = Future()
 
     def main() -> None:
@@ -685,6 +957,19 @@ def start_scheduler_thread(
             built.set_exception(e)
             return
         built.set_result(scheduler)
+        worker = scheduler.worker
+        if not worker.needs_serving_thread:
+            loop(scheduler)
+            return
+        # overlap on CPU: this thread, which loaded the model, runs every forward; the loop
+        # moves to a thread of its own
+        worker.claim()
+        threading.Thread(
+            target=loop, args=(scheduler,), name="srt-scheduler-loop", daemon=True
+        ).start()
+        worker.serve()
+
+    def loop(scheduler: Scheduler) -> None:
         try:
             scheduler.run_forever()
         except BaseException as e:
@@ -692,6 +977,8 @@ def start_scheduler_thread(
                 raise
             logger.exception("the scheduler failed")
             on_crash(f"the scheduler stopped: {type(e).__name__}: {e}")
+        finally:
+            scheduler.worker.close()
 
     t = threading.Thread(target=main, name="srt-scheduler", daemon=True)
     t.start()

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
+from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
 from srt_ascend.managers.io_struct import (
@@ -194,6 +195,7 @@ class TokenizerManager:
         stream: bool = False,
         extra_key: str | None = None,
         token_ids_logprob: list[int] | None = None,
+        bootstrap: BootstrapInfo | None = None,
     ) -> TokenizedGenerateReq:
         """Validates one request; raises RequestError with a user-facing message. As in
         SGLang, the prompt plus max_new_tokens must stay below the context length (nothing is
@@ -247,6 +249,7 @@ class TokenizerManager:
             token_ids_logprob=list(token_ids_logprob) if token_ids_logprob else None,
             stream=stream,
             extra_key=extra_key,
+            bootstrap=bootstrap,
         )
 
     def prefill_request(self, samples: list[TokenizedGenerateReq]) -> TokenizedGenerateReq:

@@ -235,6 +235,15 @@ class MLATokenToKVPool:
         self._check_layer(layer_id)
         return self._k_pe[layer_id]
 
+    def transfer_buffers(self) -> list[torch.Tensor]:
+        """The buffers that hold the KV, in layer order (per layer: the joint buffer, or the
+        latent then the rope-key buffer), each [size + page_size, 1, width] and contiguous:
+        slot s of a buffer starts s * stride(0) elements after its start. What a transfer
+        engine registers and writes into (prefill-decode disaggregation)."""
+        if self._joint is not None:
+            return list(self._joint)
+        return [buf for pair in zip(self._c_kv, self._k_pe) for buf in pair]
+
     def mem_usage_bytes(self) -> int:
         """Bytes held by all layer buffers."""
         bufs = self._joint if self._joint is not None else [*self._c_kv, *self._k_pe]

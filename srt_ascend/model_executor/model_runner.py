@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from srt_ascend.distributed import SINGLE, TPGroup
+from srt_ascend.distributed import SINGLE, TPGroup, set_fixed_order_sums
 from srt_ascend.layers import linear as layers_linear
 from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.batch_invariant import batch_invariant_backend
@@ -71,6 +71,7 @@ class ModelRunner:
             platform.small_gemm_macs(server_args.cpu_small_gemm),
             layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
         )
+        set_fixed_order_sums(deterministic)  # all-reduces over > 2 ranks in rank order
         self.model, self.mtp = load_model(
             server_args.model_path,
             dtype=self.dtype,
@@ -113,7 +114,7 @@ class ModelRunner:
         # its batch-invariant variant with --enable-deterministic-inference
         backend = server_args.attention_backend
         self.attn_backend = create_attention_backend(
-            batch_invariant_backend(backend) if deterministic else backend
+            batch_invariant_backend(backend, self.device.type) if deterministic else backend
         )
         self.graph_runner: GraphRunner | None = None
 

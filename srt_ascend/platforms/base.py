@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.registry import Registry
 
 PLATFORMS: Registry[Platform] = Registry("device")
@@ -102,6 +103,11 @@ class Platform(ABC):
 
     def stream(self, stream) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def new_device_worker(self) -> DeviceWorker:
+        """Where the overlap scheduler's step closures run (`platforms/device_worker.py`):
+        inline on a device whose streams run asynchronously to the host."""
+        return InlineWorker()
 
     # memory ----------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:

@@ -9,6 +9,7 @@ import shutil
 import torch
 
 from srt_ascend.platforms.base import Platform, register_platform
+from srt_ascend.platforms.device_worker import DeviceWorker, ThreadWorker
 
 # Matmuls up to 2^18 multiply-adds (this model's projections at 1-4 rows, the absorbed-MLA
 # batched matmuls at one row) are 1.3-4x faster through MKL than through oneDNN on the CI
@@ -34,6 +35,10 @@ class CpuPlatform(Platform):
     @staticmethod
     def is_available() -> bool:
         return True
+
+    def new_device_worker(self) -> DeviceWorker:
+        """No asynchronous device: step closures run on one thread beside the scheduler's."""
+        return ThreadWorker()
 
     def compiled_forward_threads(self, eager_threads: int) -> int:
         """A compiled forward's OpenMP team leaves one of this process's cores to its other

@@ -36,8 +36,6 @@ class CudaPlatform(AcceleratorPlatform):
         return torch.cuda.is_available()
 
     def deterministic_unavailable(self) -> str | None:
-        return (
-            "cuBLAS GEMMs pick their kernel (and split-K reduction) by row count, and the Triton "
-            "MLA attention kernel splits KV by batch occupancy (plan_kv_splits); no fixed-order "
-            "variant of either is built yet"
-        )
+        # the fixed-tile Triton GEMM (layers/ops/matmul_triton.py), the triton attention
+        # backend's batch-invariant variant, ordered small sums (linear.ordered_sum)
+        return None

@@ -52,6 +52,7 @@ def penalised_logits(
     extra: torch.Tensor | None = None,  # [B, j] tokens each row generated past output_ids
     grammar: bool = True,  # False: the caller applies the grammar masks (verify_logits)
     stats: tuple[torch.Tensor, torch.Tensor] | None = None,  # penalty_tensors(reqs), if made
+    generated: Sequence[int] | None = None,  # tokens each row generated (`generated_counts`)
 ) -> torch.Tensor:
     """Applies repetition/frequency/presence penalties, logit biases, the min_new_tokens stop
     mask, and each grammar's token mask (the grammar's state after output_ids + extra). A
@@ -59,6 +60,7 @@ def penalised_logits(
     mask. `extra` (a speculative row's drafts before it) stays on the device; only grammar
     rows need it on the host (one read). Penalties read the requests' incremental token
     statistics (`penalty_tensors`, updating them; `stats` when the caller has them)."""
+    generated = generated_counts(reqs, generated)
     n_extra = 0 if extra is None else extra.shape[1]
     vocab, device = logits.shape[-1], logits.device
     if info.need_penalties:
@@ -73,7 +75,7 @@ def penalised_logits(
     rows, stops = [], []
     for i, r in enumerate(reqs):
         p = r.sampling_params
-        if len(r.output_ids) + n_extra < p.min_new_tokens and r.grammar is None:
+        if generated[i] + n_extra < p.min_new_tokens and r.grammar is None:
             rows.append(i)
             ids = set(eos_ids) | set(p.stop_token_ids or [])
             stops.append(sorted(t for t in ids if 0 <= t < logits.shape[-1]))  # OOV never match
@@ -115,14 +117,26 @@ def verify_logits(
     return apply_token_bitmask(out.view(-1, out.shape[-1]), bitmask).view(out.shape)
 
 
-def all_plain_greedy(reqs: Sequence[SamplingRequest]) -> bool:
+def generated_counts(
+    reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None
+) -> Sequence[int]:
+    """Tokens each request has generated: `generated` when the caller counted them (the
+    overlap scheduler samples a step while the previous step's token is not committed yet, in
+    another thread: it counts at launch and the sampling never reads `output_ids`), else the
+    committed ones."""
+    return [len(r.output_ids) for r in reqs] if generated is None else generated
+
+
+def all_plain_greedy(
+    reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None
+) -> bool:
     """Every request decodes by argmax with nothing to apply to its logits: no penalties, no
     logit bias, no grammar, and min_new_tokens already reached (so no stop mask, now or for
     later draft positions). Such batches skip the sampling-settings tensors (argmax of the raw
     logits is the same rule)."""
-    for r in reqs:
+    for r, n in zip(reqs, generated_counts(reqs, generated)):
         p = r.sampling_params
-        if not p.is_greedy or len(r.output_ids) < p.min_new_tokens or r.grammar is not None:
+        if not p.is_greedy or n < p.min_new_tokens or r.grammar is not None:
             return False
         if p.logit_bias or has_penalties(p):
             return False
@@ -137,21 +151,30 @@ def ids_wanted(reqs: Sequence[SamplingRequest]) -> list[list[int]]:
     return [(r.token_ids_logprob or []) if r.return_logprob else [] for r in reqs]
 
 
-def sample_rows(
+@dataclass
+class SampledTokens:
+    token_ids: torch.Tensor  # [B] int64, on the device
+    logprobs: TokenLogprobs | None  # when a row asked for them (read to the host)
+
+
+def sample_tokens(
     logits: torch.Tensor,  # [B, V] float32, one row per request
     reqs: Sequence[SamplingRequest],
     vocab_size: int,
     eos_ids: list[int],
-) -> SampledRows:
-    if all_plain_greedy(reqs) and not any(r.return_logprob for r in reqs):
-        return SampledRows(HOST_READS.read(logits[:, :vocab_size].argmax(dim=-1)), None)
+    generated: Sequence[int] | None = None,  # tokens each row generated (`generated_counts`)
+) -> SampledTokens:
+    """One token per row, left on the device (the logprobs, when asked, are read)."""
+    generated = generated_counts(reqs, generated)
+    if all_plain_greedy(reqs, generated) and not any(r.return_logprob for r in reqs):
+        return SampledTokens(logits[:, :vocab_size].argmax(dim=-1), None)
     info = SamplingBatchInfo.from_params(
         [r.sampling_params for r in reqs],
         vocab_size,
         logits.device,
-        seed_offsets=[len(r.output_ids) for r in reqs],
+        seed_offsets=list(generated),
     )
-    logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids)
+    logits = penalised_logits(logits[:, :vocab_size], reqs, info, eos_ids, generated=generated)
     want_lp = any(r.return_logprob for r in reqs)
     out = _sampler(
         logits,
@@ -160,7 +183,18 @@ def sample_rows(
         top_logprobs_nums=top_logprobs_nums(reqs),
         ids_wanted=ids_wanted(reqs),
     )
-    return SampledRows(HOST_READS.read(out.next_token_ids), out.logprobs)
+    return SampledTokens(out.next_token_ids, out.logprobs)
+
+
+def sample_rows(
+    logits: torch.Tensor,  # [B, V] float32, one row per request
+    reqs: Sequence[SamplingRequest],
+    vocab_size: int,
+    eos_ids: list[int],
+) -> SampledRows:
+    """`sample_tokens`, the tokens read to the host."""
+    res = sample_tokens(logits, reqs, vocab_size, eos_ids)
+    return SampledRows(HOST_READS.read(res.token_ids), res.logprobs)
 
 
 def input_logprobs(

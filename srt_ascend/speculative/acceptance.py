@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 
+from srt_ascend.layers.linear import sum_last
 from srt_ascend.layers.ops import spec_accept
 from srt_ascend.layers.sampler import draw_uniforms, inverse_cdf_sample
 
@@ -53,9 +54,9 @@ def recovered_probs(
     """
     target_probs = target_probs.to(torch.float32)
     residual = (target_probs - draft_probs.to(torch.float32)).clamp_(min=0.0)
-    mass = residual.sum(dim=-1, keepdim=True)
+    mass = sum_last(residual)  # the sums: batch-invariant on CUDA in deterministic mode
     normalised = residual / mass.clamp(min=torch.finfo(torch.float32).tiny)
-    fallback = target_probs / target_probs.sum(dim=-1, keepdim=True)
+    fallback = target_probs / sum_last(target_probs)
     return torch.where(mass > 0, normalised, fallback)
 
 
@@ -165,7 +166,7 @@ def _block_stop_probs(
         return weights[:, :0]
     p = weights[:, 1:k]  # [B, K-1]
     residual = (p.unsqueeze(-1) * target_probs[:, 1:k] - draft_probs[:, 1:k]).clamp(min=0.0)
-    r = residual.sum(dim=-1)  # [B, K-1]
+    r = sum_last(residual).squeeze(-1)  # [B, K-1]
     denom = r + (1.0 - p)
     h = torch.where(denom > 0, r / denom.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return torch.cat([h, weights[:, k:]], dim=1)

@@ -73,6 +73,11 @@ def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
 
 @DECODERS.register("MTP")
 class MTPDecoder(Decoder):
+    # Not yet: a round's next inputs (accepted tokens, the next draft chain, positions and
+    # sequence lengths) come from the host read of its acceptance, so MTP runs the serial loop
+    # with overlap scheduling on (DESIGN.md's device-resident round is the missing piece).
+    overlaps = False
+
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
@@ -136,6 +141,7 @@ class MTPDecoder(Decoder):
         self.num_drafts = 0  # drafts verified
         self.num_accepted = 0  # drafts accepted
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
+        self.sends_prefills = args.disaggregation_mode == "prefill"
 
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)
@@ -203,7 +209,8 @@ class MTPDecoder(Decoder):
         deferred instead (`MTPWorker.defer`), as a K = 0 step defers its own: a burst of
         prompts under load then costs what it costs without MTP, from its first prefill."""
         self.since_prefill = 0
-        if self.draft_length.prefers_plain(next_batch):
+        # a prefill server's requests leave with their d_1: never deferred there
+        if not self.sends_prefills and self.draft_length.prefers_plain(next_batch):
             self.worker.defer(reqs, starts, lens, hidden)
             return
         self.worker.catch_up(reqs)  # a chunk deferred before: its positions first

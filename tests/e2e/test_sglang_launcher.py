@@ -120,14 +120,32 @@ def test_sglang_grammar_backend_passes_through_and_others_exit_2(sglang_python):
 
 def test_srt_ascend_bounds_and_sglang_serving_flags_pass_through(sglang_python):
     """The bounds only srt_ascend has are taken out of argv before SGLang's parser sees them
-    (it would exit on them); SGLang's --dist-timeout and --constrained-json-max-whitespace-cnt
-    map by name."""
+    (it would exit on them); SGLang's --dist-timeout, --constrained-json-max-whitespace-cnt
+    and --disable-overlap-schedule map by name."""
     argv = "--request-read-timeout 7 --max-prompts-per-request 9".split()
     argv += "--grammar-compile-timeout 3 --grammar-max-size 1000 --dist-timeout 60".split()
-    argv += "--constrained-json-max-whitespace-cnt 4".split()
+    argv += "--constrained-json-max-whitespace-cnt 4 --disable-overlap-schedule".split()
     kwargs, unsupported = _translate(sglang_python, *argv)
     assert unsupported == []
+    assert kwargs["disable_overlap_schedule"] is True
     assert (kwargs["request_read_timeout"], kwargs["max_prompts_per_request"]) == (7, 9)
     assert (kwargs["grammar_compile_timeout"], kwargs["grammar_max_size"]) == (3, 1000)
     assert kwargs["dist_timeout"] == 60
     assert kwargs["constrained_json_max_whitespace_cnt"] == 4
+
+
+def test_sglang_disaggregation_flags_pass_through(sglang_python):
+    """SGLang's prefill-decode disaggregation flags reach srt_ascend's ServerArgs by name;
+    --disaggregation-timeout (srt_ascend's) is taken out before SGLang's parser."""
+    argv = "--disaggregation-mode prefill --disaggregation-transfer-backend mooncake".split()
+    argv += "--disaggregation-bootstrap-port 9001 --disaggregation-ib-device mlx5_0".split()
+    argv += "--disaggregation-timeout 5".split()
+    kwargs, unsupported = _translate(sglang_python, *argv)
+    assert unsupported == []
+    assert (kwargs["disaggregation_mode"], kwargs["disaggregation_bootstrap_port"]) == (
+        "prefill",
+        9001,
+    )
+    assert kwargs["disaggregation_transfer_backend"] == "mooncake"
+    assert kwargs["disaggregation_ib_device"] == "mlx5_0"
+    assert kwargs["disaggregation_timeout"] == 5

@@ -1,8 +1,9 @@
 """--enable-deterministic-inference (issue 32), bf16 on the shipped checkpoint: every position's
 result is a function of its token prefix alone, so greedy outputs and their logprobs are
-bit-identical one request at a time or 40 at once, with MTP off or on (K = 1..3, both verify
-paths, token or block acceptance, adaptive K), chunked prefill of 16 or 1024 tokens, radix
-cache on or off, CPU graphs on or off; seeded sampling too.
+bit-identical one request at a time or 40 (64) at once, with MTP off or on (K = 1..3, each with
+both verify paths, token or block acceptance, adaptive K), chunked prefill of 16 or 1024
+tokens, radix cache on or off, CPU graphs on or off; seeded sampling too. The one-at-a-time
+baseline runs MTP off, chunked prefill 1024, radix on, no graphs.
 
 Control: without the flag the same comparison (40 prompts one at a time vs all at once with
 MTP K = 2) finds differing outputs (measured: 2 to 5 of 40 prompts differ within 32 tokens),
@@ -30,7 +31,14 @@ CONFIGS = {  # all 40 prompts at once
         "max_running_requests": 12,  # the last wave (4 requests) replays captured graphs
     },
     "mtp-k1-expand": {**SPEC, "speculative_verify": "expand"},
-    "mtp-k2-fia": {**SPEC, "speculative_num_steps": 2, "speculative_verify": "fia"},
+    "mtp-k1-fia-no-radix": {**SPEC, "speculative_verify": "fia", "disable_radix_cache": True},
+    "mtp-k2-fia-64-requests": {**SPEC, "speculative_num_steps": 2, "speculative_verify": "fia"},
+    "mtp-k2-expand-chunked16": {
+        **SPEC,
+        "speculative_num_steps": 2,
+        "speculative_verify": "expand",
+        "chunked_prefill_size": 16,
+    },
     "mtp-k3-expand-graphs": {
         **SPEC,
         "speculative_num_steps": 3,
@@ -82,12 +90,21 @@ def sequential_baseline(model_path):
     return generate(True, model_path=model_path, **DET)
 
 
+# 64 requests at once (the default --max-running-requests): the 40 prompts and 24 of them
+# again, each compared with its one-at-a-time output
+REQUESTS = {"mtp-k2-fia-64-requests": 64}
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_greedy_bit_identical_with_flag(model_path, sequential_baseline, name):
     state: dict = {}
-    outs = generate(False, state=state, model_path=model_path, **DET, **CONFIGS[name])
+    n = REQUESTS.get(name, len(PROMPTS))
+    prompts = (PROMPTS * 2)[:n]
+    outs = generate(
+        False, prompts=prompts, state=state, model_path=model_path, **DET, **CONFIGS[name]
+    )
     assert all(len(o["output_ids"]) == GREEDY["max_new_tokens"] for o in outs)
-    assert differing(outs, sequential_baseline) == [], name
+    assert differing(outs, (sequential_baseline * 2)[:n]) == [], name
     if "speculative_algorithm" in CONFIGS[name]:
         assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) > 0
     if CONFIGS[name].get("enable_cpu_graph"):  # batches really replayed captured graphs

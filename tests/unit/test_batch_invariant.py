@@ -168,17 +168,21 @@ def test_flag_parses_and_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="--enable-torch-compile"):
         ServerArgs(enable_deterministic_inference=True, enable_torch_compile=True)
     assert batch_invariant_backend("torch_native") == "torch_native_batch_invariant"
-    with pytest.raises(ValueError, match="--attention-backend triton"):
+    assert batch_invariant_backend("triton", "cuda") == "triton_batch_invariant"
+    with pytest.raises(ValueError, match="--attention-backend triton has no .* on cpu"):
         batch_invariant_backend("triton")
+    # torch_native's variant reduces with cuBLAS on CUDA: not batch-invariant there
+    with pytest.raises(ValueError, match="torch_native has no .* on cuda .available: triton"):
+        batch_invariant_backend("torch_native", "cuda")
 
 
-def test_platforms_name_the_op_they_lack():
+def test_platforms_serve_the_flag_or_name_the_op_they_lack():
     from srt_ascend.platforms.cpu import CpuPlatform
     from srt_ascend.platforms.cuda import CudaPlatform
     from srt_ascend.platforms.npu import NpuPlatform
 
     assert CpuPlatform.deterministic_unavailable(None) is None
-    assert "Triton MLA attention" in CudaPlatform.deterministic_unavailable(None)
+    assert CudaPlatform.deterministic_unavailable(None) is None  # the Triton kernels
     assert "npu_fused_infer_attention_score" in NpuPlatform.deterministic_unavailable(None)
 
 

@@ -18,6 +18,7 @@ import torch
 from srt_ascend.managers.scheduler import start_scheduler_thread
 from srt_ascend.model_executor.torch_compile import CompiledForward
 from srt_ascend.platforms.cpu import CpuPlatform
+from srt_ascend.platforms.device_worker import InlineWorker
 
 
 def cores() -> int:
@@ -101,6 +102,8 @@ def median_ms(fn, iters: int = 150) -> float:
 class TimingLoop:
     """Stands in for the scheduler in `start_scheduler_thread`: its `run_forever` runs in the
     serving thread and times the compiled forward there whenever asked."""
+
+    worker = InlineWorker()  # forwards run in the thread that runs the loop
 
     def __init__(self, fwd: CompiledForward) -> None:
         self.fwd = fwd

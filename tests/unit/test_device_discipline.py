@@ -305,6 +305,7 @@ RAGGED_PROMPTS = ([5, 17, 33, 81, 2, 9, 40], [6, 17], [7, 17, 33, 82, 2], [8] + 
     "algorithm, extra",
     [
         ("NONE", {}),
+        ("NONE", {"disable_overlap_schedule": True}),
         ("MTP", {"speculative_num_steps": 2, "speculative_verify": "expand"}),
         ("MTP", {"speculative_num_steps": 3, "speculative_verify": "fia"}),
     ],
@@ -313,7 +314,10 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
     """The scheduler's own steps over the real KV bookkeeping (KVBook, the allocator, the
     radix cache, the request table's host mirror): a prefill of prompts of four different
     lengths (ragged query rows; a chunk of the last one, whose rest prefills next), the first
-    tokens and the MTP pass, then decode steps, each making only its counted host reads."""
+    tokens and the MTP pass, then decode steps, each making only its counted host reads.
+    Overlapped (plain decoding by default), a step launches the next decode step before it
+    reads the one in flight: still one read per step, the first launch none, the last read
+    when the step in flight is finished."""
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
@@ -346,7 +350,13 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
             scheduler.step()  # prefill: one read, the first tokens
             assert reads.count - before <= 1
         assert len(scheduler.running) == len(RAGGED_PROMPTS)
-        for _ in range(2):
+        overlapped = algorithm == "NONE" and not args.disable_overlap_schedule
+        for i in range(3):
             before = reads.count
             scheduler.step()
+            assert (scheduler._launched is not None) == overlapped
+            assert reads.count - before == (0 if overlapped and i == 0 else 1)
+        if overlapped:
+            before = reads.count
+            scheduler._finish_launched()
             assert reads.count - before == 1

@@ -27,7 +27,7 @@ from tests.unit.test_device_discipline import TableKV, _commit
 from tests.unit.test_graph_runner import K, Requests
 from tests.unit.triton_interpreter import import_interpreted
 
-_, kv_triton, accept_triton = import_interpreted()
+_, kv_triton, accept_triton, _ = import_interpreted()
 EXTEND = ForwardMode.EXTEND
 
 

@@ -32,6 +32,7 @@ FORBIDDEN = {
     "model_executor": {"entrypoints", "managers", "decoding", "speculative"},
     "decoding": {"entrypoints", "managers", "speculative"},
     "speculative": {"entrypoints", "managers"},
+    "disaggregation": {"entrypoints", "managers"},
     "managers": {"entrypoints"},
 }  # fmt: skip
 OUTSIDE = {"benchmark", "python", "tests", "conftest"}  # never imported by the package

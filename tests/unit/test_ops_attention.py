@@ -16,7 +16,7 @@ import torch
 from srt_ascend.layers.ops.mla_attention import mla_attention, mla_attention_reference
 from tests.unit.triton_interpreter import import_interpreted
 
-attn_triton, _, _ = import_interpreted()
+attn_triton, _, _, _ = import_interpreted()
 H, R, P = 4, 32, 8
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
 

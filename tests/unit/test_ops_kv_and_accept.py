@@ -10,7 +10,7 @@ from srt_ascend.layers.ops import kv_cache, spec_accept
 from srt_ascend.speculative import acceptance
 from tests.unit.triton_interpreter import import_interpreted
 
-_, kv_triton, accept_triton = import_interpreted()
+_, kv_triton, accept_triton, _ = import_interpreted()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

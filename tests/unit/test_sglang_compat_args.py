@@ -89,6 +89,13 @@ def test_grammar_backend_flag():
             ServerArgs(grammar_backend=other)
 
 
+def test_disable_overlap_schedule_flag():
+    """SGLang's flag and default: overlap scheduling on unless the flag is given."""
+    assert not ServerArgs().disable_overlap_schedule
+    assert not prepare_server_args([]).disable_overlap_schedule
+    assert prepare_server_args(["--disable-overlap-schedule"]).disable_overlap_schedule
+
+
 def test_custom_logit_processor_flag_is_refused_by_name(capsys):
     with pytest.raises(SystemExit) as exit_:
         prepare_server_args(["--enable-custom-logit-processor"])

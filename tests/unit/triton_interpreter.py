@@ -13,6 +13,7 @@ KERNEL_MODULES = (
     "srt_ascend.layers.ops.mla_attention_triton",
     "srt_ascend.layers.ops.kv_cache_triton",
     "srt_ascend.layers.ops.spec_accept_triton",
+    "srt_ascend.layers.ops.matmul_triton",
 )
 
 

@@ -32,19 +32,26 @@ if TYPE_CHECKING:
     from srt_ascend.model_executor.forward_batch import ForwardBatch
 
 KV_TILE = 64  # keys per partial sum of the weighted sum
-# --attention-backend -> its batch-invariant variant (--enable-deterministic-inference)
-BATCH_INVARIANT_VARIANTS = {"torch_native": "torch_native_batch_invariant"}
+# --attention-backend -> (its batch-invariant variant, the devices where it is one)
+# (--enable-deterministic-inference): torch_native's variant reduces with torch ops whose CPU
+# kernels are fixed-order, not their CUDA ones (cuBLAS).
+BATCH_INVARIANT_VARIANTS = {
+    "torch_native": ("torch_native_batch_invariant", ("cpu",)),
+    "triton": ("triton_batch_invariant", ("cuda",)),  # triton_backend.py: fixed tile and parts
+}
 
 
-def batch_invariant_backend(name: str) -> str:
-    """The registered name of backend `name`'s batch-invariant variant; ValueError (one line
-    naming the backend) where it has none."""
-    if name not in BATCH_INVARIANT_VARIANTS:
+def batch_invariant_backend(name: str, device_type: str = "cpu") -> str:
+    """The registered name of backend `name`'s batch-invariant variant on `device_type`;
+    ValueError (one line naming the backend) where it has none."""
+    variant, devices = BATCH_INVARIANT_VARIANTS.get(name, (None, ()))
+    if variant is None or device_type not in devices:
+        have = [n for n, (_, d) in BATCH_INVARIANT_VARIANTS.items() if device_type in d]
         raise ValueError(
             f"--enable-deterministic-inference: --attention-backend {name} has no "
-            f"batch-invariant variant (available for: {', '.join(BATCH_INVARIANT_VARIANTS)})"
+            f"batch-invariant variant on {device_type} (available: {', '.join(have) or 'none'})"
         )
-    return BATCH_INVARIANT_VARIANTS[name]
+    return variant
 
 
 def pad_kv_to_tiles(meta: PaddedRows, tile: int = KV_TILE) -> PaddedRows:

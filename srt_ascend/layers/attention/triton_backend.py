@@ -58,13 +58,6 @@ class TritonMLABackend(AttentionBackend):
         pool.set_mla_kv_buffer(layer_id, fb.out_cache_loc, c_kv, k_pe)  # the store_kv op
         c_kv_buf, k_pe_buf = pool.get_c_kv(layer_id), pool.get_k_pe(layer_id)
         meta: TritonMetadata = fb.attn_metadata
-        block_q, block_h = self._attn.tile_shape(q_latent.shape[1], meta.max_q_len)
-        splits = plan_kv_splits(
-            fb.batch_size,
-            -(-meta.max_q_len // block_q),
-            -(-q_latent.shape[1] // block_h),
-            meta.max_kv_len,
-        )
         return self._attn.mla_attention(
             q_latent,
             q_pe,
@@ -77,5 +70,29 @@ class TritonMLABackend(AttentionBackend):
             meta.q_starts,
             scale,
             max_q_len=meta.max_q_len,
-            num_kv_splits=splits,
+            **self.kv_parts(fb.batch_size, q_latent.shape[1], meta),
         )
+
+    def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
+        """The kernel's KV split arguments: as many parts as fill the GPU (plan_kv_splits)."""
+        block_q, block_h = self._attn.tile_shape(heads, meta.max_q_len)
+        return {
+            "num_kv_splits": plan_kv_splits(
+                batch, -(-meta.max_q_len // block_q), -(-heads // block_h), meta.max_kv_len
+            )
+        }
+
+
+@register_attention_backend("triton_batch_invariant")
+class TritonBatchInvariantMLABackend(TritonMLABackend):
+    """`--enable-deterministic-inference` with the triton backend: the same kernel with its
+    tile fixed and its KV parts at fixed key positions (`INVARIANT_KV_SPLIT` keys each, as
+    many as cover the longest KV, merged one by one in key order), so every query's result is
+    a function of its own query and keys alone, in every forward mode and graph bucket."""
+
+    def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
+        size = self._attn.INVARIANT_KV_SPLIT
+        return {
+            "num_kv_splits": self._attn.invariant_kv_splits(meta.max_kv_len, size),
+            "kv_split_size": size,
+        }

@@ -40,7 +40,7 @@ def _mla_attention_kernel(
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
     BLOCK_P: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, SPLIT_SIZE: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // NUM_Q_BLOCKS
     q_block = tl.program_id(0) % NUM_Q_BLOCKS
@@ -71,7 +71,11 @@ def _mla_attention_kernel(
         q_pe = q_pe.to(tl.float32)
 
     # This part's keys: [lo, hi), cut at the last position any query of the tile can see.
-    part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    # SPLIT_SIZE > 0 (batch-invariant): parts at fixed key positions, whatever the lengths.
+    if SPLIT_SIZE > 0:
+        part = SPLIT_SIZE
+    else:
+        part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * part
     last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     hi = tl.minimum(tl.minimum(lo + part, seq_len), seq_len - q_len + last_q + 1)
@@ -147,8 +151,12 @@ def _merge_splits_kernel(
     part_ptr, lse_ptr, out_ptr, num_heads, rank,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
+    ORDERED: tl.constexpr,
 ):  # fmt: skip
     # out = sum_s exp(lse_s - max lse) * part_s / sum_s exp(lse_s - max lse); zeros if no key.
+    # ORDERED: both sums run over the parts one by one in key order (a tree sum's shape would
+    # follow NUM_SPLITS, i.e. the batch's longest KV; parts a query does not reach add exact
+    # zeros), so the result depends on the query's own parts alone.
     t = tl.program_id(0) // num_heads
     h = tl.program_id(0) % num_heads
     offs_s = tl.arange(0, BLOCK_S)
@@ -160,13 +168,30 @@ def _merge_splits_kernel(
     )
     top = tl.max(lse, 0)
     w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
-    total = tl.sum(w, 0)
-    parts = tl.load(
-        part_ptr + t * stride_pt + h * stride_ph + offs_s[:, None] * stride_ps + offs_r[None, :],
-        mask=(offs_s[:, None] < NUM_SPLITS) & (offs_r[None, :] < rank),
-        other=0.0,
-    )
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    head_parts = part_ptr + t * stride_pt + h * stride_ph
+    if ORDERED:
+        shift = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([1], tl.float32)
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        for s in range(0, NUM_SPLITS):
+            lse_s = tl.load(lse_ptr + t * stride_lt + h * stride_lh + s + tl.zeros([1], tl.int32))
+            w_s = tl.exp(lse_s - shift)
+            part = tl.load(
+                head_parts + s * stride_ps + offs_r,
+                mask=offs_r < rank,
+                other=0.0,
+            )
+            total += w_s
+            acc += part * w_s
+        out = acc / tl.where(total > 0, total, 1.0)
+    else:
+        total = tl.sum(w, 0)
+        parts = tl.load(
+            head_parts + offs_s[:, None] * stride_ps + offs_r[None, :],
+            mask=(offs_s[:, None] < NUM_SPLITS) & (offs_r[None, :] < rank),
+            other=0.0,
+        )
+        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + offs_r,
         out.to(out_ptr.dtype.element_ty),
@@ -198,11 +223,14 @@ SHARED_MEMORY_BUDGET = 100 * 1024
 _COMPILED: dict[tuple, object] = {}
 
 
-def tile_shape(num_heads: int, max_q_len: int) -> tuple[int, int]:
+def tile_shape(num_heads: int, max_q_len: int, fixed: bool = False) -> tuple[int, int]:
     """(BLOCK_Q, BLOCK_H): up to 16 heads per tile, up to 64 tile rows, at least 16 (a dot's
-    minimum) - spare rows are masked."""
+    minimum) - spare rows are masked. `fixed` (batch-invariant): the largest tile whatever
+    the query length, so every forward's dots have one shape."""
     block_h = min(triton.next_power_of_2(num_heads), 16)
-    block_q = min(triton.next_power_of_2(max(max_q_len, 1)), max(1, 64 // block_h))
+    block_q = max(1, 64 // block_h)
+    if not fixed:
+        block_q = min(triton.next_power_of_2(max(max_q_len, 1)), block_q)
     return max(block_q, 16 // block_h), block_h
 
 
@@ -212,6 +240,17 @@ def latent_tiles(rank: int, block_k: int = BLOCK_K, block_dv: int = BLOCK_DV):
     padded = max(16, triton.next_power_of_2(rank))
     bk, bdv = min(block_k, padded), min(block_dv, padded)
     return bk, padded // bk, bdv, padded // bdv
+
+
+# --enable-deterministic-inference: keys per KV part (a multiple of BLOCK_N). Parts sit at
+# fixed key positions, so long KV still spreads over programs (flash-decoding) while each
+# query's reduction order follows its own length alone.
+INVARIANT_KV_SPLIT = 256
+
+
+def invariant_kv_splits(max_kv_len: int, size: int = INVARIANT_KV_SPLIT) -> int:
+    """How many fixed-size parts cover `max_kv_len` keys (at least one)."""
+    return max(1, triton.cdiv(max_kv_len, size))
 
 
 def compiled_resources() -> list[dict]:
@@ -232,14 +271,20 @@ def compiled_resources() -> list[dict]:
 def mla_attention(
     q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
     scale: float, *, max_q_len: int, num_kv_splits: int = 1, out: torch.Tensor | None = None,
-    block_k: int = BLOCK_K, block_dv: int = BLOCK_DV,
+    block_k: int = BLOCK_K, block_dv: int = BLOCK_DV, kv_split_size: int | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Launches the kernel (see `mla_attention.mla_attention_reference` for the contract).
 
     Only host values decide the launch: the batch size, `max_q_len` and `num_kv_splits`;
     nothing is read back from the device, so the call can be captured in a CUDA graph.
     `block_k` / `block_dv` override the latent tiles (tests run several chunks at small
-    ranks). float32 caches compute true float32 dots (`input_precision="ieee"`), not TF32."""
+    ranks). float32 caches compute true float32 dots (`input_precision="ieee"`), not TF32.
+
+    `kv_split_size` (batch-invariant mode, `--enable-deterministic-inference`): part s holds
+    keys [s * size, (s + 1) * size) whatever the lengths, the tile is the fixed largest one,
+    and the parts merge one by one in key order. A query's result is then a function of its
+    own query and keys alone - not of the batch, the other queries of its row, or the number
+    of parts, which must cover the longest KV (`invariant_kv_splits`)."""
     t, h, rank = q_latent.shape
     rope = q_pe.shape[-1]
     batch = seq_lens.shape[0]
@@ -250,7 +295,9 @@ def mla_attention(
     for name, x in (("q_latent", q_latent), ("q_pe", q_pe), ("c_kv", c_kv), ("k_pe", k_pe)):
         if x.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
-    block_q, block_h = tile_shape(h, max_q_len)
+    if kv_split_size is not None and kv_split_size % BLOCK_N:
+        raise ValueError(f"kv_split_size must be a multiple of {BLOCK_N}, got {kv_split_size}")
+    block_q, block_h = tile_shape(h, max_q_len, fixed=kv_split_size is not None)
     bk, num_k, bdv, num_dv = latent_tiles(rank, block_k, block_dv)
     num_q_blocks = triton.cdiv(max(max_q_len, 1), block_q)
     splits = max(1, num_kv_splits)
@@ -268,7 +315,8 @@ def mla_attention(
     consts = dict(
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_K=bk, NUM_K=num_k,
         BLOCK_DV=bdv, NUM_DV=num_dv, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, LOW_PRECISION_DOT=low_precision,
+        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, SPLIT_SIZE=kv_split_size or 0,
+        LOW_PRECISION_DOT=low_precision,
     )  # fmt: skip
     kernel = _mla_attention_kernel[grid](
         q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
@@ -286,6 +334,6 @@ def mla_attention(
             target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
             out.stride(0), out.stride(1),
             NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_R=max(16, triton.next_power_of_2(rank)),
+            BLOCK_R=max(16, triton.next_power_of_2(rank)), ORDERED=kv_split_size is not None,
         )  # fmt: skip
     return out

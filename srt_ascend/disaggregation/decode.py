@@ -1,0 +1,188 @@
+"""The decode server's side of a disaggregated pair (`--disaggregation-mode decode`).
+
+A request with bootstrap fields waits here (not in the scheduler's queue) until a request row
+and slots for its whole prompt are free (`reserve`); then a thread registers them at its
+prefill server's bootstrap endpoint (KVDestination: this server's transfer-engine session, the
+address of every KV buffer, main and MTP layers, the slots; with MTP where d_1's hidden state
+and distribution go) and waits for the answer, which comes back through the scheduler's inbox
+(KVArrived). With the KV written, the request joins the decode batch as if this server had
+prefilled it (`activate`: the first tokens committed, with MTP its d_1 in place, so its first
+step is a verify step); nothing of the prompt is computed here.
+
+An abort while the registration is out ends the request for its client at once, but its row
+and slots stay held (the prefill server may be writing into them) until the answer comes:
+the prefill server is told (`/disagg/cancel`) and answers at once when it is not sending.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from srt_ascend.disaggregation.bootstrap import cancel_room, register_and_wait
+from srt_ascend.disaggregation.prefill import pool_buffers
+from srt_ascend.disaggregation.protocol import KVArrived, KVDestination, KVResult, prompt_digest
+from srt_ascend.disaggregation.transfer import KVTransfer
+from srt_ascend.model_executor.model_runner import ModelRunner
+from srt_ascend.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# The decode side waits this many times --disaggregation-timeout for the prefill server's
+# answer (it holds the request's slots meanwhile): the prefill server's own timeouts answer
+# first unless it hangs.
+ANSWER_TIMEOUT_FACTOR = 4
+
+
+class DecodeSide:
+    """Runs in the scheduler thread (the registration threads only call `submit`).
+
+    Scheduler handles: `reserve(req) -> bool` takes a request row and slots for its prompt
+    (False: not now); `activate(req, result)` puts a request whose KV arrived into the decode
+    batch; `fail(req, message)` ends a request with an abort (releasing what it holds) and
+    emits its last output; `release(req)` gives back what a request that already ended
+    holds."""
+
+    def __init__(
+        self,
+        args: ServerArgs,
+        runner: ModelRunner,
+        submit: Callable[[object], None],
+        reserve: Callable[[Any], bool],
+        activate: Callable[[Any, KVResult], None],
+        fail: Callable[[Any, str], None],
+        release: Callable[[Any], None],
+    ) -> None:
+        self.args = args
+        self.runner = runner
+        self.submit = submit
+        self.reserve, self.activate, self.fail, self.release = reserve, activate, fail, release
+        self.transfer = KVTransfer(args.host, args.disaggregation_ib_device)
+        self.buffers, self.num_main = pool_buffers(runner)
+        self.transfer.register(self.buffers)
+        self.mtp = args.spec_enabled
+        rows, d = runner.req_to_token_pool.size, runner.config.hidden_size
+        # where the prefill server writes d_1's hidden state and distribution, per request row
+        self.hidden_in = torch.zeros(rows, d, dtype=runner.dtype)
+        self.probs_in = torch.zeros(rows, runner.vocab_size, dtype=torch.float32)
+        self.transfer.register([self.hidden_in, self.probs_in])
+        self.pending: list = []  # waiting for a row and slots
+        self.awaiting: dict[str, Any] = {}  # rid -> request whose registration is out
+        self.given_up: set[str] = set()  # rids among them ended for their client already
+        self.failures = 0
+        self._pool = ThreadPoolExecutor(args.max_running_requests, "disagg-register")
+        # cancels apart: every registration thread may be waiting for an answer
+        self._cancels = ThreadPoolExecutor(2, "disagg-cancel")
+
+    # ---- from the scheduler -------------------------------------------------------------------
+
+    def add(self, req) -> None:
+        self.pending.append(req)
+
+    def poll(self, free_rows: int) -> None:
+        """Registers the pending requests that get a row and slots now, in order (at most
+        `free_rows` of them)."""
+        while self.pending and free_rows > 0:
+            req = self.pending[0]
+            if not self.reserve(req):
+                return
+            self.pending.pop(0)
+            free_rows -= 1
+            self.awaiting[req.rid] = req
+            dest = self._destination(req)
+            self._pool.submit(self._register, req.rid, req.bootstrap, dest)
+
+    def handle(self, msg: KVArrived) -> None:
+        req = self.awaiting.pop(msg.rid, None)
+        if req is None:
+            return
+        if msg.rid in self.given_up:  # ended for its client; the prefill side is done with it
+            self.given_up.discard(msg.rid)
+            self.release(req)
+        elif not msg.result.ok:
+            self.failures += 1
+            self.fail(req, f"the prefill server did not send the KV: {msg.result.error}")
+        else:
+            self._take_mtp_state(req, msg.result)
+            self.activate(req, msg.result)
+
+    def take(self, hit: Callable[[Any], bool]) -> tuple[list, list]:
+        """An abort: (pending requests `hit` selects, removed: they hold nothing; awaiting
+        ones it selects, which keep their row and slots until their answer comes and are
+        ended for their clients by the caller now; their prefill server is told)."""
+        pending = [r for r in self.pending if hit(r)]
+        if pending:
+            self.pending = [r for r in self.pending if not hit(r)]
+        out = [r for rid, r in self.awaiting.items() if rid not in self.given_up and hit(r)]
+        for r in out:
+            self.given_up.add(r.rid)
+            b = r.bootstrap
+            self._cancels.submit(cancel_room, b.host, b.port, b.room)
+        return pending, out
+
+    def busy(self) -> bool:
+        return bool(self.pending or self.awaiting)
+
+    def stats(self) -> dict:
+        s = self.transfer.stats
+        return {
+            "disagg_pending_reqs": len(self.pending),
+            "disagg_awaiting_reqs": len(self.awaiting),
+            "kv_transfer_bytes": s.bytes,
+            "kv_transfer_seconds": s.seconds,
+            "kv_transfer_failures": s.failures + self.failures,
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._cancels.shutdown(wait=False, cancel_futures=True)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _destination(self, req) -> KVDestination:
+        prompt = req.origin_input_ids
+        row = req.req_pool_idx
+        slots = self.runner.req_to_token_pool.host[row, : len(prompt)].tolist()
+        buffers = self.buffers if self.mtp else self.buffers[: self.num_main]
+        hidden, probs = self.hidden_in[row], self.probs_in[row]
+        return KVDestination(
+            room=req.bootstrap.room,
+            session=self.transfer.session_id,
+            prompt_len=len(prompt),
+            digest=prompt_digest(prompt),
+            slots=slots,
+            buffers=[b.data_ptr() for b in buffers],
+            row_bytes=[b.stride(0) * b.element_size() for b in buffers],
+            num_main=self.num_main,
+            hidden_addr=hidden.data_ptr() if self.mtp else 0,
+            hidden_bytes=hidden.nbytes if self.mtp else 0,
+            probs_addr=probs.data_ptr() if self.mtp else 0,
+            probs_bytes=probs.nbytes if self.mtp else 0,
+        )
+
+    def _register(self, rid: str, bootstrap, dest: KVDestination) -> None:
+        """In a registration thread: the long request to the prefill server, its answer into
+        the scheduler's inbox."""
+        timeout = self.args.disaggregation_timeout * ANSWER_TIMEOUT_FACTOR
+        result, answered = register_and_wait(bootstrap.host, bootstrap.port, dest, timeout)
+        if not answered:
+            logger.warning("request %s: %s", rid, result.error)
+            cancel_room(bootstrap.host, bootstrap.port, bootstrap.room)
+        self.submit(KVArrived(rid, result))
+
+    def _take_mtp_state(self, req, result: KVResult) -> None:
+        """With MTP: d_1, and what drafted it, from the prefill server (written into this
+        request row's staging slots), as the MTP decoder keeps them after a prefill."""
+        if not self.mtp or result.draft_token is None:
+            return
+        from srt_ascend.speculative.mtp_worker import state_of
+
+        row, device = req.req_pool_idx, self.runner.device
+        state = state_of(req)
+        state.token = torch.tensor(result.draft_token, device=device)
+        state.hidden = self.hidden_in[row].clone().to(device)
+        state.probs = self.probs_in[row].clone().to(device) if result.draft_probs else None

@@ -1,0 +1,230 @@
+"""Overlap scheduling (the default) gives what the serial loop (`--disable-overlap-schedule`)
+gives, on the shipped checkpoint in float32: greedy tokens, seeded samples, logprobs, `n > 1`,
+a stop string found one step late, a grammar request beside overlapped ones, penalties (run
+serially), an abort while a step is in flight, retractions from a small KV pool; and MTP
+(which runs serially under overlap) equals plain decoding. Each scenario runs on one engine
+per setting, which then must be idle with the KV invariant intact (every slot and request row
+free or owned by the prefix cache)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from conftest import PROMPTS
+
+from srt_ascend import Engine
+
+GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
+SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
+COMMON = {"dtype": "float32", "num_threads": 2, "kv_invariant_check": "fatal"}
+
+
+def greedy(engine: Engine) -> list:
+    return [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
+
+
+def seeded(engine: Engine) -> list:
+    params = [
+        {"max_new_tokens": 20, "temperature": 0.9, "top_p": 0.9, "seed": 11 + i}
+        for i in range(len(PROMPTS))
+    ]
+    params[1]["min_new_tokens"] = 12  # the stop mask counts the token in flight
+    params[2]["top_k"] = 5
+    return [o["output_ids"] for o in engine.generate(PROMPTS, params)]
+
+
+def logprobs(engine: Engine) -> list:
+    outs = engine.generate(PROMPTS[:4], GREEDY, return_logprob=True, top_logprobs_num=3)
+    return [
+        (
+            o["output_ids"],
+            o["meta_info"]["output_token_logprobs"],
+            o["meta_info"]["output_top_logprobs"],
+        )
+        for o in outs
+    ]
+
+
+def n_samples(engine: Engine) -> list:
+    sp = {"max_new_tokens": 16, "temperature": 0.8, "seed": 5, "n": 3}
+    return [o["output_ids"] for o in engine.generate(PROMPTS[:2], sp)]
+
+
+def stop_string(engine: Engine) -> list:
+    """A stop string taken from the middle of a greedy output: the request that meets it is
+    found finished after its next step was launched, whose token is dropped."""
+    text = engine.generate(PROMPTS[0], GREEDY)["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip()
+    params = [{**GREEDY, "stop": [stop]}] + [GREEDY] * 3
+    outs = engine.generate(PROMPTS[:4], params)
+    assert outs[0]["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert len(outs[0]["output_ids"]) < GREEDY["max_new_tokens"]
+    return [(o["output_ids"], o["text"], o["meta_info"]["finish_reason"]) for o in outs]
+
+
+def grammar_and_penalties(engine: Engine) -> list:
+    """A regex request and a penalised one run their batches serially; the others overlap
+    before they join and after they leave."""
+    params = [GREEDY] * len(PROMPTS)
+    params[2] = {"max_new_tokens": 10, "temperature": 0, "regex": r"[a-z]{2,6} = [0-9]{1,3}"}
+    params[5] = {**GREEDY, "max_new_tokens": 6, "frequency_penalty": 0.5}
+    outs = engine.generate(PROMPTS, params)
+    return [(o["output_ids"], o["meta_info"]["finish_reason"]) for o in outs]
+
+
+def abort_in_flight(engine: Engine) -> list:
+    """A streamed request closed after three chunks while the others decode: the abort lands
+    between a launch and its commit."""
+    tm = engine.tokenizer_manager
+    long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        reqs = [tm.make_request(tm.tokenize(p), GREEDY) for p in PROMPTS[:4]]
+        streamed = tm.make_request(tm.tokenize(PROMPTS[4]), long, stream=True)
+
+        async def one(r):
+            last = None
+            async for out in tm.generate_one(r):
+                last = out
+            return last
+
+        async def cut():
+            agen, chunks = tm.generate_one(streamed), 0
+            async for _ in agen:
+                chunks += 1
+                if chunks == 3:
+                    break
+            await agen.aclose()
+            return chunks
+
+        return await asyncio.gather(*(one(r) for r in reqs), cut())
+
+    *outs, chunks = asyncio.run_coroutine_threadsafe(run(), engine.loop).result()
+    assert chunks == 3
+    return [o["output_ids"] for o in outs]
+
+
+def retraction(engine: Engine) -> list:
+    prompts = PROMPTS + [p + " x" for p in PROMPTS]
+    outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 12})
+    return [o["output_ids"] for o in outs]
+
+
+SCENARIOS = {
+    f.__name__: f for f in (greedy, seeded, logprobs, n_samples, stop_string, grammar_and_penalties)
+}
+SCENARIOS["abort_in_flight"] = abort_in_flight
+
+
+def idle_problem(engine: Engine) -> str | None:
+    """Waits for the scheduler to go idle (an abort is handled after its client left), then
+    the KV invariant's verdict."""
+    scheduler = engine.tokenizer_manager.scheduler
+    for _ in range(500):
+        state = engine.get_internal_state()
+        if not scheduler.has_work() and state["num_running_reqs"] == 0:
+            return scheduler.idle_invariant_problem()
+        time.sleep(0.01)
+    return "the scheduler did not go idle"
+
+
+def run_all(model_path: str, scenarios: dict, **kw) -> dict:
+    """Each scenario's result, the KV invariant after it, and how many steps overlapped."""
+    engine = Engine(model_path=model_path, **COMMON, **kw)
+    try:
+        results = {}
+        for name, scenario in scenarios.items():
+            before = engine.get_internal_state()["num_overlapped_steps"]
+            out = scenario(engine)
+            problem = idle_problem(engine)
+            state = engine.get_internal_state()
+            overlapped = state["num_overlapped_steps"] - before
+            # the prefix cache as the serial loop leaves it: a step's token found one step late
+            # is dropped, its KV position freed (aborts aside, whose timing differs)
+            cached = state["cached_tokens_in_tree"] if name != "abort_in_flight" else None
+            results[name] = ((out, cached), problem, overlapped, state["num_retractions"])
+        return results
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def serial(model_path) -> dict:
+    return run_all(model_path, SCENARIOS, disable_overlap_schedule=True)
+
+
+@pytest.fixture(scope="module")
+def overlapped(model_path) -> dict:
+    return run_all(model_path, SCENARIOS)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_overlap_equals_serial(serial, overlapped, name):
+    out_off, problem_off, overlapped_off, _ = serial[name]
+    out_on, problem_on, overlapped_on, _ = overlapped[name]
+    assert problem_off is None and problem_on is None
+    assert overlapped_off == 0
+    assert overlapped_on > 0  # the overlapped path ran
+    assert out_on == out_off
+
+
+def test_retractions_under_overlap(model_path):
+    scenarios = {"retraction": retraction}
+    (off, problem_off, _, retracted_off) = run_all(
+        model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL
+    )["retraction"]
+    (on, problem_on, overlapped_on, retracted_on) = run_all(model_path, scenarios, **SMALL_POOL)[
+        "retraction"
+    ]
+    assert problem_off is None and problem_on is None
+    assert retracted_off > 0 and retracted_on > 0 and overlapped_on > 0
+    assert on == off
+
+
+def test_mtp_equals_plain_under_overlap(model_path, overlapped):
+    """MTP runs serially with overlap on (its steps are not split yet) and gives the plain
+    decoder's greedy tokens and stop-string outputs."""
+    scenarios = {"greedy": greedy, "stop_string": stop_string}
+    mtp = run_all(model_path, scenarios, speculative_algorithm="MTP", speculative_num_steps=2)
+    for name in scenarios:
+        out, problem, n_overlapped, _ = mtp[name]
+        assert problem is None and n_overlapped == 0
+        assert out[0] == overlapped[name][0][0]
+
+
+def test_idle_once_the_last_request_finishes(model_path):
+    """The step that finds the last running request finished also finishes the step launched
+    after it (whose token is dropped): the scheduler is idle when the last output goes out, so
+    a cache flush sent right after it is not refused."""
+    from srt_ascend.managers.io_struct import TokenizedGenerateReq
+    from srt_ascend.managers.tp_ranks import build_scheduler, load_tokenizer
+    from srt_ascend.platforms import get_platform
+    from srt_ascend.sampling.sampling_params import SamplingParams
+    from srt_ascend.server_args import ServerArgs
+
+    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024)
+    outputs: list = []
+    sched = build_scheduler(
+        args, get_platform("cpu"), load_tokenizer(args.tokenizer), outputs.extend
+    )
+    try:
+        for i, n in enumerate((4, 7)):
+            params = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
+            params.normalize()
+            sched.handle(TokenizedGenerateReq(f"r{i}", [5, 17, 33 + i, 81], params))
+        finished: set[str] = set()
+        for _ in range(20):
+            sched.step()
+            finished |= {o.rid for o in outputs if o.finish_reason is not None}
+            if len(finished) == 2:
+                break
+        assert finished == {"r0", "r1"}
+        assert sched.num_overlapped_steps > 0
+        assert not sched.has_work()
+        assert sched.flush_cache()
+        assert sched.idle_invariant_problem() is None
+    finally:
+        sched.worker.close()
