@@ -11,7 +11,7 @@ configurations.
 from __future__ import annotations
 
 import pytest
-from conftest import running_server
+from e2e_servers import running_server
 
 PROMPTS = [
     "def fibonacci(n):\n",

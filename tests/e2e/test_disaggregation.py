@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import requests
-from conftest import (
+from e2e_servers import (
     E2E_MODEL,
     REPO,
     Server,

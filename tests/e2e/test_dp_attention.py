@@ -17,7 +17,7 @@ import threading
 
 import pytest
 import requests
-from conftest import running_server
+from e2e_servers import running_server
 
 PROMPTS = [
     "def fibonacci(n):\n",

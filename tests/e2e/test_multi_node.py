@@ -13,7 +13,7 @@ import threading
 
 import pytest
 import requests
-from conftest import E2E_MODEL, REPO, _wait_healthy, child_env, free_port
+from e2e_servers import E2E_MODEL, REPO, _wait_healthy, child_env, free_port
 
 DIST_TIMEOUT_S = 15  # the frozen rank's collective raises after this
 END_WITHIN_S = DIST_TIMEOUT_S + 15

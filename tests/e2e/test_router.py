@@ -13,7 +13,7 @@ import time
 
 import pytest
 import requests
-from conftest import child_env, free_port, running_server
+from e2e_servers import child_env, free_port, running_server
 
 PROMPTS = [
     "def fibonacci(n):\n",

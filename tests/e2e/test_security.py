@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 import requests
-from conftest import running_server
+from e2e_servers import running_server
 
 from srt_ascend.entrypoints.http_server import create_app
 from srt_ascend.server_args import REDACTED, ServerArgs

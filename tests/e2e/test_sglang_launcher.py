@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from conftest import E2E_MODEL, REPO, child_env, free_port, serving_process
+from e2e_servers import E2E_MODEL, REPO, child_env, free_port, serving_process
 
 
 def _launch(sglang_python: str, *args: str) -> list[str]:

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import requests
-from conftest import running_server
+from e2e_servers import running_server
 
 # Shared prefixes, sent twice: the second round is served from the radix cache.
 PROMPTS = [
