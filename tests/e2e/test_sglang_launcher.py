@@ -38,7 +38,7 @@ def sglang_mtp_server(sglang_python, tmp_path_factory):
     log_path = tmp_path_factory.mktemp("sglang_launcher") / "server.log"
     cmd = _launch(sglang_python, "--device", "cpu", "--host", "127.0.0.1", "--port", str(port))
     cmd += ["--dtype", "float32", "--num-threads", "1", "--speculative-num-steps", "2"]
-    cmd += ["--disable-overlap-schedule"]  # an SGLang flag srt_ascend lacks: reported, not fatal
+    cmd += ["--enable-two-batch-overlap"]  # an SGLang flag srt_ascend lacks: reported, not fatal
     cmd += ["--cpu-small-gemm", "off"]  # srt_ascend-only: taken out before SGLang parses
     cmd += ["--enable-metrics", "--enable-cache-report", "--decode-log-interval", "7"]
     with serving_process(cmd, f"http://127.0.0.1:{port}", log_path) as server:
@@ -58,7 +58,7 @@ def test_sglang_launcher_serves_mtp(sglang_mtp_server):
     assert "spec_accept_length" in meta, meta
     log = sglang_mtp_server.log()
     lines = [line for line in log.splitlines() if "does not support these SGLang flags" in line]
-    assert len(lines) == 1 and "--disable-overlap-schedule" in lines[0], log
+    assert len(lines) == 1 and "--enable-two-batch-overlap" in lines[0], log
     assert "--enable-metrics" not in lines[0] and "--decode-log-interval" not in lines[0]
     info = sglang_mtp_server.get("/server_info").json()
     assert info["cpu_small_gemm"] == "off" and info["decode_log_interval"] == 7
