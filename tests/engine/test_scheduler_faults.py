@@ -29,7 +29,7 @@ def test_a_failed_step_keeps_the_requests_it_retracted(model_path):
         clean = [o["output_ids"] for o in engine.generate(PROMPTS, GREEDY)]
         assert engine.get_internal_state()["num_retractions"] > 0
         retracted: list[str] = []
-        real_retract, real_forward = sched.kv.retract, sched.runner.forward
+        real_retract, real_forward = sched.kv.retract, sched.runner._run
 
         def retract(victim, staying):
             real_retract(victim, staying)
@@ -42,11 +42,11 @@ def test_a_failed_step_keeps_the_requests_it_retracted(model_path):
             return real_forward(fb, *args, **kwargs)
 
         fired: list[bool] = []
-        sched.kv.retract, sched.runner.forward = retract, forward
+        sched.kv.retract, sched.runner._run = retract, forward  # under forward and forward_logits
         try:
             outs = engine.generate(PROMPTS, GREEDY)
         finally:
-            sched.kv.retract, sched.runner.forward = real_retract, real_forward
+            sched.kv.retract, sched.runner._run = real_retract, real_forward
         assert fired and retracted
         tm_rids = [o["meta_info"]["id"] for o in outs]
         # the scheduler knows a submission as "<rid>#<n>" (tokenizer_manager)
