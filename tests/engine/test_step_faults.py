@@ -61,9 +61,12 @@ def test_a_failed_step_fails_its_requests_only_and_frees_everything(model_path, 
         clean = [o["output_ids"] for o in engine.generate(PROMPTS[:4], GREEDY)]
         for attr, mode in SITES[name]:
             at = 1 if mode == ForwardMode.EXTEND else 2  # one prefill batch (cached prompts)
-            # the draft worker holds the MTP forward as a handle of its own
+            # the draft worker holds the MTP forward with its logits as a handle of its own;
+            # the main model's forwards (with or without logits) all go through `_run`
             owner, attr = (
-                (sched.decoder.worker.h, "forward") if attr == "draft" else (sched.runner, attr)
+                (sched.decoder.worker.h, "forward_logits")
+                if attr == "draft"
+                else (sched.runner, "_run")
             )
             with Fault(owner, attr, mode, at) as fault:
                 outs = engine.generate(PROMPTS[:4], GREEDY)
