@@ -29,6 +29,7 @@ import threading
 import time
 
 import torch
+from step_overhead import median_ms
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -66,17 +67,6 @@ def host_work(ms: float) -> None:
     while time.perf_counter() < end:
         for i in range(50):
             x += i * i
-
-
-def median_ms(fn, iters: int) -> float:
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 def measure(decode, host_ms: float, iters: int, worker) -> dict:
