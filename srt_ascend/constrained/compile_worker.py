@@ -180,18 +180,21 @@ def _import_path() -> str:
 
 def serve(recv: Connection, send: Connection) -> None:
     """The child: reads (kind, source) jobs, answers "ready" on taking one, then (True,
-    serialized grammar) or (False, message)."""
-    info_json, ws = recv.recv()
-    compiler = xgr.GrammarCompiler(
-        xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
-    )
-    while True:
-        try:
+    serialized grammar) or (False, message). It returns quietly when the parent goes away: its
+    pipe closed (EOFError), cut in the middle of a message (OSError: the parent was killed or
+    exited while sending), or closed while the child answers (BrokenPipeError)."""
+    try:
+        info_json, ws = recv.recv()
+        compiler = xgr.GrammarCompiler(
+            xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
+        )
+        while True:
             kind, source = recv.recv()
-        except EOFError:
-            return
-        send.send("ready")
-        try:
-            send.send((True, compile_grammar(compiler, kind, source, ws).serialize_json()))
-        except GrammarError as e:
-            send.send((False, str(e)))
+            send.send("ready")
+            try:
+                answer = (True, compile_grammar(compiler, kind, source, ws).serialize_json())
+            except GrammarError as e:
+                answer = (False, str(e))
+            send.send(answer)
+    except (EOFError, OSError):  # BrokenPipeError is an OSError
+        return
