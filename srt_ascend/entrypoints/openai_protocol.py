@@ -136,7 +136,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # OpenAI's
     content: str | list[TextPart] | None = None
     name: str | None = None
 

@@ -229,6 +229,11 @@ OPENAI_CASES = {
         {"model": "m", "messages": [{"role": "user", "content": 3}]},
         "content",
     ),
+    "unknown-role": (
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "bogus", "content": "hi"}]},
+        "role",
+    ),
     "tools": (
         "/v1/chat/completions",
         {
