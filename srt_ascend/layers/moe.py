@@ -11,6 +11,10 @@ from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_s
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.weight_stack import WeightStack
 
+# Batch-invariant mode: the dense expert path while the stacked experts number at most this
+# many per choice of a token (a constant of the layer, never of the batch).
+INVARIANT_DENSE_RATIO = 4
+
 
 class DenseMLP(nn.Module):
     """SwiGLU feed-forward (`gate_proj`, `up_proj`, `down_proj`), as in the checkpoint."""
@@ -140,11 +144,15 @@ class RoutedExperts(nn.Module):
         decode or verify step: its cost grows with the tokens, not with E), else dense. Eager
         CPU batches whose assignments number between E/2 and 4E (most experts are hit anyway,
         so dense work reads little extra weight) take dense; the rest sparse. In
-        batch-invariant mode (`linear.row_tile`) always dense: the paths sum a token's
-        experts in different orders, so a token's output would follow the batch's size;
-        dense sums every expert in id order (unchosen ones add exact zeros)."""
+        batch-invariant mode (`linear.row_tile`) the choice must not depend on the tokens (the
+        paths sum a token's experts in different orders, so its output would follow the
+        batch's size): dense while the stack has at most INVARIANT_DENSE_RATIO rows per choice
+        (the shipped checkpoint: 9 rows, 3 choices, where per-expert calls cost more than the
+        extra rows), else the ordered pair (DeepSeek-V3: 257 rows, 9 choices)."""
         if row_tile() is not None:
-            return "dense"
+            if rows <= INVARIANT_DENSE_RATIO * k:
+                return "dense"
+            return "ordered_dense" if static_shapes else "ordered"
         assignments = tokens * k
         if static_shapes:
             return "gathered" if assignments < rows else "dense"
@@ -190,6 +198,63 @@ class RoutedExperts(nn.Module):
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         return ordered_sum(ys.float() * weights.t().unsqueeze(-1), 0).to(x.dtype)
+
+    def forward_ordered(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Batch-invariant mode, eager: each expert, in id order, runs over the tokens that
+        chose it (one sort and one host read of the counts); see `_ordered`."""
+        return self._ordered(x, topk_weights, topk_ids, stacks, every_token=False)
+
+    def forward_ordered_dense(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Batch-invariant mode, fixed shapes (graph capture): each expert, in id order, runs
+        over every token, with weight zero where it was not chosen; see `_ordered`."""
+        return self._ordered(x, topk_weights, topk_ids, stacks, every_token=True)
+
+    def _ordered(self, x, topk_weights, topk_ids, stacks, every_token: bool) -> torch.Tensor:
+        """A token's output = its chosen experts' weighted outputs added one by one in expert
+        id order into a float32 sum that starts at zero. Each expert's products are the
+        row-tiled `linear`s, whose rows do not depend on the other rows of the call, so a
+        token's output is the same bits in any batch and on both paths (an unchosen expert
+        adds an exact zero). Its cost follows the tokens' choices (T*k expert rows), not
+        T*E as a dense pass does: DeepSeek-V3 has 256 experts and 8 choices."""
+        w13, w2 = stacks or (self.w13, self.w2)
+        n, t = w13.shape[0], x.shape[0]
+        local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
+        weights = torch.zeros(t, n + 1, device=x.device)
+        weights.scatter_(1, local, topk_weights.float())
+        total = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
+        if every_token:
+            for e in range(n):
+                total += weights[:, e : e + 1] * self._expert(x, w13[e], w2[e]).float()
+            return total.to(x.dtype)
+        flat = local.flatten()
+        order = flat.argsort(stable=True)
+        tokens = order // local.shape[1]  # the assignments' tokens, grouped by expert
+        counts = torch.bincount(flat, minlength=n + 1).tolist()
+        start = 0
+        for e, count in enumerate(counts[:n]):
+            if count:
+                rows = tokens[start : start + count]  # distinct: a token picks an expert once
+                y = self._expert(x.index_select(0, rows), w13[e], w2[e]).float()
+                total.index_copy_(0, rows, total.index_select(0, rows) + weights[rows, e, None] * y)
+                start += count
+        return total.to(x.dtype)
+
+    def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        """One expert's SwiGLU over x [T, H] (w13 [2I, H] gate; up, w2 [H, I])."""
+        gate, up = linear(x, w13).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w2)
 
     def forward_gathered(
         self,

@@ -117,6 +117,42 @@ def test_control_moe_rows_differ_without_mode(moe, plain):
         pytest.skip("the MoE paths agreed on this CPU: no control")
 
 
+@pytest.fixture(scope="module")
+def many_experts():
+    """64 experts, 6 chosen per token (DeepSeek-V3's shape scaled down: 256 and 8)."""
+    from srt_ascend.layers.moe import RoutedExperts
+
+    layer = RoutedExperts(64, 256, 64)
+    with torch.no_grad():
+        layer.w13.copy_(rand(64, 128, 256, seed=11) / 16)
+        layer.w2.copy_(rand(64, 256, 64, seed=12) / 8)
+    return layer.to(BF16).eval()
+
+
+def test_many_experts_rows_bit_identical_and_only_chosen_experts_run(many_experts, tiles):
+    """The eager path runs only the experts a batch chose (not all 64 over every token), and a
+    token's output is the same bits alone, in any batch, and on the fixed-shape path."""
+    g = torch.Generator().manual_seed(13)
+    ids = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(40)])
+    weights = torch.rand(40, 6, generator=g)
+    x = rand(40, 256, seed=14)
+    ran = []
+    expert = many_experts._expert
+    many_experts._expert = lambda *a: ran.append(1) or expert(*a)
+    try:
+        with torch.inference_mode():
+            alone = torch.cat(
+                [many_experts(x[i : i + 1], weights[i : i + 1], ids[i : i + 1]) for i in range(40)]
+            )
+            assert len(ran) == 40 * 6  # one expert call per choice, none for the rest
+            for n in (2, 3, 17, 40):
+                for static in (False, True):
+                    out = many_experts(x[:n], weights[:n], ids[:n], static_shapes=static)
+                    assert torch.equal(out, alone[:n]), (n, static)
+    finally:
+        del many_experts._expert
+
+
 R, P, H = 64, 16, 8
 
 

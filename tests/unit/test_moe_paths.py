@@ -27,7 +27,9 @@ def routing(t: int, k: int = 2, seed: int = 0):
     return torch.randn(t, 32, generator=g), torch.rand(t, k, generator=g), ids
 
 
-@pytest.mark.parametrize("path", ["forward_dense", "forward_gathered"])
+@pytest.mark.parametrize(
+    "path", ["forward_dense", "forward_gathered", "forward_ordered", "forward_ordered_dense"]
+)
 @pytest.mark.parametrize("t", [1, 2, 3, 7, 16, 40])
 @torch.inference_mode()
 def test_paths_equal_sparse(experts, path, t):
@@ -60,7 +62,16 @@ def rank_share(experts: RoutedExperts, rank: int, size: int) -> RoutedExperts:
     return part.eval()
 
 
-@pytest.mark.parametrize("path", ["forward_dense", "forward_sparse", "forward_gathered"])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "forward_dense",
+        "forward_sparse",
+        "forward_gathered",
+        "forward_ordered",
+        "forward_ordered_dense",
+    ],
+)
 @pytest.mark.parametrize("t", [1, 3, 16])
 @torch.inference_mode()
 def test_expert_parallel_shares_sum_to_the_whole(experts, path, t):
@@ -79,3 +90,5 @@ def test_expert_parallel_rank_without_routed_tokens_gives_zeros(experts):
     assert not rank_share(experts, 1, 2).forward_sparse(x, w, ids).any()
     assert not rank_share(experts, 1, 2).forward_dense(x, w, ids).any()
     assert not rank_share(experts, 1, 2).forward_gathered(x, w, ids).any()
+    assert not rank_share(experts, 1, 2).forward_ordered(x, w, ids).any()
+    assert not rank_share(experts, 1, 2).forward_ordered_dense(x, w, ids).any()
