@@ -421,11 +421,69 @@ def test_abort_storm_leaves_nothing_held(server, plain_pair):
     assert _generate(plain_pair.router, greedy)["output_ids"] == want
 
 
+def test_router_timeout_abort_storm_leaves_nothing_held(server, plain_pair, tmp_path):
+    """sglang-router 0.3.2 has no abort route (`/abort_request` and `/abort` answer 404): its
+    own aborts are its --request-timeout-secs, which drops both servers' requests (and
+    retries a non-streaming one, with a new room, up to --retry-max-retries times). A storm
+    of such timeouts, streaming and not, through a second router over the same servers:
+    each client gets an error or a cut stream, both servers end and free everything."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    cmd += ["--prefill", plain_pair.prefill.url, str(plain_pair.bootstrap_port)]
+    cmd += ["--decode", plain_pair.decode.url, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prometheus-port", str(free_port()), "--request-timeout-secs", "1"]
+    cmd += ["--retry-max-retries", "2"]
+    body = {"text": PROMPTS[3] * 3, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
+    body["sampling_params"]["ignore_eos"] = True
+
+    def timed_out(stream: bool) -> str:
+        try:
+            r = requests.post(url + "/generate", json={**body, "stream": stream}, timeout=120)
+        except requests.RequestException as e:  # a stream the router cut
+            return type(e).__name__
+        return f"status {r.status_code}" if r.status_code != 200 else r.text[-200:]
+
+    with _processes([(cmd, None)], tmp_path) as (_, procs):
+        url = f"http://127.0.0.1:{port}"
+        _wait_router(procs[0][0], url, procs[0][1])
+        for route in ("/abort_request", "/abort"):
+            assert requests.post(url + route, json={"rid": ""}, timeout=30).status_code == 404
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(timed_out, [False, True] * 4))
+    assert all(o.startswith("status 5") or o.endswith("Error") for o in outcomes), outcomes
+    _wait_settled(plain_pair.prefill, plain_pair.decode, timeout=60)
+    greedy = {"text": PROMPTS[1], "sampling_params": GREEDY}
+    want = _generate(server.url, greedy)["output_ids"]
+    assert _generate(plain_pair.router, greedy)["output_ids"] == want
+    _wait_settled(plain_pair.prefill, plain_pair.decode)
+
+
 @pytest.fixture(scope="module")
 def fragile_pair(tmp_path_factory):
-    """A pair whose prefill server a test kills (and starts again)."""
-    with _pairs(tmp_path_factory.mktemp("pd_fragile"), [((), ())]) as (pair,):
+    """A pair whose prefill server a test kills (and starts again): MTP K=2 on both, the
+    decode server verifying by batch expansion (the other MTP pair's verifies with fia)."""
+    specs = [(MTP, ("--speculative-verify", "expand"))]
+    with _pairs(tmp_path_factory.mktemp("pd_fragile"), specs) as (pair,):
         yield pair
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_mtp_expand_decode_matches_colocated(server, fragile_pair, stream):
+    """MTP K=2, the decode server's first and later verify steps by batch expansion (1+K
+    rows per request): greedy float32 tokens as one colocated server's; nothing of a prompt
+    is computed on the decode server."""
+    pair = fragile_pair
+    before = pair.decode.internal_state()["spec_num_verify"]
+    decode_prefills = _prefills(pair.decode)
+    for prompt in PROMPTS:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        got = _generate(pair.router, body, stream)
+        want = _generate(server.url, body, stream)
+        assert got["output_ids"] == want["output_ids"], prompt
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert pair.decode.internal_state()["spec_num_verify"] > before
+    assert _prefills(pair.decode) == decode_prefills
+    _wait_settled(pair.prefill, pair.decode)
 
 
 def test_killed_prefill_server_fails_its_requests_cleanly(server, fragile_pair, tmp_path):
