@@ -12,6 +12,13 @@ step is a verify step); nothing of the prompt is computed here.
 An abort while the registration is out ends the request for its client at once, but its row
 and slots stay held (the prefill server may be writing into them) until the answer comes:
 the prefill server is told (`/disagg/cancel`) and answers at once when it is not sending.
+
+With --tp-size N > 1 every rank process has its own pool (the whole latent KV) and its own
+transfer engine with that pool registered; the ranks exchange their sessions and addresses
+once at start, and rank 0's registration carries them all (`KVDestination.peers`): the
+prefill server writes the prompt's KV into every rank's pool. Rank 0 alone registers and
+cancels; the answer (KVArrived) reaches the other ranks as every scheduler message does, so
+all ranks take, activate, fail and release each request at the same point.
 """
 
 from __future__ import annotations
@@ -70,6 +77,16 @@ class DecodeSide:
         self.hidden_in = torch.zeros(rows, d, dtype=runner.dtype)
         self.probs_in = torch.zeros(rows, runner.vocab_size, dtype=torch.float32)
         self.transfer.register([self.hidden_in, self.probs_in])
+        self.tp = runner.tp
+        # every rank's engine session and addresses (rank order), for the registrations
+        self.ranks = self.tp.all_gather_object(
+            {
+                "session": self.transfer.session_id,
+                "buffers": [b.data_ptr() for b in self._buffers_sent()],
+                "hidden_addr": self.hidden_in.data_ptr() if self.mtp else 0,
+                "probs_addr": self.probs_in.data_ptr() if self.mtp else 0,
+            }
+        )
         self.pending: list = []  # waiting for a row and slots
         self.awaiting: dict[str, Any] = {}  # rid -> request whose registration is out
         self.given_up: set[str] = set()  # rids among them ended for their client already
@@ -93,8 +110,9 @@ class DecodeSide:
             self.pending.pop(0)
             free_rows -= 1
             self.awaiting[req.rid] = req
-            dest = self._destination(req)
-            self._pool.submit(self._register, req.rid, req.bootstrap, dest)
+            if self.tp.is_leader:
+                dest = self._destination(req)
+                self._pool.submit(self._register, req.rid, req.bootstrap, dest)
 
     def handle(self, msg: KVArrived) -> None:
         req = self.awaiting.pop(msg.rid, None)
@@ -121,7 +139,8 @@ class DecodeSide:
         for r in out:
             self.given_up.add(r.rid)
             b = r.bootstrap
-            self._cancels.submit(cancel_room, b.host, b.port, b.room)
+            if self.tp.is_leader:
+                self._cancels.submit(cancel_room, b.host, b.port, b.room)
         return pending, out
 
     def busy(self) -> bool:
@@ -143,25 +162,40 @@ class DecodeSide:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    def _buffers_sent(self) -> list[torch.Tensor]:
+        """The pool buffers the prefill server writes (the MTP layers' only with MTP here)."""
+        return self.buffers if self.mtp else self.buffers[: self.num_main]
+
     def _destination(self, req) -> KVDestination:
+        """The registration of request `req`'s row and slots, for every rank's pool (the
+        slots and the row are the same on every rank; each rank's addresses are its own)."""
         prompt = req.origin_input_ids
         row = req.req_pool_idx
         slots = self.runner.req_to_token_pool.host[row, : len(prompt)].tolist()
-        buffers = self.buffers if self.mtp else self.buffers[: self.num_main]
-        hidden, probs = self.hidden_in[row], self.probs_in[row]
+        hidden_bytes = self.hidden_in[row].nbytes if self.mtp else 0
+        probs_bytes = self.probs_in[row].nbytes if self.mtp else 0
+        at = [
+            {
+                **r,
+                "hidden_addr": r["hidden_addr"] + row * hidden_bytes,
+                "probs_addr": r["probs_addr"] + row * probs_bytes,
+            }
+            for r in self.ranks
+        ]
         return KVDestination(
             room=req.bootstrap.room,
-            session=self.transfer.session_id,
+            session=at[0]["session"],
             prompt_len=len(prompt),
             digest=prompt_digest(prompt),
             slots=slots,
-            buffers=[b.data_ptr() for b in buffers],
-            row_bytes=[b.stride(0) * b.element_size() for b in buffers],
+            buffers=at[0]["buffers"],
+            row_bytes=[b.stride(0) * b.element_size() for b in self._buffers_sent()],
             num_main=self.num_main,
-            hidden_addr=hidden.data_ptr() if self.mtp else 0,
-            hidden_bytes=hidden.nbytes if self.mtp else 0,
-            probs_addr=probs.data_ptr() if self.mtp else 0,
-            probs_bytes=probs.nbytes if self.mtp else 0,
+            hidden_addr=at[0]["hidden_addr"],
+            hidden_bytes=hidden_bytes,
+            probs_addr=at[0]["probs_addr"],
+            probs_bytes=probs_bytes,
+            peers=at[1:],
         )
 
     def _register(self, rid: str, bootstrap, dest: KVDestination) -> None:

@@ -292,17 +292,22 @@ class PrefillSide:
         runs = slot_runs(src_slots, dest.slots)
         k = len(dest.buffers)  # main layers, and MTP layers where the decode server has them
         src = [b.data_ptr() for b in self.buffers[:k]]
-        srcs, dsts, lens = write_plan(runs, src, dest.buffers, dest.row_bytes)
         state = req.decoder_state
-        if dest.hidden_addr and getattr(state, "token", None) is not None:
-            row = req.req_pool_idx
+        mtp = dest.hidden_addr and getattr(state, "token", None) is not None
+        row = req.req_pool_idx
+        if mtp:
             self.hidden_stage[row].copy_(state.hidden)
-            srcs.append(self.hidden_stage[row].data_ptr())
-            dsts.append(dest.hidden_addr)
-            lens.append(dest.hidden_bytes)
             if state.probs is not None:
                 self.probs_stage[row].copy_(state.probs)
-                srcs.append(self.probs_stage[row].data_ptr())
-                dsts.append(dest.probs_addr)
-                lens.append(dest.probs_bytes)
-        self.transfer.write(dest.session, srcs, dsts, lens)
+        # every decode rank's pool gets the whole latent KV (one batch per rank's engine)
+        for session, buffers, hidden_addr, probs_addr in dest.targets():
+            srcs, dsts, lens = write_plan(runs, src, buffers, dest.row_bytes)
+            if mtp:
+                srcs.append(self.hidden_stage[row].data_ptr())
+                dsts.append(hidden_addr)
+                lens.append(dest.hidden_bytes)
+                if state.probs is not None:
+                    srcs.append(self.probs_stage[row].data_ptr())
+                    dsts.append(probs_addr)
+                    lens.append(dest.probs_bytes)
+            self.transfer.write(session, srcs, dsts, lens)

@@ -461,17 +461,20 @@ def test_router_timeout_abort_storm_leaves_nothing_held(server, plain_pair, tmp_
 @pytest.fixture(scope="module")
 def fragile_pair(tmp_path_factory):
     """A pair whose prefill server a test kills (and starts again): MTP K=2 on both, the
-    decode server verifying by batch expansion (the other MTP pair's verifies with fia)."""
-    specs = [(MTP, ("--speculative-verify", "expand"))]
+    decode server verifying by batch expansion (the other MTP pair's verifies with fia) on
+    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV)."""
+    specs = [(MTP, ("--speculative-verify", "expand", "--tp-size", "2"))]
     with _pairs(tmp_path_factory.mktemp("pd_fragile"), specs) as (pair,):
         yield pair
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_mtp_expand_decode_matches_colocated(server, fragile_pair, stream):
-    """MTP K=2, the decode server's first and later verify steps by batch expansion (1+K
-    rows per request): greedy float32 tokens as one colocated server's; nothing of a prompt
-    is computed on the decode server."""
+def test_tp2_mtp_expand_decode_matches_colocated(server, fragile_pair, stream):
+    """A decode server with --tp-size 2 (fed by a prefill server with --tp-size 1: the
+    prefill server writes the KV into both ranks' pools) and MTP K=2, its verify steps by
+    batch expansion (1+K rows per request): greedy float32 tokens as one colocated server's;
+    nothing of a prompt is computed on the decode server; both ranks' KV invariants hold
+    (fatal: a broken one ends the server)."""
     pair = fragile_pair
     before = pair.decode.internal_state()["spec_num_verify"]
     decode_prefills = _prefills(pair.decode)

@@ -56,6 +56,28 @@ def test_destination_checks_its_fields():
             KVDestination.from_json(bad)
 
 
+def test_destination_of_a_tensor_parallel_decode_server_names_every_rank():
+    good = dict(
+        room=1, session="h:1", prompt_len=1, digest="d", slots=[3], buffers=[10, 20],
+        row_bytes=[8, 8], num_main=2, hidden_addr=5, hidden_bytes=4, probs_addr=6,
+        probs_bytes=4,
+    )  # fmt: skip
+    peer = {"session": "h:2", "buffers": [30, 40], "hidden_addr": 7, "probs_addr": 8}
+    dest = KVDestination.from_json({**good, "peers": [peer]})
+    assert dest.targets() == [("h:1", [10, 20], 5, 6), ("h:2", [30, 40], 7, 8)]
+    assert KVDestination.from_json(good).targets() == [("h:1", [10, 20], 5, 6)]
+    for bad in (
+        {**peer, "buffers": [30]},  # a pool of another shape
+        {**peer, "hidden_addr": 0},  # MTP on one rank only
+        {**peer, "session": 1},
+        {**peer, "extra": 1},
+        {**peer, "buffers": 30},
+        {**peer, "probs_addr": -1},
+    ):
+        with pytest.raises(ValueError, match="bad registration"):
+            KVDestination.from_json({**good, "peers": [bad]})
+
+
 def test_transfer_counters_in_metrics():
     m = ServerMetrics("tiny")
     state = {
@@ -126,11 +148,17 @@ def test_flags_parse_and_refuse_what_cannot_run(capsys):
     assert (args.disaggregation_mode, args.disaggregation_bootstrap_port) == ("prefill", 8998)
     assert args.disaggregated and args.disaggregation_ib_device is None
     assert not prepare_server_args([]).disaggregated
+    # a decode server's ranks each take the whole latent KV
+    assert prepare_server_args(["--disaggregation-mode", "decode", "--tp-size", "2"]).tp_size == 2
     for argv, message in (
         (["--disaggregation-mode", "both"], "invalid choice"),
         (["--disaggregation-transfer-backend", "nixl"], "not available here (accepted: mooncake)"),
         (["--disaggregation-bootstrap-port", "0"], "--disaggregation-bootstrap-port must be"),
-        (["--disaggregation-mode", "decode", "--tp-size", "2"], "decode runs with --tp-size 1"),
+        (
+            ["--disaggregation-mode", "decode", "--tp-size", "2", "--enable-dp-attention"]
+            + ["--dp-size", "2"],
+            "cannot be combined with --enable-dp-attention",
+        ),
         (["--disaggregation-timeout", "0"], "--disaggregation-timeout must be > 0"),
     ):
         with pytest.raises(SystemExit) as e:
