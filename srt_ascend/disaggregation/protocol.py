@@ -172,6 +172,15 @@ class RoomExpired:
 
 
 @dataclass
+class TransferDone:
+    """Prefill side: room `room`'s KV transfer ended (error None: every write done; else why
+    not). The leader's transfer thread sends it; every rank ends the request on it."""
+
+    room: int
+    error: str | None
+
+
+@dataclass
 class KVArrived:
     """Decode side: the prefill server answered request `rid`'s registration (or the
     registration failed: `result.ok` False)."""

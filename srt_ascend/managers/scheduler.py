@@ -38,6 +38,7 @@ from srt_ascend.disaggregation.protocol import (
     KVResult,
     RoomCancelled,
     RoomExpired,
+    TransferDone,
 )
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
@@ -321,7 +322,8 @@ class Scheduler:
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
         elif (
-            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired)) and self.prefill_side
+            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired, TransferDone))
+            and self.prefill_side
         ):
             self.prefill_side.handle(msg)
         elif isinstance(msg, KVArrived) and self.decode_side:

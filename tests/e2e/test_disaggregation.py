@@ -9,12 +9,16 @@ HTTP 400; a client that leaves mid-stream leaves nothing held on either server (
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -456,6 +460,111 @@ def test_router_timeout_abort_storm_leaves_nothing_held(server, plain_pair, tmp_
     want = _generate(server.url, greedy)["output_ids"]
     assert _generate(plain_pair.router, greedy)["output_ids"] == want
     _wait_settled(plain_pair.prefill, plain_pair.decode)
+
+
+class _HungPeer:
+    """A TCP listener that accepts and never answers: a decode server whose transfer engine
+    hangs (a write to its session waits in the handshake until `close`)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.session = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.conns.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+class _Relay:
+    """A bootstrap endpoint in front of a prefill server's that passes every request on,
+    with each registration's transfer-engine sessions changed to `session`."""
+
+    def __init__(self, boot_port: int, session: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/disagg/kv":
+                    body["session"] = session
+                    for peer in body["peers"]:
+                        peer["session"] = session
+                conn = http.client.HTTPConnection("127.0.0.1", boot_port)
+                conn.request("POST", self.path, json.dumps(body))
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _wait_for(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_hung_transfer_does_not_stall_the_prefill_scheduler(server, plain_pair):
+    """A request whose decode server's transfer engine hangs (its registration relayed with
+    the session of a peer that accepts and never answers): while its KV transfer waits on
+    the prefill server's transfer thread, the prefill scheduler goes on: another request
+    through the same prefill server is prefilled and queued for sending (ordering, not
+    timing: both are in flight at once). Mooncake's engine serializes segment handshakes in
+    the process, so that one's transfer waits for the hung handshake; once the peer goes,
+    the hung request fails on both servers, the other is sent and answered as a colocated
+    server answers it, and both servers free everything."""
+    pair, peer = plain_pair, _HungPeer()
+    relay = _Relay(pair.bootstrap_port, peer.session)
+    try:
+        room = 4242424242
+        body = {"text": PROMPTS[1], "sampling_params": GREEDY, "bootstrap_room": room}
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=pair.bootstrap_port)
+        greedy = {"text": PROMPTS[2] + "\n", "sampling_params": GREEDY}
+        want = _generate(server.url, greedy)["output_ids"]
+        with ThreadPoolExecutor(3) as pool:
+            hung = pool.submit(pair.prefill.post, "/generate", json=body)
+            body = {**body, "bootstrap_port": relay.port}  # the decode server registers there
+            hung_decode = pool.submit(pair.decode.post, "/generate", json=body)
+            _wait_for(lambda: peer.conns, "the transfer never started")
+            prefills = _prefills(pair.prefill)
+            other = pool.submit(_generate, pair.router, greedy)
+            _wait_for(lambda: _prefills(pair.prefill) > prefills, "no prefill meanwhile", 120)
+            assert not hung.done() and not hung_decode.done()
+            sending = lambda: pair.prefill.internal_state()["disagg_sending_reqs"]  # noqa: E731
+            _wait_for(lambda: sending() == 2, "the other request was not queued meanwhile")
+            assert not hung.done() and not other.done()
+            peer.close()  # the hung transfer fails now
+            out, out_decode = hung.result().json(), hung_decode.result().json()
+            assert other.result()["output_ids"] == want
+    finally:
+        peer.close()
+        relay.close()
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "KV transfer" in reason["message"], reason
+    reason = out_decode["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "did not send the KV" in reason["message"], reason
+    _wait_settled(pair.prefill, pair.decode)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,19 @@ transfer engine (TCP, P2P handshake) moving an MLA KV pool's rows between two pr
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 
 import pytest
 import torch
 
 from srt_ascend.disaggregation.protocol import BootstrapError, BootstrapInfo, KVDestination
-from srt_ascend.disaggregation.transfer import KVTransfer, TransferError, slot_runs, write_plan
+from srt_ascend.disaggregation.transfer import (
+    KVTransfer,
+    TransferError,
+    TransferQueue,
+    slot_runs,
+    write_plan,
+)
 from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool
 from srt_ascend.metrics import ServerMetrics
 
@@ -134,6 +141,43 @@ def test_engine_writes_pool_rows_into_another_process():
             assert not theirs[[0, 4, 6]].any()  # nothing else written
         with pytest.raises(TransferError):  # a peer that is not there
             engine.write("127.0.0.1:1", [bufs[0].data_ptr()], [dst_buffers[0]], [rows[0]])
+        assert engine.stats.failures == 1
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+def test_transfer_queue_runs_a_lanes_jobs_in_order_and_reports_each():
+    """Off the caller's thread: each job's batches written in order, `done(key, error)`
+    after each (None, or the engine's failure), jobs of a lane in the order put."""
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_receiver, args=(there,))
+    child.start()
+    try:
+        session, dst_buffers = here.recv()
+        pool = _pool()
+        bufs = pool.transfer_buffers()
+        for buf in bufs:
+            buf.copy_(torch.randn_like(buf))
+        engine = KVTransfer("127.0.0.1", None)
+        engine.register(bufs)
+        rows = [b.stride(0) * b.element_size() for b in bufs]
+        src = [b.data_ptr() for b in bufs]
+        ended: queue.Queue = queue.Queue()
+        q = TransferQueue(engine, lambda key, error: ended.put((key, error)))
+        good = (session, *write_plan([(1, 7, 2)], src, dst_buffers, rows))
+        bad = ("127.0.0.1:1", src[:1], dst_buffers[:1], rows[:1])  # no peer there
+        q.put(session, "first", [good])
+        q.put(session, "second", [good, bad])  # the first batch lands, the job fails
+        got = [ended.get(timeout=60) for _ in range(2)]
+        assert got[0] == ("first", None)
+        assert got[1][0] == "second" and "failed" in got[1][1]
+        here.send("done")
+        theirs = [torch.from_numpy(a) for a in here.recv()]
+        for mine, t in zip(bufs, theirs):
+            assert torch.equal(t[7:9], mine[1:3])
         assert engine.stats.failures == 1
     finally:
         child.join(timeout=30)
