@@ -32,7 +32,13 @@ import torch
 
 from srt_ascend.disaggregation.bootstrap import cancel_room, register_and_wait
 from srt_ascend.disaggregation.prefill import pool_buffers
-from srt_ascend.disaggregation.protocol import KVArrived, KVDestination, KVResult, prompt_digest
+from srt_ascend.disaggregation.protocol import (
+    KVArrived,
+    KVDestination,
+    KVLate,
+    KVResult,
+    prompt_digest,
+)
 from srt_ascend.disaggregation.transfer import KVTransfer
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.server_args import ServerArgs
@@ -40,8 +46,9 @@ from srt_ascend.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 # The decode side waits this many times --disaggregation-timeout for the prefill server's
-# answer (it holds the request's slots meanwhile): the prefill server's own timeouts answer
-# first unless it hangs.
+# answer before it ends the request for its client (the prefill server's own timeouts answer
+# first unless it hangs); the request's slots stay held until an answer or a broken
+# connection says the prefill server will not write into them.
 ANSWER_TIMEOUT_FACTOR = 4
 
 
@@ -52,7 +59,8 @@ class DecodeSide:
     (False: not now); `activate(req, result)` puts a request whose KV arrived into the decode
     batch; `fail(req, message)` ends a request with an abort (releasing what it holds) and
     emits its last output; `release(req)` gives back what a request that already ended
-    holds."""
+    holds; `end_for_client(req, message)` ends a request for its client only (an abort
+    output; its row and slots stay held)."""
 
     def __init__(
         self,
@@ -63,11 +71,13 @@ class DecodeSide:
         activate: Callable[[Any, KVResult], None],
         fail: Callable[[Any, str], None],
         release: Callable[[Any], None],
+        end_for_client: Callable[[Any, str], None],
     ) -> None:
         self.args = args
         self.runner = runner
         self.submit = submit
         self.reserve, self.activate, self.fail, self.release = reserve, activate, fail, release
+        self.end_for_client = end_for_client
         self.transfer = KVTransfer(args.host, args.disaggregation_ib_device)
         self.buffers, self.num_main = pool_buffers(runner)
         self.transfer.register(self.buffers)
@@ -114,7 +124,14 @@ class DecodeSide:
                 dest = self._destination(req)
                 self._pool.submit(self._register, req.rid, req.bootstrap, dest)
 
-    def handle(self, msg: KVArrived) -> None:
+    def handle(self, msg: KVArrived | KVLate) -> None:
+        if isinstance(msg, KVLate):
+            req = self.awaiting.get(msg.rid)
+            if req is not None and msg.rid not in self.given_up:
+                self.given_up.add(msg.rid)
+                self.failures += 1
+                self.end_for_client(req, msg.message)
+            return
         req = self.awaiting.pop(msg.rid, None)
         if req is None:
             return
@@ -202,7 +219,14 @@ class DecodeSide:
         """In a registration thread: the long request to the prefill server, its answer into
         the scheduler's inbox."""
         timeout = self.args.disaggregation_timeout * ANSWER_TIMEOUT_FACTOR
-        result, answered = register_and_wait(bootstrap.host, bootstrap.port, dest, timeout)
+
+        def late() -> None:  # the request ends for its client; the slots wait for the answer
+            message = f"the prefill server did not answer in {timeout:g} s"
+            logger.warning("request %s: %s; its slots stay held until it does", rid, message)
+            self.submit(KVLate(rid, message))
+            self._cancels.submit(cancel_room, bootstrap.host, bootstrap.port, bootstrap.room)
+
+        result, answered = register_and_wait(bootstrap.host, bootstrap.port, dest, timeout, late)
         if not answered:
             logger.warning("request %s: %s", rid, result.error)
             cancel_room(bootstrap.host, bootstrap.port, bootstrap.room)

@@ -181,6 +181,17 @@ class TransferDone:
 
 
 @dataclass
+class KVLate:
+    """Decode side: request `rid`'s prefill server has not answered in 4 x
+    --disaggregation-timeout: the request ends for its client; its row and slots stay held
+    (a hung prefill server could still write into them) until the answer comes or the
+    registration's connection breaks (the prefill server is gone)."""
+
+    rid: str
+    message: str
+
+
+@dataclass
 class KVArrived:
     """Decode side: the prefill server answered request `rid`'s registration (or the
     registration failed: `result.ok` False)."""

@@ -571,8 +571,10 @@ def test_hung_transfer_does_not_stall_the_prefill_scheduler(server, plain_pair):
 def fragile_pair(tmp_path_factory):
     """A pair whose prefill server a test kills (and starts again): MTP K=2 on both, the
     decode server verifying by batch expansion (the other MTP pair's verifies with fia) on
-    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV)."""
-    specs = [(MTP, ("--speculative-verify", "expand", "--tp-size", "2"))]
+    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV), waiting
+    4 x 3 s for a prefill server's answer."""
+    decode = ("--speculative-verify", "expand", "--tp-size", "2", "--disaggregation-timeout", "3")
+    specs = [(MTP, decode)]
     with _pairs(tmp_path_factory.mktemp("pd_fragile"), specs) as (pair,):
         yield pair
 
@@ -596,6 +598,26 @@ def test_tp2_mtp_expand_decode_matches_colocated(server, fragile_pair, stream):
     assert pair.decode.internal_state()["spec_num_verify"] > before
     assert _prefills(pair.decode) == decode_prefills
     _wait_settled(pair.prefill, pair.decode)
+
+
+def test_unanswered_registration_keeps_the_decode_slots(fragile_pair):
+    """A prefill server that hangs (its bootstrap endpoint takes the registration and never
+    answers): after 4 x --disaggregation-timeout the request ends for its client, but the
+    decode server keeps its row and slots (a hung prefill server could still write into
+    them) until the prefill server answers or its connection breaks; then it frees them."""
+    pair, peer = fragile_pair, _HungPeer()
+    host, port = peer.session.split(":")
+    try:
+        body = {"text": PROMPTS[0], "sampling_params": GREEDY, "bootstrap_room": 777}
+        body.update(bootstrap_host=host, bootstrap_port=int(port))
+        out = pair.decode.post("/generate", json=body).json()
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "did not answer in 12 s" in reason["message"]
+        assert pair.decode.internal_state()["disagg_awaiting_reqs"] == 1  # slots still held
+        assert pair.decode.proc.poll() is None
+    finally:
+        peer.close()  # the registration's connection breaks: the slots are free again
+    _wait_settled(pair.decode)
 
 
 def test_killed_prefill_server_fails_its_requests_cleanly(server, fragile_pair, tmp_path):
