@@ -123,7 +123,10 @@ def _pairs(log_dir, specs: list[tuple[tuple[str, ...], tuple[str, ...]]]):
         router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
         router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
-        routers.append((router + ["--health-check-interval-secs", "2"], None))
+        # a worker back after a failure is taken back within seconds (the circuit breaker
+        # otherwise keeps it out for 60 s once 10 requests to it failed)
+        router += ["--health-check-interval-secs", "2", "--cb-timeout-duration-secs", "3"]
+        routers.append((router, None))
         prefill = _prefill_cmd(p_port, boot, *extra)
         decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra, *decode_extra)
         servers += [(prefill, p_url), (decode, d_url)]
@@ -571,10 +574,10 @@ def test_hung_transfer_does_not_stall_the_prefill_scheduler(server, plain_pair):
 def fragile_pair(tmp_path_factory):
     """A pair whose prefill server a test kills (and starts again): MTP K=2 on both, the
     decode server verifying by batch expansion (the other MTP pair's verifies with fia) on
-    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV), waiting
-    4 x 3 s for a prefill server's answer."""
-    decode = ("--speculative-verify", "expand", "--tp-size", "2", "--disaggregation-timeout", "3")
-    specs = [(MTP, decode)]
+    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV);
+    --disaggregation-timeout 3 on both (the decode server waits 4 x 3 s for an answer)."""
+    both = (*MTP, "--disaggregation-timeout", "3")
+    specs = [(both, ("--speculative-verify", "expand", "--tp-size", "2"))]
     with _pairs(tmp_path_factory.mktemp("pd_fragile"), specs) as (pair,):
         yield pair
 
