@@ -4,7 +4,10 @@ K = 2, against one colocated server (conftest's `server`, float32 like them). Gr
 are token-identical on /generate, /v1/completions and /v1/chat/completions, streaming or
 not; logprobs agree; the decode server never computes a prompt; bad bootstrap fields get
 HTTP 400; a client that leaves mid-stream leaves nothing held on either server (both run
---kv-invariant-check fatal, so a broken invariant would end a server)."""
+--kv-invariant-check fatal, so a broken invariant would end a server). A third pair (MTP,
+the decode server on two ranks verifying by expansion) is the one whose servers die; the
+router's own timeouts, a hung decode-side engine and a hung prefill server are each a
+scenario of their own."""
 
 from __future__ import annotations
 
