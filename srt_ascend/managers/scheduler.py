@@ -784,7 +784,9 @@ class Scheduler:
         self._forget_room(failed)
 
     def flush_cache(self) -> bool:
-        if self.has_work():
+        """Empties the prefix cache; False (not now) while requests run or are held between
+        disaggregated servers (a prefill server's request being sent holds cache nodes)."""
+        if self.has_work() or self._disaggregation_busy():
             return False
         self.tree.reset()
         return True

@@ -560,6 +560,8 @@ def test_hung_transfer_does_not_stall_the_prefill_scheduler(server, plain_pair):
             sending = lambda: pair.prefill.internal_state()["disagg_sending_reqs"]  # noqa: E731
             _wait_for(lambda: sending() == 2, "the other request was not queued meanwhile")
             assert not hung.done() and not other.done()
+            # their KV, radix-cache nodes and all, stays theirs while it is being sent
+            assert pair.prefill.post("/flush_cache").status_code == 400
             peer.close()  # the hung transfer fails now
             out, out_decode = hung.result().json(), hung_decode.result().json()
             assert other.result()["output_ids"] == want
