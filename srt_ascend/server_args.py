@@ -357,11 +357,6 @@ class ServerArgs:
             raise ValueError(
                 "--disaggregation-mode cannot be combined with --enable-dp-attention (yet)"
             )
-        if self.disaggregation_mode == "decode" and self.tp_size > 1:
-            raise ValueError(
-                "--disaggregation-mode decode runs with --tp-size 1 (each rank's pool would "
-                "need the KV); a prefill server may run any --tp-size"
-            )
 
     def _check_speculative(self) -> None:
         if self.speculative_algorithm != "MTP":

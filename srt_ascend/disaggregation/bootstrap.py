@@ -137,13 +137,34 @@ def _peer_closed(conn: socket.socket) -> bool:
         return True
 
 
+# TCP keepalive on a held registration: a prefill host that vanishes (no RST) is noticed
+# after about KEEPALIVE_IDLE_S + KEEPALIVE_COUNT * KEEPALIVE_INTERVAL_S seconds
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_COUNT = 30, 10, 3
+
+
+def _keepalive(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_COUNT),
+    ):
+        if hasattr(socket, name):  # Linux; elsewhere the system's keepalive times
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+
+
 def register_and_wait(
-    host: str, port: int, dest: KVDestination, timeout: float
+    host: str, port: int, dest: KVDestination, timeout: float, on_late: Callable[[], None]
 ) -> tuple[KVResult, bool]:
     """Decode side: registers `dest` at the prefill server's bootstrap endpoint and waits for
     its answer. Returns (result, answered): `answered` False when no answer came (the
-    endpoint unreachable, the connection broken, `timeout` seconds without an answer), so
-    the prefill server may not know the room is given up."""
+    endpoint unreachable, the connection broken), so the prefill server may not know the
+    room is given up.
+
+    Without an answer in `timeout` seconds it calls `on_late()` and goes on waiting: until
+    the prefill server answers (it answers only when nothing of the room is being written,
+    nor will be) or the connection breaks (its process is gone, and its transfer engine with
+    it; keepalive notices a host that vanished), the slots it may write are not free."""
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         conn.request(
@@ -152,6 +173,10 @@ def register_and_wait(
             json.dumps(dest.to_json()),
             {"Content-Type": "application/json"},
         )
+        _keepalive(conn.sock)
+        if not select.select([conn.sock], [], [], timeout)[0]:
+            on_late()
+        conn.sock.settimeout(None)
         resp = conn.getresponse()
         body = json.loads(resp.read())
         return KVResult.from_json(body), True

@@ -6,10 +6,12 @@ MTP layer's KV written and d_1 drafted), the scheduler hands it here instead of 
 decode batch. It is held, KV and all, until the decode server's registration for its room
 (KVDestination) is here too; then every prompt position's KV, main and MTP layers, is
 written into the decode server's slots (one engine batch: a write per run of consecutive
-slots per buffer), the MTP state after it, and the registration is answered with the first
-token. Then the request ends here (its KV goes to the radix cache). Either half waiting past
---disaggregation-timeout, a cancelled room, a mismatched registration or a failed transfer
-ends the request with an error on both servers.
+slots per buffer; one batch per decode rank), the MTP state with it. The writes run on the
+transfer queue's threads (`TransferQueue`) while the scheduler goes on scheduling; the
+request stays here (`sending`, its row and KV held) until its TransferDone message, then the
+registration is answered with the first token and the request ends here (its KV goes to the
+radix cache). Either half waiting past --disaggregation-timeout, a cancelled room, a
+mismatched registration or a failed transfer ends the request with an error on both servers.
 """
 
 from __future__ import annotations
@@ -29,12 +31,14 @@ from srt_ascend.disaggregation.protocol import (
     KVResult,
     RoomCancelled,
     RoomExpired,
+    TransferDone,
     prompt_digest,
 )
 from srt_ascend.disaggregation.transfer import (
     KVTransfer,
-    TransferError,
+    TransferQueue,
     TransferStats,
+    Write,
     slot_runs,
     write_plan,
 )
@@ -85,9 +89,14 @@ class PrefillSide:
             self.hidden_stage = torch.zeros(rows, d, dtype=runner.dtype)
             self.probs_stage = torch.zeros(rows, runner.vocab_size, dtype=torch.float32)
             self.transfer.register([self.hidden_stage, self.probs_stage])
+            self.queue = TransferQueue(
+                self.transfer, lambda room, error: submit(TransferDone(room, error))
+            )
         self.rooms: dict[int, Any] = {}  # room -> its live request (queued, running or held)
         self.held: dict[int, tuple[Any, float]] = {}  # room -> (prefilled request, since)
         self.dests: dict[int, tuple[KVDestination, float]] = {}  # room -> (registration, since)
+        # room -> (request, registration) whose KV is on its way (the transfer queue's)
+        self.sending: dict[int, tuple[Any, KVDestination]] = {}
         self.failures = 0  # requests failed here (a transfer, a timeout, a mismatch)
         # rooms whose request ended here before its registration came: room -> why
         self.ended: OrderedDict[int, str] = OrderedDict()
@@ -132,8 +141,12 @@ class PrefillSide:
                 self._answer(room, KVResult(False, message), 500)
             else:
                 self.dests[room] = (msg.dest, time.monotonic())
+        elif isinstance(msg, TransferDone):
+            self._sent(msg.room, msg.error)
         elif isinstance(msg, RoomExpired):
             self._expire(msg.room)
+        elif isinstance(msg, RoomCancelled) and msg.room in self.sending:
+            self.cancelled.add(msg.room)  # answered when its transfer ends (it may be writing)
         elif isinstance(msg, RoomCancelled):
             self.dests.pop(msg.room, None)
             self._answer(msg.room, KVResult(False, "cancelled"), 499)
@@ -200,12 +213,13 @@ class PrefillSide:
             self._answer(room, KVResult(False, message), 404)
 
     def busy(self) -> bool:
-        return bool(self.held)
+        return bool(self.held or self.sending)
 
     def stats(self) -> dict:
         s = self.transfer.stats if self.tp.is_leader else TransferStats()
         return {
             "disagg_held_reqs": len(self.held),
+            "disagg_sending_reqs": len(self.sending),
             "disagg_waiting_registrations": len(self.dests),
             "kv_transfer_bytes": s.bytes,
             "kv_transfer_seconds": s.seconds,
@@ -219,16 +233,24 @@ class PrefillSide:
     # ---- sending ------------------------------------------------------------------------------
 
     def _send(self, req, dest: KVDestination) -> None:
-        problem = None
-        if self.tp.is_leader:
-            problem = self._mismatch(req, dest)
-            if problem is None:
-                try:
-                    self._write(req, dest)
-                except TransferError as e:
-                    problem = str(e)
-        if self.tp.size > 1:  # every rank ends the request alike
-            problem = self.tp.broadcast_object(problem)
+        """Queues the request's KV for its decode server (the leader); on every rank the
+        request waits in `sending` for its TransferDone (the leader's message, which every
+        rank handles at the same point), holding its row and KV meanwhile."""
+        self.sending[dest.room] = (req, dest)
+        if not self.tp.is_leader:
+            return
+        problem = self._mismatch(req, dest)
+        if problem is not None:
+            self.submit(TransferDone(dest.room, problem))
+        else:
+            self.queue.put(dest.session, dest.room, self._writes(req, dest))
+
+    def _sent(self, room: int, problem: str | None) -> None:
+        """Room `room`'s transfer ended: the registration is answered (the first token, or
+        why not) and the request ends here."""
+        req, dest = self.sending.pop(room)
+        if problem is None and room in self.cancelled:
+            problem = "the decode server gave up the request"
         if problem is not None:
             self._fail(req, problem)
             return
@@ -285,24 +307,32 @@ class PrefillSide:
                 return "the prefill server has no MTP draft for the decode server"
         return None
 
-    def _write(self, req, dest: KVDestination) -> None:
-        """Every prompt position's KV into the decode slots, then the MTP state."""
+    def _writes(self, req, dest: KVDestination) -> list[Write]:
+        """Every prompt position's KV into the decode slots, then the MTP state (copied to
+        the request row's staging buffers now), as one engine batch per decode rank."""
         n = len(req.origin_input_ids)
         src_slots = self.runner.req_to_token_pool.host[req.req_pool_idx, :n].tolist()
         runs = slot_runs(src_slots, dest.slots)
         k = len(dest.buffers)  # main layers, and MTP layers where the decode server has them
         src = [b.data_ptr() for b in self.buffers[:k]]
-        srcs, dsts, lens = write_plan(runs, src, dest.buffers, dest.row_bytes)
         state = req.decoder_state
-        if dest.hidden_addr and getattr(state, "token", None) is not None:
-            row = req.req_pool_idx
+        mtp = dest.hidden_addr and getattr(state, "token", None) is not None
+        row = req.req_pool_idx
+        if mtp:
             self.hidden_stage[row].copy_(state.hidden)
-            srcs.append(self.hidden_stage[row].data_ptr())
-            dsts.append(dest.hidden_addr)
-            lens.append(dest.hidden_bytes)
             if state.probs is not None:
                 self.probs_stage[row].copy_(state.probs)
-                srcs.append(self.probs_stage[row].data_ptr())
-                dsts.append(dest.probs_addr)
-                lens.append(dest.probs_bytes)
-        self.transfer.write(dest.session, srcs, dsts, lens)
+        # every decode rank's pool gets the whole latent KV (one batch per rank's engine)
+        writes = []
+        for session, buffers, hidden_addr, probs_addr in dest.targets():
+            srcs, dsts, lens = write_plan(runs, src, buffers, dest.row_bytes)
+            if mtp:
+                srcs.append(self.hidden_stage[row].data_ptr())
+                dsts.append(hidden_addr)
+                lens.append(dest.hidden_bytes)
+                if state.probs is not None:
+                    srcs.append(self.probs_stage[row].data_ptr())
+                    dsts.append(probs_addr)
+                    lens.append(dest.probs_bytes)
+            writes.append((session, srcs, dsts, lens))
+        return writes

@@ -55,7 +55,12 @@ class KVDestination:
     layers first, then MTP layers: `num_main` of them are the main model's), a slot's row in
     it `row_bytes[i]` long; `slots[p]` is the decode slot of prompt position p. With MTP on
     the decode server, `hidden_addr` / `probs_addr` are where the first draft's hidden state
-    [hidden bytes] and its distribution [probs bytes] go (0: no MTP)."""
+    [hidden bytes] and its distribution [probs bytes] go (0: no MTP).
+
+    A decode server with --tp-size N > 1 has N pools, one per rank process, each with the
+    whole latent KV and its own transfer engine: those fields are rank 0's, and `peers` holds
+    ranks 1..N-1's {"session", "buffers", "hidden_addr", "probs_addr"} (the same slots, row
+    sizes and staging sizes on every rank). The prefill server writes every rank's copy."""
 
     room: int
     session: str  # the decode server's transfer-engine session ("host:rpc_port")
@@ -69,6 +74,13 @@ class KVDestination:
     hidden_bytes: int = 0
     probs_addr: int = 0
     probs_bytes: int = 0
+    peers: list[dict] = field(default_factory=list)
+
+    def targets(self) -> list[tuple[str, list[int], int, int]]:
+        """(session, buffers, hidden_addr, probs_addr) of every decode rank, rank 0 first."""
+        first = (self.session, self.buffers, self.hidden_addr, self.probs_addr)
+        rest = [(p["session"], p["buffers"], p["hidden_addr"], p["probs_addr"]) for p in self.peers]
+        return [first, *rest]
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -88,6 +100,22 @@ class KVDestination:
             raise ValueError("bad registration: fields must be non-negative integers")
         if len(dest.slots) != dest.prompt_len or len(dest.buffers) != len(dest.row_bytes):
             raise ValueError("bad registration: slots or buffers of the wrong length")
+        keys = {"session", "buffers", "hidden_addr", "probs_addr"}
+        for p in dest.peers:
+            if (
+                not isinstance(p, dict)
+                or set(p) != keys
+                or not isinstance(p["session"], str)
+                or not isinstance(p["buffers"], list)
+            ):
+                raise ValueError(f"bad registration: a peer must have exactly {sorted(keys)}")
+            addrs = [p["hidden_addr"], p["probs_addr"], *p["buffers"]]
+            if not all(isinstance(v, int) and v >= 0 for v in addrs):
+                raise ValueError("bad registration: peer addresses must be non-negative integers")
+            if len(p["buffers"]) != len(dest.buffers) or (p["hidden_addr"] > 0) != (
+                dest.hidden_addr > 0
+            ):
+                raise ValueError("bad registration: the decode ranks' pools differ")
         return dest
 
 
@@ -141,6 +169,26 @@ class RoomExpired:
     that every tensor-parallel rank ends it at the same point)."""
 
     room: int
+
+
+@dataclass
+class TransferDone:
+    """Prefill side: room `room`'s KV transfer ended (error None: every write done; else why
+    not). The leader's transfer thread sends it; every rank ends the request on it."""
+
+    room: int
+    error: str | None
+
+
+@dataclass
+class KVLate:
+    """Decode side: request `rid`'s prefill server has not answered in 4 x
+    --disaggregation-timeout: the request ends for its client; its row and slots stay held
+    (a hung prefill server could still write into them) until the answer comes or the
+    registration's connection breaks (the prefill server is gone)."""
+
+    rid: str
+    message: str
 
 
 @dataclass

@@ -1,14 +1,16 @@
 """Mooncake's transfer engine over this server's KV pool: registration of the pool's buffers
 and batched writes of slot runs into a peer's pool (TCP, or RDMA with
---disaggregation-ib-device; Mooncake's Ascend build moves NPU memory the same way)."""
+--disaggregation-ib-device; Mooncake's Ascend build moves NPU memory the same way), and the
+prefill server's queue that runs those writes off its scheduler's thread."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,3 +103,55 @@ class KVTransfer:
             self.stats.bytes += sum(lens)
             self.stats.seconds += seconds
             self.stats.writes += len(lens)
+
+
+# (session, source addresses, destination addresses, lengths): one engine batch
+Write = tuple[str, list[int], list[int], list[int]]
+
+
+class TransferQueue:
+    """The prefill server's transfers, off the scheduler's thread: `put(lane, key, writes)`
+    queues a request's engine batches; a thread per lane (one per decode server: its rank 0's
+    session) runs its jobs in order and calls `done(key, error)` after each (error None: every
+    batch written; else why not). Lanes are apart, so a decode server that hangs holds up
+    only its own transfers; a lane's thread ends when its queue is empty.
+
+    A thread and the engine's synchronous batch write, not `batch_transfer_async_write`: the
+    async call still opens the peer's segment (a handshake with it) in the caller's thread,
+    and its status call blocks until the batch is done, so a thread is needed either way."""
+
+    def __init__(self, transfer: KVTransfer, done: Callable[[Any, str | None], None]) -> None:
+        self.transfer = transfer
+        self.done = done
+        self._lanes: dict[str, list[tuple[Any, list[Write]]]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, lane: str, key: Any, writes: list[Write]) -> None:
+        with self._lock:
+            jobs = self._lanes.get(lane)
+            if jobs is not None:  # its thread is running: it takes this one next
+                jobs.append((key, writes))
+                return
+            self._lanes[lane] = [(key, writes)]
+        threading.Thread(
+            target=self._run, args=(lane,), name="disagg-transfer", daemon=True
+        ).start()
+
+    def _run(self, lane: str) -> None:
+        while True:
+            with self._lock:
+                jobs = self._lanes[lane]
+                if not jobs:
+                    del self._lanes[lane]
+                    return
+                key, writes = jobs.pop(0)
+            error = None
+            try:
+                for session, srcs, dsts, lens in writes:
+                    self.transfer.write(session, srcs, dsts, lens)
+            except TransferError as e:
+                error = str(e)
+            except Exception as e:  # the engine's binding raising: still the request's end
+                logger.exception("KV transfer on lane %s raised", lane)
+                error = f"the KV transfer failed: {e}"
+            self.done(key, error)

@@ -35,9 +35,11 @@ from srt_ascend.decoding.base import LaunchedStep, decoder_class
 from srt_ascend.disaggregation.protocol import (
     DestinationArrived,
     KVArrived,
+    KVLate,
     KVResult,
     RoomCancelled,
     RoomExpired,
+    TransferDone,
 )
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.managers.batch_log import BatchLog, PoolUsage
@@ -140,6 +142,7 @@ class Scheduler:
                 self._activate,
                 lambda req, message: self._finish(req, FinishReason("abort", message=message)),
                 self._release_given_up,
+                self._end_for_client,
             )
 
     # ---- thread API -------------------------------------------------------------------------
@@ -321,10 +324,11 @@ class Scheduler:
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
         elif (
-            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired)) and self.prefill_side
+            isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired, TransferDone))
+            and self.prefill_side
         ):
             self.prefill_side.handle(msg)
-        elif isinstance(msg, KVArrived) and self.decode_side:
+        elif isinstance(msg, (KVArrived, KVLate)) and self.decode_side:
             self.decode_side.handle(msg)
 
     def _add_request(self, m: TokenizedGenerateReq) -> None:
@@ -746,8 +750,7 @@ class Scheduler:
             # they keep their row and slots until their prefill server answers (it may be
             # writing into them): only their clients hear of the end now
             for r in registered:
-                r.finished_reason = FinishReason("abort", message=msg)
-            self._emit([self._make_output(r) for r in registered])
+                self._end_for_client(r, msg)
         for r in victims:
             r.finished_reason = FinishReason("abort", message=msg)
             self._roll_back(r)
@@ -781,7 +784,9 @@ class Scheduler:
         self._forget_room(failed)
 
     def flush_cache(self) -> bool:
-        if self.has_work():
+        """Empties the prefix cache; False (not now) while requests run or are held between
+        disaggregated servers (a prefill server's request being sent holds cache nodes)."""
+        if self.has_work() or self._disaggregation_busy():
             return False
         self.tree.reset()
         return True
@@ -899,6 +904,12 @@ class Scheduler:
                 self.running.append(req)
             self._flush_outputs()
         self._disagg_ended = True
+
+    def _end_for_client(self, req: Req, message: str) -> None:
+        """Decode server: a registered request ends for its client (an abort output); its row
+        and slots stay held until its prefill server answers (`_release_given_up`)."""
+        req.finished_reason = FinishReason("abort", message=message)
+        self._emit([self._make_output(req)])
 
     def _release_given_up(self, req: Req) -> None:
         """Decode server: an aborted request's prefill server answered: its row and slots

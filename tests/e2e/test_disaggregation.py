@@ -4,17 +4,24 @@ K = 2, against one colocated server (conftest's `server`, float32 like them). Gr
 are token-identical on /generate, /v1/completions and /v1/chat/completions, streaming or
 not; logprobs agree; the decode server never computes a prompt; bad bootstrap fields get
 HTTP 400; a client that leaves mid-stream leaves nothing held on either server (both run
---kv-invariant-check fatal, so a broken invariant would end a server)."""
+--kv-invariant-check fatal, so a broken invariant would end a server). A third pair (MTP,
+the decode server on two ranks verifying by expansion) is the one whose servers die; the
+router's own timeouts, a hung decode-side engine and a hung prefill server are each a
+scenario of their own."""
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import socket
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import requests
@@ -119,7 +126,10 @@ def _pairs(log_dir, specs: list[tuple[tuple[str, ...], tuple[str, ...]]]):
         router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
         router += ["--prefill", p_url, str(boot), "--decode", d_url, "--host", "127.0.0.1"]
         router += ["--port", str(r_port), "--prometheus-port", str(free_port())]
-        routers.append((router + ["--health-check-interval-secs", "2"], None))
+        # a worker back after a failure is taken back within seconds (the circuit breaker
+        # otherwise keeps it out for 60 s once 10 requests to it failed)
+        router += ["--health-check-interval-secs", "2", "--cb-timeout-duration-secs", "3"]
+        routers.append((router, None))
         prefill = _prefill_cmd(p_port, boot, *extra)
         decode = _server_cmd(d_port, "--disaggregation-mode", "decode", *extra, *decode_extra)
         servers += [(prefill, p_url), (decode, d_url)]
@@ -421,11 +431,201 @@ def test_abort_storm_leaves_nothing_held(server, plain_pair):
     assert _generate(plain_pair.router, greedy)["output_ids"] == want
 
 
+def test_router_timeout_abort_storm_leaves_nothing_held(server, plain_pair, tmp_path):
+    """sglang-router 0.3.2 has no abort route (`/abort_request` and `/abort` answer 404): its
+    own aborts are its --request-timeout-secs, which drops both servers' requests (and
+    retries a non-streaming one, with a new room, up to --retry-max-retries times). A storm
+    of such timeouts, streaming and not, through a second router over the same servers:
+    each client gets an error or a cut stream, both servers end and free everything."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation"]
+    cmd += ["--prefill", plain_pair.prefill.url, str(plain_pair.bootstrap_port)]
+    cmd += ["--decode", plain_pair.decode.url, "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--prometheus-port", str(free_port()), "--request-timeout-secs", "1"]
+    cmd += ["--retry-max-retries", "2"]
+    body = {"text": PROMPTS[3] * 3, "sampling_params": {**GREEDY, "max_new_tokens": 1000}}
+    body["sampling_params"]["ignore_eos"] = True
+
+    def timed_out(stream: bool) -> str:
+        try:
+            r = requests.post(url + "/generate", json={**body, "stream": stream}, timeout=120)
+        except requests.RequestException as e:  # a stream the router cut
+            return type(e).__name__
+        return f"status {r.status_code}" if r.status_code != 200 else r.text[-200:]
+
+    with _processes([(cmd, None)], tmp_path) as (_, procs):
+        url = f"http://127.0.0.1:{port}"
+        _wait_router(procs[0][0], url, procs[0][1])
+        for route in ("/abort_request", "/abort"):
+            assert requests.post(url + route, json={"rid": ""}, timeout=30).status_code == 404
+        with ThreadPoolExecutor(8) as pool:
+            outcomes = list(pool.map(timed_out, [False, True] * 4))
+    assert all(o.startswith("status 5") or o.endswith("Error") for o in outcomes), outcomes
+    _wait_settled(plain_pair.prefill, plain_pair.decode, timeout=60)
+    greedy = {"text": PROMPTS[1], "sampling_params": GREEDY}
+    want = _generate(server.url, greedy)["output_ids"]
+    assert _generate(plain_pair.router, greedy)["output_ids"] == want
+    _wait_settled(plain_pair.prefill, plain_pair.decode)
+
+
+class _HungPeer:
+    """A TCP listener that accepts and never answers: a decode server whose transfer engine
+    hangs (a write to its session waits in the handshake until `close`)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.session = f"127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                self.conns.append(self.sock.accept()[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
+
+
+class _Relay:
+    """A bootstrap endpoint in front of a prefill server's that passes every request on,
+    with each registration's transfer-engine sessions changed to `session`."""
+
+    def __init__(self, boot_port: int, session: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.path == "/disagg/kv":
+                    body["session"] = session
+                    for peer in body["peers"]:
+                        peer["session"] = session
+                conn = http.client.HTTPConnection("127.0.0.1", boot_port)
+                conn.request("POST", self.path, json.dumps(body))
+                resp = conn.getresponse()
+                data = resp.read()
+                self.send_response(resp.status)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _wait_for(check, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.1)
+
+
+def test_hung_transfer_does_not_stall_the_prefill_scheduler(server, plain_pair):
+    """A request whose decode server's transfer engine hangs (its registration relayed with
+    the session of a peer that accepts and never answers): while its KV transfer waits on
+    the prefill server's transfer thread, the prefill scheduler goes on: another request
+    through the same prefill server is prefilled and queued for sending (ordering, not
+    timing: both are in flight at once). Mooncake's engine serializes segment handshakes in
+    the process, so that one's transfer waits for the hung handshake; once the peer goes,
+    the hung request fails on both servers, the other is sent and answered as a colocated
+    server answers it, and both servers free everything."""
+    pair, peer = plain_pair, _HungPeer()
+    relay = _Relay(pair.bootstrap_port, peer.session)
+    try:
+        room = 4242424242
+        body = {"text": PROMPTS[1], "sampling_params": GREEDY, "bootstrap_room": room}
+        body.update(bootstrap_host="127.0.0.1", bootstrap_port=pair.bootstrap_port)
+        greedy = {"text": PROMPTS[2] + "\n", "sampling_params": GREEDY}
+        want = _generate(server.url, greedy)["output_ids"]
+        with ThreadPoolExecutor(3) as pool:
+            hung = pool.submit(pair.prefill.post, "/generate", json=body)
+            body = {**body, "bootstrap_port": relay.port}  # the decode server registers there
+            hung_decode = pool.submit(pair.decode.post, "/generate", json=body)
+            _wait_for(lambda: peer.conns, "the transfer never started")
+            prefills = _prefills(pair.prefill)
+            other = pool.submit(_generate, pair.router, greedy)
+            _wait_for(lambda: _prefills(pair.prefill) > prefills, "no prefill meanwhile", 120)
+            assert not hung.done() and not hung_decode.done()
+            sending = lambda: pair.prefill.internal_state()["disagg_sending_reqs"]  # noqa: E731
+            _wait_for(lambda: sending() == 2, "the other request was not queued meanwhile")
+            assert not hung.done() and not other.done()
+            # their KV, radix-cache nodes and all, stays theirs while it is being sent
+            assert pair.prefill.post("/flush_cache").status_code == 400
+            peer.close()  # the hung transfer fails now
+            out, out_decode = hung.result().json(), hung_decode.result().json()
+            assert other.result()["output_ids"] == want
+    finally:
+        peer.close()
+        relay.close()
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "KV transfer" in reason["message"], reason
+    reason = out_decode["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and "did not send the KV" in reason["message"], reason
+    _wait_settled(pair.prefill, pair.decode)
+
+
 @pytest.fixture(scope="module")
 def fragile_pair(tmp_path_factory):
-    """A pair whose prefill server a test kills (and starts again)."""
-    with _pairs(tmp_path_factory.mktemp("pd_fragile"), [((), ())]) as (pair,):
+    """A pair whose prefill server a test kills (and starts again): MTP K=2 on both, the
+    decode server verifying by batch expansion (the other MTP pair's verifies with fia) on
+    two tensor-parallel ranks (each rank's pool gets the prompt's whole latent KV);
+    --disaggregation-timeout 3 on both (the decode server waits 4 x 3 s for an answer)."""
+    both = (*MTP, "--disaggregation-timeout", "3")
+    specs = [(both, ("--speculative-verify", "expand", "--tp-size", "2"))]
+    with _pairs(tmp_path_factory.mktemp("pd_fragile"), specs) as (pair,):
         yield pair
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tp2_mtp_expand_decode_matches_colocated(server, fragile_pair, stream):
+    """A decode server with --tp-size 2 (fed by a prefill server with --tp-size 1: the
+    prefill server writes the KV into both ranks' pools) and MTP K=2, its verify steps by
+    batch expansion (1+K rows per request): greedy float32 tokens as one colocated server's;
+    nothing of a prompt is computed on the decode server; both ranks' KV invariants hold
+    (fatal: a broken one ends the server)."""
+    pair = fragile_pair
+    before = pair.decode.internal_state()["spec_num_verify"]
+    decode_prefills = _prefills(pair.decode)
+    for prompt in PROMPTS:
+        body = {"text": prompt, "sampling_params": GREEDY}
+        got = _generate(pair.router, body, stream)
+        want = _generate(server.url, body, stream)
+        assert got["output_ids"] == want["output_ids"], prompt
+        assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert pair.decode.internal_state()["spec_num_verify"] > before
+    assert _prefills(pair.decode) == decode_prefills
+    _wait_settled(pair.prefill, pair.decode)
+
+
+def test_unanswered_registration_keeps_the_decode_slots(fragile_pair):
+    """A prefill server that hangs (its bootstrap endpoint takes the registration and never
+    answers): after 4 x --disaggregation-timeout the request ends for its client, but the
+    decode server keeps its row and slots (a hung prefill server could still write into
+    them) until the prefill server answers or its connection breaks; then it frees them."""
+    pair, peer = fragile_pair, _HungPeer()
+    host, port = peer.session.split(":")
+    try:
+        body = {"text": PROMPTS[0], "sampling_params": GREEDY, "bootstrap_room": 777}
+        body.update(bootstrap_host=host, bootstrap_port=int(port))
+        out = pair.decode.post("/generate", json=body).json()
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and "did not answer in 12 s" in reason["message"]
+        assert pair.decode.internal_state()["disagg_awaiting_reqs"] == 1  # slots still held
+        assert pair.decode.proc.poll() is None
+    finally:
+        peer.close()  # the registration's connection breaks: the slots are free again
+    _wait_settled(pair.decode)
 
 
 def test_killed_prefill_server_fails_its_requests_cleanly(server, fragile_pair, tmp_path):

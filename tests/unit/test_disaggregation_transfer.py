@@ -5,12 +5,19 @@ transfer engine (TCP, P2P handshake) moving an MLA KV pool's rows between two pr
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue
 
 import pytest
 import torch
 
 from srt_ascend.disaggregation.protocol import BootstrapError, BootstrapInfo, KVDestination
-from srt_ascend.disaggregation.transfer import KVTransfer, TransferError, slot_runs, write_plan
+from srt_ascend.disaggregation.transfer import (
+    KVTransfer,
+    TransferError,
+    TransferQueue,
+    slot_runs,
+    write_plan,
+)
 from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool
 from srt_ascend.metrics import ServerMetrics
 
@@ -54,6 +61,28 @@ def test_destination_checks_its_fields():
     for bad in ({**good, "slots": [3]}, {**good, "room": -1}, {**good, "extra": 1}, [1]):
         with pytest.raises(ValueError):
             KVDestination.from_json(bad)
+
+
+def test_destination_of_a_tensor_parallel_decode_server_names_every_rank():
+    good = dict(
+        room=1, session="h:1", prompt_len=1, digest="d", slots=[3], buffers=[10, 20],
+        row_bytes=[8, 8], num_main=2, hidden_addr=5, hidden_bytes=4, probs_addr=6,
+        probs_bytes=4,
+    )  # fmt: skip
+    peer = {"session": "h:2", "buffers": [30, 40], "hidden_addr": 7, "probs_addr": 8}
+    dest = KVDestination.from_json({**good, "peers": [peer]})
+    assert dest.targets() == [("h:1", [10, 20], 5, 6), ("h:2", [30, 40], 7, 8)]
+    assert KVDestination.from_json(good).targets() == [("h:1", [10, 20], 5, 6)]
+    for bad in (
+        {**peer, "buffers": [30]},  # a pool of another shape
+        {**peer, "hidden_addr": 0},  # MTP on one rank only
+        {**peer, "session": 1},
+        {**peer, "extra": 1},
+        {**peer, "buffers": 30},
+        {**peer, "probs_addr": -1},
+    ):
+        with pytest.raises(ValueError, match="bad registration"):
+            KVDestination.from_json({**good, "peers": [bad]})
 
 
 def test_transfer_counters_in_metrics():
@@ -119,6 +148,43 @@ def test_engine_writes_pool_rows_into_another_process():
             child.kill()
 
 
+def test_transfer_queue_runs_a_lanes_jobs_in_order_and_reports_each():
+    """Off the caller's thread: each job's batches written in order, `done(key, error)`
+    after each (None, or the engine's failure), jobs of a lane in the order put."""
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_receiver, args=(there,))
+    child.start()
+    try:
+        session, dst_buffers = here.recv()
+        pool = _pool()
+        bufs = pool.transfer_buffers()
+        for buf in bufs:
+            buf.copy_(torch.randn_like(buf))
+        engine = KVTransfer("127.0.0.1", None)
+        engine.register(bufs)
+        rows = [b.stride(0) * b.element_size() for b in bufs]
+        src = [b.data_ptr() for b in bufs]
+        ended: queue.Queue = queue.Queue()
+        q = TransferQueue(engine, lambda key, error: ended.put((key, error)))
+        good = (session, *write_plan([(1, 7, 2)], src, dst_buffers, rows))
+        bad = ("127.0.0.1:1", src[:1], dst_buffers[:1], rows[:1])  # no peer there
+        q.put(session, "first", [good])
+        q.put(session, "second", [good, bad])  # the first batch lands, the job fails
+        got = [ended.get(timeout=60) for _ in range(2)]
+        assert got[0] == ("first", None)
+        assert got[1][0] == "second" and "failed" in got[1][1]
+        here.send("done")
+        theirs = [torch.from_numpy(a) for a in here.recv()]
+        for mine, t in zip(bufs, theirs):
+            assert torch.equal(t[7:9], mine[1:3])
+        assert engine.stats.failures == 1
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
 def test_flags_parse_and_refuse_what_cannot_run(capsys):
     from srt_ascend.server_args import prepare_server_args
 
@@ -126,11 +192,17 @@ def test_flags_parse_and_refuse_what_cannot_run(capsys):
     assert (args.disaggregation_mode, args.disaggregation_bootstrap_port) == ("prefill", 8998)
     assert args.disaggregated and args.disaggregation_ib_device is None
     assert not prepare_server_args([]).disaggregated
+    # a decode server's ranks each take the whole latent KV
+    assert prepare_server_args(["--disaggregation-mode", "decode", "--tp-size", "2"]).tp_size == 2
     for argv, message in (
         (["--disaggregation-mode", "both"], "invalid choice"),
         (["--disaggregation-transfer-backend", "nixl"], "not available here (accepted: mooncake)"),
         (["--disaggregation-bootstrap-port", "0"], "--disaggregation-bootstrap-port must be"),
-        (["--disaggregation-mode", "decode", "--tp-size", "2"], "decode runs with --tp-size 1"),
+        (
+            ["--disaggregation-mode", "decode", "--tp-size", "2", "--enable-dp-attention"]
+            + ["--dp-size", "2"],
+            "cannot be combined with --enable-dp-attention",
+        ),
         (["--disaggregation-timeout", "0"], "--disaggregation-timeout must be > 0"),
     ):
         with pytest.raises(SystemExit) as e:
