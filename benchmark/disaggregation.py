@@ -35,6 +35,7 @@ import argparse
 import http.client
 import json
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -310,6 +311,7 @@ def ratios(pd: dict, colo: dict) -> dict:
 
 def mix(a) -> None:
     extra = MTP if a.mtp else []
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # stop the servers on kill too
     before = machine_info()
     print(f"machine before: {before}", flush=True)
     boot = free_port()
@@ -341,7 +343,9 @@ def mix(a) -> None:
         results: dict[str, list] = {s: [] for s in urls}
         tok_s: dict[str, list] = {s: [] for s in urls}
         transfer_s: list[float] = []
-        warm = mix_requests(a, -1)  # a few requests of each kind, not measured
+        # a few requests of each kind, not measured (a seed no round uses: random.Random
+        # seeds with abs(n), so -1 would repeat round 1's prompts and hit the radix cache)
+        warm = mix_requests(a, a.seed * 1000 + 999)
         warm = [r for r in warm if r["kind"] == "long"][:1] + [
             r for r in warm if r["kind"] == "decode"
         ][:2]
