@@ -221,7 +221,8 @@ def run_mix(url: str, reqs: list[dict]) -> tuple[list[dict], float]:
         except Exception as e:  # recorded, and the run goes on: a failed request is a result
             out[i] = {"kind": r["kind"], "error": str(e)}
             return
-        tpot = (times[-1] - times[0]) / (len(times) - 1) * 1e3 if len(times) > 1 else None
+        # per token after the first (bench_serving's TPOT; an MTP step's chunk has several)
+        tpot = (times[-1] - times[0]) / (got - 1) * 1e3 if len(times) > 1 else None
         out[i] = {
             "kind": r["kind"],
             "prompt": len(r["ids"]),

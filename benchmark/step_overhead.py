@@ -317,8 +317,9 @@ def wait_ready(url: str, proc) -> None:
         time.sleep(1)
 
 
-def stream_one(port: int, ids: list[int], n: int) -> list[float]:
-    """Arrival times of the SSE chunks that carried new tokens."""
+def stream_one(port: int, ids: list[int], n: int) -> tuple[list[float], int]:
+    """Arrival times of the SSE chunks that carried new tokens (a speculative step's chunk
+    carries several), and the tokens."""
     body = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
@@ -336,7 +337,7 @@ def stream_one(port: int, ids: list[int], n: int) -> list[float]:
             times.append(time.perf_counter())
             seen = got
     conn.close()
-    return times
+    return times, seen
 
 
 def client(
@@ -349,8 +350,9 @@ def client(
 
     def one_stream(share):
         for ids in share:
-            t = stream_one(port, ids, a.output_len)
-            tpots.append((t[-1] - t[0]) / (len(t) - 1) * 1e3)
+            t, tokens = stream_one(port, ids, a.output_len)
+            # bench_serving's TPOT: per token after the first, not per chunk
+            tpots.append((t[-1] - t[0]) / (tokens - 1) * 1e3)
 
     c = c or a.concurrency
     streams = [threading.Thread(target=one_stream, args=(prompts[i::c],)) for i in range(c)]
@@ -563,6 +565,10 @@ def per_step(records: list, start: float, end: float) -> dict:
 
     return {
         "steps": len(periods),
+        "raw_ms": {  # per step, in order: to recompute any other statistic
+            k: [round(x * 1e3, 3) for x in v]
+            for k, v in (("period", periods), ("device", dev), ("exposed", exposed), ("host", work))
+        },
         "period_ms": med(periods),
         "device_ms": med(dev),
         "host_exposed_ms": med(exposed),
