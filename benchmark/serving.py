@@ -87,12 +87,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(
+    model: str, extra: list[str], prefix: list[str] = ()
+) -> tuple[subprocess.Popen, str]:
     """A server on a free port, returned once it serves with every graph compiled (with
-    --enable-torch-compile it serves before: the measured runs must not compile)."""
+    --enable-torch-compile it serves before: the measured runs must not compile). `prefix`
+    goes before the command (e.g. `taskset -c 0`)."""
     port = free_port()
     proc = subprocess.Popen(
         [
+            *prefix,
             sys.executable,
             "-m",
             "srt_ascend.launch_server",
