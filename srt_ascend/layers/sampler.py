@@ -110,12 +110,15 @@ def top_k_top_p_keep_mask(
 def sample_from_probs(
     probs: torch.Tensor,  # [B, V] from processed_probs
     info: SamplingBatchInfo,
+    uniforms: torch.Tensor | None = None,  # [B] in (0, 1]; None: drawn here
 ) -> torch.Tensor:  # [B] int64
     """One token per row: argmax for greedy rows, otherwise a multinomial draw by inverse CDF
-    with uniforms from `draw_uniforms(info.generators)` (seeded rows are batch-independent)."""
+    with `uniforms`, or uniforms from `draw_uniforms(info.generators)` (seeded rows are
+    batch-independent)."""
     if info.is_all_greedy:
         return probs.argmax(dim=-1)
-    uniforms = draw_uniforms(info.generators, 1, probs.device)[:, 0]
+    if uniforms is None:
+        uniforms = draw_uniforms(info.generators, 1, probs.device)[:, 0]
     sampled = inverse_cdf_sample(probs, uniforms)
     return torch.where(info.is_greedy, probs.argmax(dim=-1), sampled)
 

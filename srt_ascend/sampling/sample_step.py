@@ -77,8 +77,7 @@ def penalised_logits(
         p = r.sampling_params
         if generated[i] + n_extra < p.min_new_tokens and r.grammar is None:
             rows.append(i)
-            ids = set(eos_ids) | set(p.stop_token_ids or [])
-            stops.append(sorted(t for t in ids if 0 <= t < logits.shape[-1]))  # OOV never match
+            stops.append(min_new_stop_ids(r, eos_ids, vocab))
     if rows:
         logits = mask_stop_tokens(logits, rows, stops)
     if grammar and any(r.grammar is not None for r in reqs):
@@ -86,6 +85,13 @@ def penalised_logits(
         bitmask = fill_grammar_bitmask([r.grammar for r in reqs], ahead, vocab)
         logits = apply_token_bitmask(logits, bitmask)
     return logits
+
+
+def min_new_stop_ids(req: SamplingRequest, eos_ids: list[int], vocab: int) -> list[int]:
+    """The tokens a request below its min_new_tokens may not emit: the stop tokens (EOS and
+    its stop_token_ids) inside the vocabulary (out-of-vocabulary ids never match)."""
+    ids = set(eos_ids) | set(req.sampling_params.stop_token_ids or [])
+    return sorted(t for t in ids if 0 <= t < vocab)
 
 
 def verify_logits(

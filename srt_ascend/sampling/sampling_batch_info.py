@@ -77,7 +77,7 @@ class SamplingBatchInfo:
             top_k = 1 if greedy else p.top_k
             top_ks.append(vocab_size if top_k < 1 or top_k > vocab_size else top_k)
             offset = 0 if seed_offsets is None else int(seed_offsets[i])
-            gens.append(None if p.seed is None else _make_generator(p.seed, offset))
+            gens.append(None if p.seed is None else seeded_generator(p.seed, offset))
         top_ps = [float(p.top_p) for p in params]
         min_ps = [float(p.min_p) for p in params]
         freq = [float(p.frequency_penalty) for p in params]
@@ -166,10 +166,11 @@ class SamplingBatchInfo:
         )
 
 
-def _make_generator(seed: int, offset: int) -> torch.Generator:
+def seeded_generator(seed: int, offset: int) -> torch.Generator:
+    """A host generator for step `offset` of a request seeded with `seed` (`mix_seed`)."""
     generator = torch.Generator()
     generator.manual_seed(mix_seed(seed, offset))
     return generator
 
 
-__all__ = ["SamplingBatchInfo", "mix_seed"]
+__all__ = ["SamplingBatchInfo", "mix_seed", "seeded_generator"]

@@ -5,11 +5,17 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 2. draft steps 2..K (MTP re-applied; step j runs MTP layer j of a multi-layer checkpoint,
    the last one repeating) write MTP KV into those slots;
 3. verify [t_{L-1}, d_1..d_K] with the target model (the verify strategy's forward);
-4. accept (--speculative-accept-method: token-wise rejection sampling or block verification;
-   exact greedy for temperature-0 requests), commit up to a stop;
-5. run the MTP module over all K+1 positions (its KV for the committed ones, and the next d_1
-   from the last committed one; every later layer the draft steps run writes its own KV
-   over the same positions); free the slots of rejected positions.
+4. accept on the device (--speculative-accept-method: token-wise rejection sampling or block
+   verification; exact greedy for temperature-0 requests): accept lengths and emitted tokens;
+5. run the MTP module over all K+1 positions, its inputs the emitted tokens (its KV for the
+   committed ones, and the next d_1 from the last accepted one; every later layer the draft
+   steps run writes its own KV over the same positions);
+6. read the verdict (the step's one host read), commit up to a stop, set kv_len to the
+   committed positions and free the slots past them.
+Steps 2-5 need no host value of the round: the round is device-resident, one launch of work
+and one read. A batch with penalties or a grammar (whose d_1 reads the state the commit
+advances), or with several ranks (d_1 must follow the verdict `agree`d across them), runs step
+5 after step 6, from the read verdict.
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
@@ -28,10 +34,11 @@ from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequ
 from srt_ascend.layers.sampler import TokenLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
+from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.server_args import ServerArgs
-from srt_ascend.speculative.acceptance import ACCEPT_METHODS, greedy_accept
+from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult, greedy_accept
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
 from srt_ascend.speculative.mtp_worker import (
     DraftHandles,
@@ -73,9 +80,10 @@ def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
 
 @DECODERS.register("MTP")
 class MTPDecoder(Decoder):
-    # Not yet: a round's next inputs (accepted tokens, the next draft chain, positions and
-    # sequence lengths) come from the host read of its acceptance, so MTP runs the serial loop
-    # with overlap scheduling on (DESIGN.md's device-resident round is the missing piece).
+    # Not yet: the round is device-resident (the module docstring), but a launch of round
+    # N+1 before round N's read also needs its positions, sequence lengths and slots on the
+    # device (they follow round N's accept lengths), so MTP runs the serial loop with overlap
+    # scheduling on.
     overlaps = False
 
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
@@ -267,31 +275,42 @@ class MTPDecoder(Decoder):
         )
         hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
         logits = logits[:, : self.vocab].view(len(reqs), k1, -1)
-        verdict = self._accept(reqs, logits, drafts)
+        res, logits = self._accept(reqs, logits, drafts)  # on the device
+        starts = [r.kv_len for r in reqs]
+        generated = [len(r.output_ids) for r in reqs]
+        ahead = self._drafts_ahead(reqs)
+        if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
+            self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
+        verdict = self._read(res, logits)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]
-        starts, committed = [], []
+        committed = []
         for i, r in enumerate(reqs):
-            n, start = verdict.accept_len[i], r.kv_len
+            n = verdict.accept_len[i]
             self._count(r, k, n)
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
-            starts.append(start)
-            committed.append(r.seq_len - 1 - start)  # positions start .. start+c-1 have KV
-        self.worker.draft_after_verify(
-            reqs,
-            starts,
-            loc,
-            hidden,
-            [(r.all_ids[st + 1 : st + 1 + k1] + [0] * k1)[:k1] for r, st in zip(reqs, starts)],
-            committed,
-            [not r.finished for r in reqs],
-        )
+            committed.append(r.seq_len - 1 - starts[i])  # positions start .. start+c-1 have KV
+        if not ahead:  # d_1 follows the committed tokens' state (penalties, grammars, ranks)
+            agreed = AcceptResult(
+                to_device(verdict.accept_len, loc.device), to_device(verdict.emitted, loc.device)
+            )
+            drafting = [not r.finished for r in reqs]
+            self.worker.draft_after_verify(reqs, starts, loc, hidden, agreed, None, drafting)
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
             self.h.kv.free_positions(r, r.kv_len, start + k1)
         seconds = time.perf_counter() - started - caught_up
         self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
         return reqs
+
+    def _drafts_ahead(self, reqs: list[StepRequest]) -> bool:
+        """Whether the round's MTP pass and next d_1 run before its host read (from the
+        device verdict): not with penalties or a grammar (d_1 reads their state, which the
+        commit advances), nor with several ranks (each rank's d_1 must follow the verdict
+        `agree`d across them)."""
+        return self.runner.tp.size == 1 and not any(
+            r.grammar is not None or has_penalties(r.sampling_params) for r in reqs
+        )
 
     def _plain_step(self, reqs: list[StepRequest], loc: torch.Tensor, started: float):
         """K = 0: the plain decoder's step (one token per request through the decode kind,
@@ -320,13 +339,17 @@ class MTPDecoder(Decoder):
         self.num_drafts += k
         self.num_accepted += accepted
 
-    def _accept(self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts) -> Verdict:
+    def _accept(
+        self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts
+    ) -> tuple[AcceptResult, torch.Tensor]:
         """Target distributions per position (penalties see the drafts before it), then the
-        lossless acceptance rule; greedy requests get one-hot distributions = exact greedy."""
+        lossless acceptance rule; greedy requests get one-hot distributions = exact greedy.
+        Returns the verdict and the logits it read [B, K+1, V] (penalties applied), both on
+        the device."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
         if all_plain_greedy(reqs):  # nothing modifies the logits: argmax of the raw ones
-            return self._read(greedy_accept(tokens, logits.argmax(dim=-1)), logits)
+            return greedy_accept(tokens, logits.argmax(dim=-1)), logits
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.vocab,
@@ -335,15 +358,14 @@ class MTPDecoder(Decoder):
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
-            return self._read(greedy_accept(tokens, logits.argmax(dim=-1)), logits)
+            return greedy_accept(tokens, logits.argmax(dim=-1)), logits
         target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
             draft_probs = one_hot_probs(tokens, self.vocab)
-        res = self.accept(tokens, draft_probs, target, generators=list(info.generators))
-        return self._read(res, logits)
+        return self.accept(tokens, draft_probs, target, generators=list(info.generators)), logits
 
-    def _read(self, res, logits: torch.Tensor) -> Verdict:
+    def _read(self, res: AcceptResult, logits: torch.Tensor) -> Verdict:
         """The step's one host read of the acceptance result (`agree`d across ranks)."""
         read = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
         both = self.agree(read)

@@ -21,12 +21,14 @@ import torch
 from torch import nn
 
 from srt_ascend.decoding.base import StepRequest
-from srt_ascend.layers.sampler import processed_probs, sample_from_probs
+from srt_ascend.layers.sampler import draw_uniforms, processed_probs, sample_from_probs
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
-from srt_ascend.sampling.sample_step import all_plain_greedy, penalised_logits
-from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.sampling.penalties import mask_stop_tokens
+from srt_ascend.sampling.sample_step import all_plain_greedy, min_new_stop_ids, penalised_logits
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo, seeded_generator
 from srt_ascend.server_args import MAX_SPEC_STEPS
+from srt_ascend.speculative.acceptance import AcceptResult
 from srt_ascend.speculative.spec_state import SpecState
 from srt_ascend.utils import to_device
 
@@ -156,27 +158,45 @@ class MTPWorker:
         starts: list[int],  # position of each request's verify input token
         loc: torch.Tensor,  # [B, K+1] slots of positions start .. start+K
         hidden: torch.Tensor,  # [B*(K+1), D] the verify forward's target hidden states
-        next_tokens: list[list[int]],  # [B][K+1]: token at p+1 where committed, else padding
-        accepted: list[int],  # committed positions per request (>= 1)
-        draft_rows: list[bool],
+        verdict: AcceptResult,  # accept_len [B], emitted [B, K+1] (-1 past them), on the device
+        generated: list[int] | None,  # tokens each request generated before this round
+        draft_rows: list[bool] | None = None,  # whose d_1 is drafted (None: every row's)
     ) -> None:
         """DRAFT_EXTEND after a verify, always over all 1+K positions per request (a fixed
-        shape a graph can replay): rows past a request's committed positions see only their
-        own prefix causally and write MTP KV into rejected slots, which are freed afterwards.
-        The output at each request's last committed position drafts its next d_1."""
+        shape a graph can replay): the token after position start+j is emitted[j] (0 past
+        the accepted ones). Rows past a request's committed positions see only their own
+        prefix causally and write MTP KV into rejected slots, which are freed afterwards (a
+        request stopped inside its accepted tokens has its KV up to the stop, keyed as the
+        committed tokens key it). The output at row accept_len drafts the next d_1.
+
+        With `generated` the round is not committed yet (read): nothing here needs a host
+        value of it, and d_1 is drawn as after the commit (`_draft_ahead`); the batch has no
+        penalties nor grammar, whose state the commit advances. None: it is committed, and
+        d_1 follows the requests' host state."""
         k1 = loc.shape[1]
+        batch = len(reqs)
+        next_tokens = verdict.emitted.clamp(min=0)  # [B, K+1]
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND,
-            [t for toks in next_tokens for t in toks],
+            next_tokens.reshape(-1),
             [r.req_pool_idx for r in reqs],
             [s + k1 for s in starts],
-            [k1] * len(reqs),
+            [k1] * batch,
             loc.reshape(-1),
         )
-        ends = [i * k1 + n - 1 for i, n in enumerate(accepted)]
-        picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
-        out, logits = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1, last)
-        self._draft_first(picked, out[last], logits)
+        ends = torch.arange(0, batch * k1, k1, device=loc.device) + verdict.accept_len
+        chosen = (
+            list(range(batch)) if draft_rows is None else [i for i in range(batch) if draft_rows[i]]
+        )
+        if len(chosen) < batch:
+            ends = ends.index_select(0, to_device(chosen, loc.device))
+        out, logits = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1, ends)
+        picked = [reqs[i] for i in chosen]
+        if generated is None:
+            self._draft_first(picked, out[ends], logits)
+        elif picked:
+            tokens, probs = self._draft_ahead(picked, logits, generated, verdict.accept_len, k1)
+            self._keep_first(picked, tokens, probs, out[ends])
 
     def defer(
         self,
@@ -249,7 +269,12 @@ class MTPWorker:
         outputs that drafted it (the next draft step's input)."""
         if not picked:
             return
-        tokens, probs = self._draft_step(picked, logits, None)
+        self._keep_first(picked, *self._draft_step(picked, logits, None), hidden)
+
+    @staticmethod
+    def _keep_first(picked, tokens: torch.Tensor, probs: torch.Tensor | None, hidden) -> None:
+        """Each request's d_1 (`tokens` [B]), its distribution and drafting output, kept in
+        its state for the next round."""
         for i, r in enumerate(picked):
             s = state_of(r)
             s.token, s.hidden = tokens[i], hidden[i]
@@ -335,3 +360,68 @@ class MTPWorker:
             return logits.argmax(dim=-1), None
         probs = processed_probs(logits, info)  # [B, V]
         return sample_from_probs(probs, info), probs
+
+    def _draft_ahead(
+        self,
+        reqs: list[StepRequest],
+        logits: torch.Tensor,  # [B, V'] the MTP head's logits at each row's last accepted one
+        generated: list[int],  # [B] tokens each request generated before the round
+        accept_len: torch.Tensor,  # [B] the round's accepted drafts, on the device
+        k1: int,  # K+1: the most tokens the round commits
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`_draft_step`'s d_1 for requests that will have generated generated[i] +
+        accept_len[i] + 1 tokens once the round is committed, drawn before that count reaches
+        the host: a row's min_new_tokens stop mask and its seeded stream
+        (`draft_seed_offset`) are those of that count, chosen on the device. No penalties nor
+        grammar (their state is the committed tokens')."""
+        vocab, device = self.h.vocab_size, logits.device
+        logits = logits[:, :vocab]
+        least = [g + 1 for g in generated]
+        if all_plain_greedy(reqs, least):  # min_new_tokens reached whatever is accepted
+            return logits.argmax(dim=-1), None
+        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], vocab, device)
+        # masked where even K+1 tokens leave it below min_new_tokens, then where the accept
+        # length leaves it below: accept_len < min_new_tokens - generated - 1
+        logits = penalised_logits(
+            logits, reqs, info, self.h.eos_ids, generated=[g + k1 for g in generated]
+        )
+        below = [
+            (i, r.sampling_params.min_new_tokens - g - 1)
+            for i, (r, g) in enumerate(zip(reqs, generated))
+            if r.grammar is None and g + 1 < r.sampling_params.min_new_tokens <= g + k1
+        ]
+        if below:
+            stops = [min_new_stop_ids(reqs[i], self.h.eos_ids, vocab) for i, _ in below]
+            masked = mask_stop_tokens(logits, [i for i, _ in below], stops)
+            limits = [0] * len(reqs)
+            for i, limit in below:
+                limits[i] = limit
+            keep_below = accept_len < to_device(limits, device)  # [B]
+            logits = torch.where(keep_below.view(-1, 1), masked, logits)
+        if info.is_all_greedy:
+            return logits.argmax(dim=-1), None
+        probs = processed_probs(logits, info)
+        uniforms = self._ahead_uniforms(reqs, generated, accept_len, k1)
+        return sample_from_probs(probs, info, uniforms), probs
+
+    @staticmethod
+    def _ahead_uniforms(
+        reqs: list[StepRequest], generated: list[int], accept_len: torch.Tensor, k1: int
+    ) -> torch.Tensor:  # [B] in (0, 1]
+        """The uniform each row's d_1 is drawn with: a seeded row's from the stream of its
+        count after the round, draft_seed_offset(generated + accept_len + 1, 1), as one host
+        draw for each of the K+1 counts it may reach, picked on the device by `accept_len`."""
+        device = accept_len.device
+        uniforms = draw_uniforms([None] * len(reqs), 1, device)[:, 0]
+        seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
+        if not seeded:
+            return uniforms
+        gens = [
+            seeded_generator(reqs[i].sampling_params.seed, draft_seed_offset(generated[i] + c, 1))
+            for i in seeded
+            for c in range(1, k1 + 1)
+        ]
+        candidates = draw_uniforms(gens, 1, device).view(len(seeded), k1)
+        rows = to_device(seeded, device)
+        picked = candidates.gather(1, accept_len.index_select(0, rows).view(-1, 1)).view(-1)
+        return uniforms.index_copy(0, rows, picked)

@@ -9,7 +9,8 @@ host-to-device copy (`torch.tensor(x, device=...)`, `.to(device)`) and a host in
 a device tensor. The only read the step path may make goes through `utils.HOST_READS`, which
 the test answers with zeros and counts. Prefill, the MTP draft pass after it, plain decode, the
 draft chain, both verify layouts and the acceptance rules (greedy, rejection sampling and block
-verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way, and
+verification, with penalties, seeds and logprobs; adaptive K, 0 included) run this way (an
+MTP round issues every forward, the next d_1's included, before its one read), and
 so does the MoE all-to-all dispatch (`--moe-a2a-backend all_to_all`) on one rank. The
 scheduler's own steps run the same way over the real KV bookkeeping (`RealHost` runs host-only
 ops for real), with prompts of different lengths in one prefill.
@@ -107,9 +108,11 @@ class Counted:
     def __init__(self) -> None:
         self.count = 0
         self.accepted = 0  # drafts accepted in the verdicts answered
+        self.events: list[str] = []  # "read", and "forward" where a test logs the forwards
 
     def __call__(self, t: torch.Tensor) -> list:
         self.count += 1
+        self.events.append("read")
         if t.dtype == torch.int64 and t.dim() == 2 and t.shape[1] >= 3:
             return self._verdict(*t.shape)
         return _zeros(list(t.shape))
@@ -258,6 +261,41 @@ def _run_steps(runner, args, reads: Counted) -> None:
     assert committed == 4 * len(reqs) + reads.accepted  # verdicts of several tokens committed
     if args.speculative_algorithm == "MTP":
         assert reads.accepted > 0
+        _check_round_order(decoder, runner, reqs, reads)
+
+
+def _check_round_order(decoder, runner, reqs, reads: Counted) -> None:
+    """An MTP round is device-resident: every forward of a step (the draft chain, the verify,
+    the MTP pass after it that drafts the next d_1) is issued before its one host read, so
+    nothing from the verify to the next round's d_1 waits for the host. A batch with a
+    penalised request drafts its d_1 after the commit (the penalty counts are the committed
+    tokens'): a forward follows the read there."""
+    run = runner._run
+
+    def logged(*args, **kwargs):
+        reads.events.append("forward")
+        return run(*args, **kwargs)
+
+    runner._run = logged
+    try:
+        for penalised in (True, False):
+            if not penalised:  # the last penalised request loses its penalties
+                for r in reqs:
+                    r.sampling_params.repetition_penalty = 1.0
+                    r.sampling_params.frequency_penalty = 0.0
+            for _ in range(2):
+                reads.events.clear()
+                drafts = decoder.num_drafts
+                decoder.step(reqs)
+                events = reads.events
+                assert events.count("read") == 1
+                after = events[events.index("read") :]
+                if not penalised:
+                    assert "forward" not in after, events
+                elif decoder.num_drafts > drafts:  # a round with drafts (adaptive K: not 0)
+                    assert "forward" in after, events
+    finally:
+        runner._run = run
 
 
 def test_all_to_all_dispatch_reads_only_its_split_sizes(monkeypatch):

@@ -30,7 +30,7 @@ from srt_ascend.layers.sampler import processed_probs
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.speculative import mtp_worker
-from srt_ascend.speculative.acceptance import block_verify
+from srt_ascend.speculative.acceptance import AcceptResult, block_verify
 from srt_ascend.speculative.mtp_decoder import draft_step_kinds
 from srt_ascend.speculative.mtp_worker import DraftHandles, MTPWorker
 
@@ -61,7 +61,7 @@ class FakeReq:
         return len(self.origin_input_ids) + len(self.output_ids)
 
 
-def _worker() -> MTPWorker:
+def _worker(eos_ids: tuple[int, ...] = ()) -> MTPWorker:
     """The real worker over handles whose MTP head always predicts DRAFT."""
     draft_logits = DRAFT.log()
     handles = DraftHandles(
@@ -73,7 +73,7 @@ def _worker() -> MTPWorker:
         build_forward_batch=lambda mode, ids, rows, seq, ext, loc: len(ids),
         req_to_token=torch.zeros(1, 1, dtype=torch.int64),
         vocab_size=V,
-        eos_ids=[],
+        eos_ids=list(eos_ids),
     )
     return MTPWorker(handles, {K: None}, draft_step_kinds(lambda j: 0, K, None))  # one layer
 
@@ -85,8 +85,9 @@ def _emitted_frequencies() -> torch.Tensor:
     reqs = [FakeReq(SamplingParams(seed=s)) for s in range(BATCH)]
     loc = torch.zeros(BATCH, k1, dtype=torch.int64)
     hidden = torch.zeros(BATCH * k1, 1)
-    pad = [[0] * k1] * BATCH
-    worker.draft_after_verify(reqs, [0] * BATCH, loc, hidden, pad, [1] * BATCH, [True] * BATCH)
+    none = torch.zeros(BATCH, dtype=torch.int64)  # the first d_1: after no accepted draft
+    first = AcceptResult(none, torch.cat([none.view(-1, 1), none.new_full((BATCH, K), -1)], 1))
+    worker.draft_after_verify(reqs, [0] * BATCH, loc, hidden, first, None)
     target_logits = TARGET.log().expand(BATCH, V)
     counts = torch.zeros(V, dtype=torch.int64)
     while int(counts.sum()) < TOKENS:
@@ -95,13 +96,13 @@ def _emitted_frequencies() -> torch.Tensor:
         info = SamplingBatchInfo.from_params(params, V, "cpu", seed_offsets=lens)
         target = torch.stack([processed_probs(target_logits, info)] * k1, dim=1)
         res = block_verify(drafts.tokens, drafts.probs, target, generators=list(info.generators))
+        # the next d_1 is drawn before the round is committed, as MTPDecoder.step draws it
+        starts = [0] * BATCH  # positions are not read by the fake forward
+        worker.draft_after_verify(reqs, starts, loc, hidden, res, lens)
         for r, n, row in zip(reqs, res.accept_len.tolist(), res.emitted.tolist()):
             r.output_ids.extend(row[: n + 1])
         emitted = res.emitted[res.emitted >= 0]
         counts += torch.bincount(emitted, minlength=V)
-        starts = [0] * BATCH  # positions are not read by the fake forward
-        committed = [n + 1 for n in res.accept_len.tolist()]
-        worker.draft_after_verify(reqs, starts, loc, hidden, pad, committed, [True] * BATCH)
     return counts.to(torch.float64) / counts.sum()
 
 
@@ -119,3 +120,33 @@ def test_seeded_block_verification_emits_the_target(keys, monkeypatch) -> None:
         assert shift > THRESHOLD, f"the control went unseen: shift {shift:.4f}"
     else:
         assert shift <= THRESHOLD, f"emitted frequencies off the target by {shift:.4f}"
+
+
+def test_first_draft_drawn_ahead_is_the_one_drawn_after_the_commit() -> None:
+    """A round's next d_1 is drawn before the round is committed (from the accept lengths on
+    the device) and must be the d_1 drawn after the commit: for every accept length, the
+    seeded stream of the output length it leads to, and the min_new_tokens stop mask (EOS =
+    token 2, DRAFT's most likely one) where that length is still below it."""
+    k1, batch = K + 1, 240
+    accept = torch.tensor([i % k1 for i in range(batch)])
+    emitted = torch.where(torch.arange(k1).view(1, -1) <= accept.view(-1, 1), 1, -1)
+    verdict = AcceptResult(accept, emitted)
+    loc = torch.zeros(batch, k1, dtype=torch.int64)
+    hidden = torch.zeros(batch * k1, 1)
+
+    def requests() -> list[FakeReq]:
+        reqs = []
+        for i in range(batch):  # seeded samples, and greedy rows (the mask decides them)
+            p = SamplingParams(temperature=0.0 if i % 5 == 0 else 1.0, seed=i)
+            p.min_new_tokens = 1 + (i // k1) % (K + 4)  # reached, decided by the accept, not
+            reqs.append(FakeReq(p, output_ids=[0, 0]))
+        return reqs
+
+    ahead, after = requests(), requests()
+    _worker((2,)).draft_after_verify(ahead, [0] * batch, loc, hidden, verdict, [2] * batch)
+    for r, n in zip(after, accept.tolist()):
+        r.output_ids.extend([1] * (n + 1))
+    _worker((2,)).draft_after_verify(after, [0] * batch, loc, hidden, verdict, None)
+    drawn = [int(r.decoder_state.token) for r in ahead]
+    assert drawn == [int(r.decoder_state.token) for r in after]
+    assert 2 in drawn and len(set(drawn)) == 3  # sampled rows, and rows still masked
