@@ -32,7 +32,6 @@ reported beside, to split PD's TTFT into what the transfer costs and what the re
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import random
 import signal
@@ -46,6 +45,7 @@ import urllib.request
 
 from machine import machine_info
 from serving import free_port, server_state, start_server
+from stream_client import stream_generate
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -183,33 +183,6 @@ def mix_requests(a, seed: int) -> list[dict]:
     return sorted(reqs, key=lambda r: r["at"])
 
 
-def stream(url: str, ids: list[int], n: int) -> tuple[float, list[float], int]:
-    """(send time, arrival times of the chunks that carried new tokens, tokens) of one
-    streamed greedy /generate."""
-    u = urllib.parse.urlparse(url)
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
-    sent = time.perf_counter()
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
-    times, seen = [], 0
-    for line in resp:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        got = len(json.loads(line[6:])["output_ids"])
-        if got > seen:
-            times.append(time.perf_counter())
-            seen = got
-    conn.close()
-    return sent, times, seen
-
-
 def run_mix(url: str, reqs: list[dict]) -> tuple[list[dict], float]:
     """Sends `reqs` at their arrival times; per request its kind, prompt length, TTFT and TPOT
     (ms), tokens; and the output tok/s of the whole run."""
@@ -217,7 +190,7 @@ def run_mix(url: str, reqs: list[dict]) -> tuple[list[dict], float]:
 
     def one(i: int, r: dict) -> None:
         try:
-            sent, times, got = stream(url, r["ids"], r["n"])
+            sent, times, got = stream_generate(url, r["ids"], r["n"])
         except Exception as e:  # recorded, and the run goes on: a failed request is a result
             out[i] = {"kind": r["kind"], "error": str(e)}
             return

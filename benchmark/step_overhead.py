@@ -52,7 +52,6 @@ import argparse
 import bisect
 import collections
 import gc
-import http.client
 import json
 import multiprocessing
 import os
@@ -68,6 +67,7 @@ import urllib.request
 
 import torch
 from machine import machine_info
+from stream_client import stream_generate
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -317,29 +317,6 @@ def wait_ready(url: str, proc) -> None:
         time.sleep(1)
 
 
-def stream_one(port: int, ids: list[int], n: int) -> tuple[list[float], int]:
-    """Arrival times of the SSE chunks that carried new tokens (a speculative step's chunk
-    carries several), and the tokens."""
-    body = {
-        "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
-        "stream": True,
-    }
-    conn = http.client.HTTPConnection("127.0.0.1", port)
-    conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    times, seen = [], 0
-    for line in resp:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        got = len(json.loads(line[6:])["output_ids"])
-        if got > seen:
-            times.append(time.perf_counter())
-            seen = got
-    conn.close()
-    return times, seen
-
-
 def client(
     port: int, a, prompts: list[list[int]], c: int | None = None
 ) -> tuple[float, float, list[float]]:
@@ -350,7 +327,7 @@ def client(
 
     def one_stream(share):
         for ids in share:
-            t, tokens = stream_one(port, ids, a.output_len)
+            _, t, tokens = stream_generate(f"http://127.0.0.1:{port}", ids, a.output_len)
             # bench_serving's TPOT: per token after the first, not per chunk
             tpots.append((t[-1] - t[0]) / (tokens - 1) * 1e3)
 

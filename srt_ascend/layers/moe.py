@@ -172,8 +172,7 @@ class RoutedExperts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts[: self.n_experts]):
             if n:
-                gate, up = linear(xs[start : start + n], self.w13[e]).chunk(2, dim=-1)
-                outs.append(linear(F.silu(gate) * up, self.w2[e]))
+                outs.append(self._expert(xs[start : start + n], self.w13[e], self.w2[e]))
                 start += n
         if counts[-1] or not outs:  # assignments to other ranks' experts add nothing here
             outs.append(x.new_zeros(counts[-1], x.shape[-1]))
@@ -191,9 +190,7 @@ class RoutedExperts(nn.Module):
         unchosen experts): no routing-dependent shapes or host syncs."""
         w13, w2 = stacks or (self.w13, self.w2)
         n, t, inter = w13.shape[0], x.shape[0], self.intermediate_size
-        weights = torch.zeros(t, n + 1, device=x.device)  # column n: other ranks' experts
-        weights.scatter_(1, self.local_ids(topk_ids), topk_weights.float())
-        weights = weights[:, :n]  # [T, E] float32, as sparse
+        weights = self._weights_by_expert(topk_weights, topk_ids, n)
         gate_up = linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
@@ -205,39 +202,26 @@ class RoutedExperts(nn.Module):
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
         stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
+        every_token: bool = False,
     ) -> torch.Tensor:
-        """Batch-invariant mode, eager: each expert, in id order, runs over the tokens that
-        chose it (one sort and one host read of the counts); see `_ordered`."""
-        return self._ordered(x, topk_weights, topk_ids, stacks, every_token=False)
-
-    def forward_ordered_dense(
-        self,
-        x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        stacks: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        """Batch-invariant mode, fixed shapes (graph capture): each expert, in id order, runs
-        over every token, with weight zero where it was not chosen; see `_ordered`."""
-        return self._ordered(x, topk_weights, topk_ids, stacks, every_token=True)
-
-    def _ordered(self, x, topk_weights, topk_ids, stacks, every_token: bool) -> torch.Tensor:
-        """A token's output = its chosen experts' weighted outputs added one by one in expert
-        id order into a float32 sum that starts at zero. Each expert's products are the
-        row-tiled `linear`s, whose rows do not depend on the other rows of the call, so a
-        token's output is the same bits in any batch and on both paths (an unchosen expert
-        adds an exact zero). Its cost follows the tokens' choices (T*k expert rows), not
-        T*E as a dense pass does: DeepSeek-V3 has 256 experts and 8 choices."""
+        """Batch-invariant mode. A token's output = its chosen experts' weighted outputs added
+        one by one in expert id order into a float32 sum that starts at zero. Eager, each
+        expert runs over the tokens that chose it (one sort and one host read of the counts);
+        with `every_token` (fixed shapes, graph capture: `forward_ordered_dense`) over every
+        token, with weight zero where unchosen. Each expert's products are the row-tiled
+        `linear`s, whose rows do not depend on the other rows of the call, so a token's output
+        is the same bits in any batch and on both paths (an unchosen expert adds an exact
+        zero). Eager, its cost follows the tokens' choices (T*k expert rows), not T*E as a
+        dense pass does: DeepSeek-V3 has 256 experts and 8 choices."""
         w13, w2 = stacks or (self.w13, self.w2)
         n, t = w13.shape[0], x.shape[0]
-        local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
-        weights = torch.zeros(t, n + 1, device=x.device)
-        weights.scatter_(1, local, topk_weights.float())
+        weights = self._weights_by_expert(topk_weights, topk_ids, n)
         total = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
         if every_token:
             for e in range(n):
                 total += weights[:, e : e + 1] * self._expert(x, w13[e], w2[e]).float()
             return total.to(x.dtype)
+        local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
         flat = local.flatten()
         order = flat.argsort(stable=True)
         tokens = order // local.shape[1]  # the assignments' tokens, grouped by expert
@@ -250,6 +234,17 @@ class RoutedExperts(nn.Module):
                 total.index_copy_(0, rows, total.index_select(0, rows) + weights[rows, e, None] * y)
                 start += count
         return total.to(x.dtype)
+
+    def forward_ordered_dense(self, *args) -> torch.Tensor:
+        """`forward_ordered` over every token (fixed shapes): what graphs capture."""
+        return self.forward_ordered(*args, every_token=True)
+
+    def _weights_by_expert(self, topk_weights, topk_ids, n: int) -> torch.Tensor:
+        """[T, n] float32: each token's routing weight per stacked expert, zero where
+        unchosen (assignments to other ranks' experts dropped)."""
+        weights = torch.zeros(topk_ids.shape[0], n + 1, device=topk_ids.device)
+        weights.scatter_(1, self.local_ids(topk_ids), topk_weights.float())
+        return weights[:, :n]
 
     def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU over x [T, H] (w13 [2I, H] gate; up, w2 [H, I])."""
