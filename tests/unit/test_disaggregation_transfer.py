@@ -4,6 +4,7 @@ transfer engine (TCP, P2P handshake) moving an MLA KV pool's rows between two pr
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
 
@@ -116,13 +117,23 @@ def _receiver(conn) -> None:
     conn.send([b.numpy().copy() for b in pool.transfer_buffers()])  # by value
 
 
-def test_engine_writes_pool_rows_into_another_process():
-    ctx = mp.get_context("fork")  # before this process starts an engine of its own
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(there,))
+@contextlib.contextmanager
+def _decode_side():
+    """A `_receiver` process (forked before this process starts an engine of its own): yields
+    the pipe to it and its (session, buffer addresses)."""
+    here, there = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=_receiver, args=(there,))
     child.start()
     try:
-        session, dst_buffers = here.recv()
+        yield here, here.recv()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+def test_engine_writes_pool_rows_into_another_process():
+    with _decode_side() as (here, (session, dst_buffers)):
         pool = _pool()
         for i, buf in enumerate(pool.transfer_buffers()):
             buf.copy_(torch.randn_like(buf) + i)
@@ -142,21 +153,12 @@ def test_engine_writes_pool_rows_into_another_process():
         with pytest.raises(TransferError):  # a peer that is not there
             engine.write("127.0.0.1:1", [bufs[0].data_ptr()], [dst_buffers[0]], [rows[0]])
         assert engine.stats.failures == 1
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
 
 
 def test_transfer_queue_runs_a_lanes_jobs_in_order_and_reports_each():
     """Off the caller's thread: each job's batches written in order, `done(key, error)`
     after each (None, or the engine's failure), jobs of a lane in the order put."""
-    ctx = mp.get_context("fork")
-    here, there = ctx.Pipe()
-    child = ctx.Process(target=_receiver, args=(there,))
-    child.start()
-    try:
-        session, dst_buffers = here.recv()
+    with _decode_side() as (here, (session, dst_buffers)):
         pool = _pool()
         bufs = pool.transfer_buffers()
         for buf in bufs:
@@ -179,10 +181,6 @@ def test_transfer_queue_runs_a_lanes_jobs_in_order_and_reports_each():
         for mine, t in zip(bufs, theirs):
             assert torch.equal(t[7:9], mine[1:3])
         assert engine.stats.failures == 1
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
 
 
 def test_flags_parse_and_refuse_what_cannot_run(capsys):
