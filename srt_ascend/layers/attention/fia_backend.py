@@ -4,10 +4,14 @@ Used for TARGET_VERIFY: one row of 1+K query tokens per request, causal inside t
 (sparse_mode 3 with the compressed 2048x2048 mask), paged KV through a block table. On NPU the
 call goes to torch_npu; elsewhere to the reference op with the same contract (fia_reference).
 
-Inside a torch.compile'd forward (off NPU) the reference runs as one opaque custom op that
-reads the per-request lengths from the batch's device tensors (refreshed by the graph runner
-at each replay), so the compiled graph neither breaks on the reference's host-side planning
-nor specialises on the lengths of the batch it was traced with.
+Inside a torch.compile'd forward the lengths come from the batch's device tensors (refreshed
+by the graph runner at each replay), so the compiled graph neither breaks on host-side
+planning nor specialises on the lengths of the batch it was traced with. Where the real op
+runs (NPU) it is called through one opaque custom op that reads them to the host. Elsewhere
+the same attention is written in tensor ops over the graph's fixed KV window (`_fia_mla_in_graph`,
+one row per query token as batch expansion reads it), which the compiler fuses: the opaque
+reference, with its per-layer host planning and dozens of small eager ops, made a compiled
+CPU verify cost 2.3-2.6x a compiled decode at one request (benchmark/README.md).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import torch
 
 from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
 from srt_ascend.layers.attention.fia_reference import build_compressed_causal_mask, to_cumulative
-from srt_ascend.layers.attention.npu_ops import fused_infer_attention_score
+from srt_ascend.layers.attention.npu_ops import fused_infer_attention_score, has_device_fia
 
 if TYPE_CHECKING:
     from srt_ascend.model_executor.forward_batch import ForwardBatch
@@ -102,6 +106,43 @@ def _(query, latent, query_rope, rope, mask, block_table, q_lens, kv_lens, scale
     return query.new_empty(query.shape)
 
 
+def _fia_mla_in_graph(
+    query: torch.Tensor,  # [T, H, R] latent queries
+    query_rope: torch.Tensor,  # [T, H, P]
+    pool,
+    layer_id: int,
+    block_table: torch.Tensor,  # [B, max_blocks] int32
+    q_lens: torch.Tensor,  # [B] query tokens per request (sum T)
+    kv_lens: torch.Tensor,  # [B]
+    scale: float,
+    page_size: int,
+) -> torch.Tensor:
+    """What the reference computes for a compiled forward (MLA, TND, sparse_mode 3), in tensor
+    ops with no host read: each query token is one row over its request's whole KV window
+    (the block table's width), keys past its causal bound masked. Float32 scores, softmax and
+    weighted sum as the reference; a request with KV length 0 (padding) yields zeros.
+    -> [T, H, R] in query's dtype."""
+    dev, num_tokens, rank = query.device, query.shape[0], query.shape[-1]
+    q_lens, kv_lens = q_lens.long(), kv_lens.long()
+    # output_size: the lengths' sum is the graph's token count (no host read)
+    req = torch.repeat_interleave(
+        torch.arange(q_lens.shape[0], device=dev), q_lens, output_size=num_tokens
+    )
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    i = torch.arange(num_tokens, device=dev) - starts[req]
+    last = kv_lens[req] - q_lens[req] + i  # rightDownCausal: the last key token i sees
+    pos = torch.arange(block_table.shape[1] * page_size, device=dev)
+    slots = block_table[req].long()[:, pos // page_size] * page_size + pos % page_size
+    seen = pos[None, :] <= last[:, None]  # [T, W]
+    keys = pool.gather_kv(layer_id, torch.where(seen, slots, 0))  # [T, W, R+P]
+    keys = keys.to(query.dtype).float()  # the reference reads the caches in query's dtype
+    q = torch.cat([query, query_rope], dim=-1).float()  # [T, H, R+P]: one score matmul
+    scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # [T, H, W]
+    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no key seen: zeros
+    return torch.bmm(probs, keys[..., :rank]).to(query.dtype)
+
+
 def build_block_table(fb: ForwardBatch) -> torch.Tensor:
     """Page id of every page of each row: the slot of the page's first position // page size
     (the pool's pages). Under static shapes the table covers the whole KV window (unused pages
@@ -154,6 +195,18 @@ class FiaMLABackend(AttentionBackend):
         # views of one buffer, which the reference reads with one gather.
         latent = paged_cache(pool.get_c_kv(layer_id), pool.page_size, q_latent.dtype)
         rope = paged_cache(pool.get_k_pe(layer_id), pool.page_size, q_latent.dtype)
+        if meta.actual_seq_lengths is None and not has_device_fia(q_latent.device.type):
+            return _fia_mla_in_graph(
+                q_latent,
+                q_pe,
+                pool,
+                layer_id,
+                meta.block_table,
+                forward_batch.extend_seq_lens,
+                forward_batch.seq_lens,
+                scale,
+                pool.page_size,
+            )
         mask = self._causal_mask(q_latent.device)
         if meta.actual_seq_lengths is None:
             return fia_reference_mla(

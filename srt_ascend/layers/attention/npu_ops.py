@@ -5,7 +5,8 @@ with exactly the arguments of ``torch_npu.npu_fused_infer_attention_score``. Ten
 Ascend NPU go to the real op (``torch_npu`` is imported only then, so this module imports on
 machines without it); tensors anywhere else go to the plain-torch reference in
 ``fia_reference``, which has the same signature, layout and validation. Device types register
-in ``_FIA_LOADERS``; nothing else in the code base branches on the device for this op.
+in ``_FIA_LOADERS``; elsewhere only the FIA backend's compiled forward asks (``has_device_fia``)
+whether to write the reference's attention into the graph instead.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ def resolve_fused_infer_attention_score(device_type: str) -> FiaFn:
     if loader is None:
         return fia_reference.npu_fused_infer_attention_score
     return loader()
+
+
+def has_device_fia(device_type: str) -> bool:
+    """Whether tensors on ``device_type`` run a real FIA op (not the plain-torch reference)."""
+    return device_type in _FIA_LOADERS
 
 
 def fused_infer_attention_score(
