@@ -57,6 +57,9 @@ class ForwardBatch:
     # read through a fixed window of this many positions, and nothing may depend on host
     # values of the device tensors (no data-dependent shapes), so the forward can be captured.
     static_kv_len: int | None = None
+    # Set by the graph runner for FIA rows (ragged): the most query tokens a row with KV holds
+    # (1+K; padding rows with KV length 0 may hold more), a constant of the captured graph.
+    static_max_q: int | None = None
     # Data-parallel attention: tokens of this forward in every DP group (index: DP rank),
     # exchanged by the model runner before the forward; None without DP attention.
     dp_token_counts: list[int] | None = None

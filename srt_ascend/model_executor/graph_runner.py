@@ -340,6 +340,7 @@ class GraphRunner:
             token_to_kv_pool=self.kv_pool,
             attn_backend=kind.backend,
             static_kv_len=window,
+            static_max_q=kind.tokens_per_req if kind.host_lengths else None,
             # every DP group's rows, padding included: fixed collective shapes (dp_graph)
             dp_token_counts=[n_tok] * self.dp_size if self.dp_size > 1 else None,
         )

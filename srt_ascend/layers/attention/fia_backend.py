@@ -8,10 +8,11 @@ Inside a torch.compile'd forward the lengths come from the batch's device tensor
 by the graph runner at each replay), so the compiled graph neither breaks on host-side
 planning nor specialises on the lengths of the batch it was traced with. Where the real op
 runs (NPU) it is called through one opaque custom op that reads them to the host. Elsewhere
-the same attention is written in tensor ops over the graph's fixed KV window (`_fia_mla_in_graph`,
-one row per query token as batch expansion reads it), which the compiler fuses: the opaque
-reference, with its per-layer host planning and dozens of small eager ops, made a compiled
-CPU verify cost 2.3-2.6x a compiled decode at one request (benchmark/README.md).
+the same attention is written in tensor ops over the graph's fixed KV window
+(`_fia_mla_in_graph`: one padded row per request, as the reference plans it), which the
+compiler fuses: the opaque reference, with its per-layer host planning and dozens of small
+eager ops, made a compiled CPU verify cost 2.3-2.6x a compiled decode at one request
+(benchmark/README.md, 2026-12-01).
 """
 
 from __future__ import annotations
@@ -22,7 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
-from srt_ascend.layers.attention.fia_reference import build_compressed_causal_mask, to_cumulative
+from srt_ascend.layers.attention.fia_reference import (
+    MAX_QUERY_TOKENS_PER_REQ,
+    build_compressed_causal_mask,
+    to_cumulative,
+)
 from srt_ascend.layers.attention.npu_ops import fused_infer_attention_score, has_device_fia
 
 if TYPE_CHECKING:
@@ -34,6 +39,7 @@ class FiaMetadata:
     block_table: torch.Tensor  # [B, max_blocks] int32: page ids of each request's KV
     actual_seq_lengths: list[int] | None  # cumulative query ends (None: compiled)
     actual_seq_lengths_kv: list[int] | None  # KV length per request (None: compiled)
+    max_q: int = 0  # compiled: the most query tokens a request with KV holds
 
 
 @torch.library.custom_op("srt_ascend::fia_reference_mla", mutates_args=())
@@ -116,31 +122,40 @@ def _fia_mla_in_graph(
     kv_lens: torch.Tensor,  # [B]
     scale: float,
     page_size: int,
+    max_q: int,
 ) -> torch.Tensor:
     """What the reference computes for a compiled forward (MLA, TND, sparse_mode 3), in tensor
-    ops with no host read: each query token is one row over its request's whole KV window
-    (the block table's width), keys past its causal bound masked. Float32 scores, softmax and
-    weighted sum as the reference; a request with KV length 0 (padding) yields zeros.
-    -> [T, H, R] in query's dtype."""
-    dev, num_tokens, rank = query.device, query.shape[0], query.shape[-1]
+    ops with no host read: each request's first `max_q` query tokens as one padded row over
+    its KV window (the block table's width), keys past each token's causal bound masked.
+    Float32 scores, softmax and weighted sum as the reference. A request with KV length 0
+    (padding) yields zeros, and only such a request may hold more than `max_q` tokens (a
+    verify graph's spare slots: `fia_padded_query_lens`); their tokens past `max_q` get zeros
+    too. -> [T, H, R] in query's dtype."""
+    dev, num_tokens, heads, rank = query.device, query.shape[0], query.shape[1], query.shape[2]
     q_lens, kv_lens = q_lens.long(), kv_lens.long()
-    # output_size: the lengths' sum is the graph's token count (no host read)
-    req = torch.repeat_interleave(
-        torch.arange(q_lens.shape[0], device=dev), q_lens, output_size=num_tokens
-    )
+    b = q_lens.shape[0]
     starts = torch.cumsum(q_lens, 0) - q_lens
-    i = torch.arange(num_tokens, device=dev) - starts[req]
-    last = kv_lens[req] - q_lens[req] + i  # rightDownCausal: the last key token i sees
+    j = torch.arange(max_q, device=dev)
+    live = j[None, :] < q_lens[:, None]  # [B, max_q] query j of request b exists
     pos = torch.arange(block_table.shape[1] * page_size, device=dev)
-    slots = block_table[req].long()[:, pos // page_size] * page_size + pos % page_size
-    seen = pos[None, :] <= last[:, None]  # [T, W]
-    keys = pool.gather_kv(layer_id, torch.where(seen, slots, 0))  # [T, W, R+P]
+    slots = block_table.long()[:, pos // page_size] * page_size + pos % page_size  # [B, W]
+    slots = torch.where(pos[None, :] < kv_lens[:, None], slots, 0)
+    keys = pool.gather_kv(layer_id, slots)  # [B, W, R+P]
     keys = keys.to(query.dtype).float()  # the reference reads the caches in query's dtype
     q = torch.cat([query, query_rope], dim=-1).float()  # [T, H, R+P]: one score matmul
-    scores = torch.bmm(q, keys.transpose(1, 2)) * scale  # [T, H, W]
-    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    q = q[torch.where(live, starts[:, None] + j[None, :], 0)]  # [B, max_q, H, R+P]
+    scores = torch.bmm(q.view(b, max_q * heads, -1), keys.transpose(1, 2)) * scale
+    last = (kv_lens - q_lens)[:, None] + j[None, :]  # rightDownCausal: the last key seen
+    seen = (pos[None, None, :] <= last[:, :, None]) & live[:, :, None]  # [B, max_q, W]
+    scores = scores.view(b, max_q, heads, -1).masked_fill(~seen[:, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # no key seen: zeros
-    return torch.bmm(probs, keys[..., :rank]).to(query.dtype)
+    ctx = torch.bmm(probs.view(b, max_q * heads, -1), keys[..., :rank])
+    ctx = ctx.view(b, max_q, heads, rank)
+    # back to TND: token t is query i of request req (output_size: no host read of the sum)
+    req = torch.repeat_interleave(torch.arange(b, device=dev), q_lens, output_size=num_tokens)
+    i = torch.arange(num_tokens, device=dev) - starts[req]
+    out = ctx[req, i.clamp(max=max_q - 1)]
+    return torch.where((i < max_q)[:, None, None], out, 0.0).to(query.dtype)
 
 
 def build_block_table(fb: ForwardBatch) -> torch.Tensor:
@@ -178,7 +193,12 @@ class FiaMLABackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         if torch.compiler.is_compiling():  # the lengths come from the device tensors
-            forward_batch.attn_metadata = FiaMetadata(build_block_table(forward_batch), None, None)
+            forward_batch.attn_metadata = FiaMetadata(
+                build_block_table(forward_batch),
+                None,
+                None,
+                forward_batch.static_max_q or MAX_QUERY_TOKENS_PER_REQ,
+            )
             return
         forward_batch.attn_metadata = FiaMetadata(
             build_block_table(forward_batch),
@@ -206,6 +226,7 @@ class FiaMLABackend(AttentionBackend):
                 forward_batch.seq_lens,
                 scale,
                 pool.page_size,
+                meta.max_q,
             )
         mask = self._causal_mask(q_latent.device)
         if meta.actual_seq_lengths is None:
