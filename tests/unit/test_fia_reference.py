@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from srt_ascend.layers.attention import npu_ops
-from srt_ascend.layers.attention.fia_backend import paged_cache
+from srt_ascend.layers.attention.fia_backend import _fia_mla_in_graph, paged_cache
 from srt_ascend.layers.attention.fia_reference import (
     MASK_SIZE,
     build_compressed_causal_mask,
@@ -388,3 +388,32 @@ def test_kv_pool_caches_as_the_backend_passes_them(block_size, layout):
         **{**kwargs, "key": latent, "value": latent, "key_rope": key_rope}
     )
     torch.testing.assert_close(out.double(), dense_attention(kwargs, dense), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+def test_compiled_forms_attention_matches_the_reference_with_padding_rows(layout):
+    """The tensor-op form a compiled forward runs off NPU (fia_backend._fia_mla_in_graph):
+    the reference's output for ragged requests of at most max_q tokens, and zeros for padding
+    requests (KV length 0), including one holding more than max_q tokens (a spare slot)."""
+    block_size, q_lens, kv_lens = 4, [3, 1, 2, 0, 5], [40, 9, 17, 0, 0]
+    kwargs, _ = make_case(q_lens, kv_lens, block_size, seed=13)
+    key, rope = kwargs["key"], kwargs["key_rope"]
+    d, dr = key.shape[-1], rope.shape[-1]
+    slots = key.shape[0] * block_size
+    pool = MLATokenToKVPool(slots - block_size, block_size, key.dtype, d, dr, 1, layout=layout)
+    pool.set_mla_kv_buffer(0, torch.arange(slots), key.reshape(slots, d), rope.reshape(slots, dr))
+    want, _ = npu_fused_infer_attention_score(**kwargs)
+    got = _fia_mla_in_graph(
+        kwargs["query"],
+        kwargs["query_rope"],
+        pool,
+        0,
+        kwargs["block_table"],
+        torch.tensor(q_lens),
+        torch.tensor(kv_lens),
+        kwargs["scale"],
+        block_size,
+        max_q=3,
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got[6:].abs().max() == 0  # the padding requests' 5 tokens
