@@ -164,13 +164,10 @@ class DecodeSide:
         return bool(self.pending or self.awaiting)
 
     def stats(self) -> dict:
-        s = self.transfer.stats
         return {
             "disagg_pending_reqs": len(self.pending),
             "disagg_awaiting_reqs": len(self.awaiting),
-            "kv_transfer_bytes": s.bytes,
-            "kv_transfer_seconds": s.seconds,
-            "kv_transfer_failures": s.failures + self.failures,
+            **self.transfer.stats.counters(self.failures),
         }
 
     def close(self) -> None:

@@ -221,9 +221,7 @@ class PrefillSide:
             "disagg_held_reqs": len(self.held),
             "disagg_sending_reqs": len(self.sending),
             "disagg_waiting_registrations": len(self.dests),
-            "kv_transfer_bytes": s.bytes,
-            "kv_transfer_seconds": s.seconds,
-            "kv_transfer_failures": s.failures + self.failures,
+            **s.counters(self.failures),
         }
 
     def close(self) -> None:

@@ -61,6 +61,15 @@ class TransferStats:
     failures: int = 0
     writes: int = 0  # engine entries written (runs x buffers)
 
+    def counters(self, other_failures: int = 0) -> dict:
+        """The server-info / metrics counters: bytes, seconds and failures (the engine's and
+        `other_failures`, the server's own: timeouts, refused registrations)."""
+        return {
+            "kv_transfer_bytes": self.bytes,
+            "kv_transfer_seconds": self.seconds,
+            "kv_transfer_failures": self.failures + other_failures,
+        }
+
 
 class KVTransfer:
     """One transfer engine per server. `register` the tensors peers write into or read from
