@@ -19,6 +19,13 @@ from srt_ascend.server_args import SHIPPED_MODEL
 REPO = Path(__file__).resolve().parents[2]
 E2E_MODEL = os.environ.get("SRT_TEST_MODEL", SHIPPED_MODEL)
 STARTUP_TIMEOUT_S = 180
+# Greedy prompts the router tests compare across server layouts (code, prose, a repeat).
+ROUTED_PROMPTS = [
+    "def fibonacci(n):\n",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
+    "The quick brown fox jumps over the lazy dog. " * 4,
+]
 READY_MESSAGE = "The server is fired up and ready to roll!"
 
 

@@ -28,18 +28,14 @@ import requests
 from e2e_servers import (
     E2E_MODEL,
     REPO,
+    ROUTED_PROMPTS,
     Server,
     _wait_healthy,
     child_env,
     free_port,
 )
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-]
+PROMPTS = ROUTED_PROMPTS
 GREEDY = {"temperature": 0, "max_new_tokens": 24}
 MTP = ("--speculative-algorithm", "MTP", "--speculative-num-steps", "2")
 LOGPROB_TOL = 1e-5  # float32, the last bit apart where a GEMM's shape differs

@@ -13,14 +13,9 @@ import time
 
 import pytest
 import requests
-from e2e_servers import child_env, free_port, running_server
+from e2e_servers import ROUTED_PROMPTS, child_env, free_port, running_server
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
-    "The quick brown fox jumps over the lazy dog. " * 4,
-]
+PROMPTS = ROUTED_PROMPTS
 GREEDY = {"temperature": 0, "max_new_tokens": 12}
 
 
