@@ -80,6 +80,7 @@ PARTS = [
     ("  launch", "srt_ascend.decoding.plain:PlainDecoder", "launch"),
     ("  launch", "srt_ascend.speculative.mtp_decoder:MTPDecoder", "launch"),
     ("  finish", "srt_ascend.decoding.plain:PlainDecoder", "finish"),
+    ("  finish", "srt_ascend.speculative.mtp_decoder:MTPDecoder", "finish"),
     ("  kv alloc", "srt_ascend.managers.kv_book:KVBook", "alloc_running"),
     ("  batch build", "srt_ascend.model_executor.model_runner:ModelRunner", "build_forward_batch"),
     ("  forward + logits", "srt_ascend.model_executor.model_runner:ModelRunner", "forward_logits"),

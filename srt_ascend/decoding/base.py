@@ -16,7 +16,7 @@ Contract of one step, for the running batch `reqs`:
 
 Overlapped (the default; `--disable-overlap-schedule` keeps to `step`): a decoder that can
 (`can_overlap`) splits a step in two. `launch` allocates the step's KV (without retracting:
-None when it does not fit), advances `kv_len` over the positions it will write, and submits
+None when it does not fit), advances `kv_len` over the positions it may write, and submits
 the device work to the handles' DeviceWorker; its inputs are the previous launched step's
 tokens, which stay on the device. `finish` reads the step's tokens (the one host read) and
 commits them, skipping requests that finished meanwhile (found one step late, or aborted):
@@ -77,9 +77,10 @@ class KVHandle(Protocol):
         first) until it fits. Returns the requests kept and their slots [len(kept) * n]."""
         ...
 
-    def try_alloc_running(self, reqs: list[StepRequest], n: int) -> torch.Tensor | None:
-        """`alloc_running` without retracting: the slots [len(reqs) * n], or None (nothing
-        allocated) when they do not fit after evicting from the prefix cache."""
+    def try_alloc_running(self, reqs: list[StepRequest], n: int | list[int]) -> torch.Tensor | None:
+        """`alloc_running` without retracting (n slots per request, or n[i] for request i):
+        the slots, or None (nothing allocated) when they do not fit after evicting from the
+        prefix cache."""
         ...
 
     def free_positions(self, req: StepRequest, lo: int, hi: int) -> None:

@@ -90,12 +90,12 @@ class KVBook:
             self.retract(victim, reqs)
         return [], torch.zeros(0, dtype=torch.int64)
 
-    def try_alloc_running(self, reqs: list[Req], n: int) -> torch.Tensor | None:
-        """n new slots per request like `alloc_running`, evicting from the tree but never
-        retracting: None (nothing allocated) when they do not fit. The overlap scheduler
-        launches a step this way while the previous one is in flight, and retracts only once
-        it has finished it (serially, as without overlap)."""
-        return self._alloc(list(reqs), [n] * len(reqs))
+    def try_alloc_running(self, reqs: list[Req], n: int | list[int]) -> torch.Tensor | None:
+        """n new slots per request (or n[i] for request i) like `alloc_running`, evicting
+        from the tree but never retracting: None (nothing allocated) when they do not fit.
+        The overlap scheduler launches a step this way while the previous one is in flight,
+        and retracts only once it has finished it (serially, as without overlap)."""
+        return self._alloc(list(reqs), [n] * len(reqs) if isinstance(n, int) else list(n))
 
     def free_positions(self, req: Req, lo: int, hi: int) -> None:
         """Frees the request's slots for positions [lo, hi), whole pages only: a page that

@@ -99,7 +99,7 @@ class Scheduler:
         self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
         # overlap scheduling: with one rank (the ranks of a group agree on each step's tokens
-        # before it commits, serially) and a decoder that splits its steps (not MTP yet)
+        # before it commits, serially) and a decoder that splits its steps
         self.overlap = (
             not server_args.disable_overlap_schedule
             and self.tp.size == 1

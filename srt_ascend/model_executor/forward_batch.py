@@ -47,7 +47,7 @@ class ForwardBatch:
     seq_lens: torch.Tensor  # [B] int64, KV length after this forward
     extend_seq_lens: torch.Tensor  # [B] int64, new tokens per row
     out_cache_loc: torch.Tensor  # [T] int64, KV slot of each new token
-    seq_lens_cpu: list[int]
+    seq_lens_cpu: list[int]  # exact, or upper bounds when `host_lengths_exact` is False
     extend_seq_lens_cpu: list[int]
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MLATokenToKVPool
@@ -63,6 +63,10 @@ class ForwardBatch:
     # Data-parallel attention: tokens of this forward in every DP group (index: DP rank),
     # exchanged by the model runner before the forward; None without DP attention.
     dp_token_counts: list[int] | None = None
+    # False when `seq_lens` was built on the device (an overlapped MTP round, whose lengths
+    # follow the previous round's accept lengths) and `seq_lens_cpu` holds upper bounds: a
+    # backend may size its KV window by them, never read a row's length from them.
+    host_lengths_exact: bool = True
 
     @property
     def static_shapes(self) -> bool:
@@ -90,7 +94,7 @@ class ForwardBatch:
         forward_mode: ForwardMode,
         input_ids: list[int] | torch.Tensor,
         req_pool_indices: list[int],
-        seq_lens: list[int],
+        seq_lens: list[int] | torch.Tensor,
         extend_seq_lens: list[int],
         out_cache_loc: torch.Tensor,
         req_to_token_pool: ReqToTokenPool,
@@ -98,12 +102,25 @@ class ForwardBatch:
         attn_backend: Any,
         device: torch.device | str = "cpu",
         init_metadata: bool = True,
+        seq_bounds: list[int] | None = None,
     ) -> ForwardBatch:
         """Builds positions from the lengths and (unless the caller defers it, as the model
         runner does for batches a graph may replay) lets the backend precompute its metadata.
         Host inputs reach `device` by async copies (utils.to_device); device tensors (e.g.
-        draft tokens) are used as they are."""
-        positions = [p for s, e in zip(seq_lens, extend_seq_lens) for p in range(s - e, s)]
+        draft tokens) are used as they are. `seq_lens` on the device comes with `seq_bounds`,
+        host upper bounds of its values, and one query length for every row: the positions
+        are then computed on the device too (`host_lengths_exact` False)."""
+        exact = not isinstance(seq_lens, torch.Tensor)
+        if exact:
+            positions = [p for s, e in zip(seq_lens, extend_seq_lens) for p in range(s - e, s)]
+            seq_bounds = list(seq_lens)
+        else:
+            if seq_bounds is None or len(set(extend_seq_lens)) > 1:
+                raise ValueError("device seq_lens need host bounds and one query length")
+            q = extend_seq_lens[0] if extend_seq_lens else 0
+            seq_lens = seq_lens.to(device)
+            steps = torch.arange(-q, 0, device=seq_lens.device)
+            positions = (seq_lens.view(-1, 1) + steps).view(-1)
         fb = cls(
             forward_mode=forward_mode,
             input_ids=to_device(input_ids, device),
@@ -112,11 +129,12 @@ class ForwardBatch:
             seq_lens=to_device(seq_lens, device),
             extend_seq_lens=to_device(extend_seq_lens, device),
             out_cache_loc=to_device(out_cache_loc, device),
-            seq_lens_cpu=list(seq_lens),
+            seq_lens_cpu=list(seq_bounds),
             extend_seq_lens_cpu=list(extend_seq_lens),
             req_to_token_pool=req_to_token_pool,
             token_to_kv_pool=token_to_kv_pool,
             attn_backend=attn_backend,
+            host_lengths_exact=exact,
         )
         if init_metadata:
             attn_backend.init_forward_metadata(fb)

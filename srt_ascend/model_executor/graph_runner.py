@@ -459,6 +459,7 @@ class GraphRunner:
             b.hidden[n_tok : g.num_tokens].zero_()
         host = None
         g.fb.seq_lens_cpu[:] = list(fb.seq_lens_cpu) + [0] * (g.num_rows - n_rows)
+        g.fb.host_lengths_exact = fb.host_lengths_exact
         if kind.host_lengths:
             g.fb.extend_seq_lens_cpu[:] = fia_padded_query_lens(
                 fb.extend_seq_lens_cpu, g.num_rows, g.num_tokens, kind.tokens_per_req

@@ -203,9 +203,18 @@ class ModelRunner:
         )
 
     def build_forward_batch(
-        self, mode, input_ids, req_pool_indices, seq_lens, extend_lens, loc, attn_backend=None
+        self,
+        mode,
+        input_ids,
+        req_pool_indices,
+        seq_lens,
+        extend_lens,
+        loc,
+        attn_backend=None,
+        seq_bounds=None,
     ) -> ForwardBatch:
-        """The batch's attention metadata is built by `forward` when it runs eagerly."""
+        """The batch's attention metadata is built by `forward` when it runs eagerly;
+        `seq_bounds`: host upper bounds of `seq_lens` on the device (ForwardBatch.build)."""
         return ForwardBatch.build(
             mode,
             input_ids,
@@ -218,6 +227,7 @@ class ModelRunner:
             attn_backend or self.attn_backend,
             self.device,
             init_metadata=False,
+            seq_bounds=seq_bounds,
         )
 
     def _run(

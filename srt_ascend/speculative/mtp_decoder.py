@@ -16,6 +16,12 @@ Steps 2-5 need no host value of the round: the round is device-resident, one lau
 and one read. A batch with penalties or a grammar (whose d_1 reads the state the commit
 advances), or with several ranks (d_1 must follow the verdict `agree`d across them), runs step
 5 after step 6, from the read verdict.
+Under overlap scheduling (`launch` / `finish`) round N+1 is issued before round N's read:
+its first positions (round N's plus its accept lengths + 1), last committed token and d_1
+come from round N's device results, its slots are gathered from req_to_token on the device,
+and its forwards carry device sequence lengths with host upper bounds (the slots of every
+position it may reach were allocated ahead). Its finish fills in where the round after it
+starts. Batches whose sampling follows the committed count run `step` (`can_overlap`).
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
@@ -26,11 +32,17 @@ request's next step with drafts, which first runs every deferred position in one
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
+from srt_ascend.decoding.base import (
+    DECODERS,
+    Decoder,
+    DecoderHandles,
+    LaunchedStep,
+    StepRequest,
+)
 from srt_ascend.layers.sampler import TokenLogprobs, processed_probs, token_logprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
@@ -43,7 +55,10 @@ from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
 from srt_ascend.speculative.mtp_worker import (
     DraftHandles,
     Drafts,
+    FirstDrafts,
     MTPWorker,
+    Starts,
+    lengths,
     one_hot_probs,
     state_of,
 )
@@ -78,13 +93,30 @@ def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
     return kinds
 
 
+@dataclass
+class RoundOut:
+    """What an overlapped round leaves on the device for its finish and the next round."""
+
+    res: AcceptResult  # accept_len [B], emitted [B, K+1]
+    logits: torch.Tensor  # [B, K+1, V] the target logits the rule read
+    first: FirstDrafts  # the next round's d_1
+    starts: torch.Tensor  # [B] this round's first positions
+
+
+@dataclass
+class LaunchedRound(LaunchedStep):
+    """An overlapped MTP round. Its `starts` (the positions each request's round begins at,
+    where a request leaving rolls back to) are known on the host only once the round before
+    it is read: `finish` of that round fills them in; before that they hold that round's
+    own starts (a lower bound)."""
+
+    k: int = 0
+    generated: list[int] = field(default_factory=list)  # lower bounds at launch
+
+
 @DECODERS.register("MTP")
 class MTPDecoder(Decoder):
-    # Not yet: the round is device-resident (the module docstring), but a launch of round
-    # N+1 before round N's read also needs its positions, sequence lengths and slots on the
-    # device (they follow round N's accept lengths), so MTP runs the serial loop with overlap
-    # scheduling on.
-    overlaps = False
+    overlaps = True
 
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
@@ -150,6 +182,12 @@ class MTPDecoder(Decoder):
         self.num_accepted = 0  # drafts accepted
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
         self.sends_prefills = args.disaggregation_mode == "prefill"
+        # overlapped rounds need backends that read each row's length on the device
+        device = runner.device
+        self._takes_bounds = runner.attn_backend.takes_length_bounds(device) and all(
+            v.backend.takes_length_bounds(device) for v in self.verifies.values()
+        )
+        self._latest: LaunchedRound | None = None  # the round launched last, until finished
 
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)
@@ -264,20 +302,11 @@ class MTPDecoder(Decoder):
         caught_up = time.perf_counter()
         self.worker.catch_up(reqs)
         caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
-        drafts = self.worker.draft_chain(reqs, loc)
-        last = to_device([[r.all_ids[-1]] for r in reqs], drafts.tokens.device)
-        verify = self.verifies[k]
-        fb = verify.build(
-            torch.cat([last, drafts.tokens], dim=1),
-            [r.req_pool_idx for r in reqs],
-            [r.seq_len for r in reqs],
-            loc,
-        )
-        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
-        logits = logits[:, : self.vocab].view(len(reqs), k1, -1)
-        res, logits = self._accept(reqs, logits, drafts)  # on the device
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
+        last = to_device([[r.all_ids[-1]] for r in reqs], self.runner.device)
+        rows = [r.req_pool_idx for r in reqs]
+        res, logits, hidden = self._verify(reqs, k, loc, starts, last, None, generated, rows)
         ahead = self._drafts_ahead(reqs)
         if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
             self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
@@ -302,6 +331,150 @@ class MTPDecoder(Decoder):
         seconds = time.perf_counter() - started - caught_up
         self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
         return reqs
+
+    def _verify(
+        self,
+        reqs: list[StepRequest],
+        k: int,
+        loc: torch.Tensor,  # [B, K+1] slots of positions L-1 .. L-1+K
+        starts: list[int] | Starts,  # L-1 per request: exact, or on the device (overlap)
+        last: torch.Tensor,  # [B, 1] t_{L-1} on the device
+        first: FirstDrafts | None,  # d_1 (None: from the requests' states)
+        generated: list[int],  # tokens each request generated before the round
+        rows: list[int],  # their req_to_token rows
+    ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
+        """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
+        (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
+        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows)
+        verify = self.verifies[k]
+        seq, bounds = lengths(starts, 1)
+        fb = verify.build(
+            torch.cat([last, drafts.tokens], dim=1),
+            rows,
+            seq,
+            loc,
+            bounds,
+        )
+        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
+        logits = logits[:, : self.vocab].view(len(reqs), k + 1, -1)
+        res, logits = self._accept(reqs, logits, drafts, generated)
+        return res, logits, hidden
+
+    # ---- overlap: a round launched before the previous one is read ---------------------------
+
+    def can_overlap(self, reqs: list[StepRequest]) -> bool:
+        """Rounds whose sampling needs no host value of the round before (its accept lengths
+        decide the next round's positions, which only the device knows at launch): a fixed
+        K, one rank, backends that read lengths on the device, and no request with a
+        grammar, penalties, a min_new_tokens still ahead or a seed for sampled tokens (their
+        masks and streams follow the committed count). Other batches run `step`."""
+        if not self._takes_bounds or self.args.speculative_adaptive or self.runner.tp.size > 1:
+            return False
+        for r in reqs:
+            p = r.sampling_params
+            if r.grammar is not None or has_penalties(p) or len(r.output_ids) < p.min_new_tokens:
+                return False
+            if p.seed is not None and not p.is_greedy:
+                return False
+        return True
+
+    def launch(self, reqs: list[StepRequest], prev: LaunchedStep | None) -> LaunchedRound | None:
+        """A round whose inputs follow `prev` (the round not read yet): its first positions are
+        prev's plus prev's accept lengths + 1, its last committed token and d_1 are what prev
+        left on the device. Its KV slots cover every position it may write: K+1 beyond the
+        furthest prev may commit (positions up to prev's start + 2K + 1), allocated ahead;
+        `kv_len` then counts them all, until the finish that follows the last round."""
+        k = self.args.speculative_num_steps
+        k1, device = k + 1, self.runner.device
+        if prev is None:
+            states = [state_of(r) for r in reqs]
+            if any(s.token is None or s.deferred for s in states):
+                return None
+            starts = [r.kv_len for r in reqs]  # exact: nothing in flight
+            bounds, ends = starts, [st + k1 for st in starts]
+        else:
+            assert isinstance(prev, LaunchedRound)
+            order = [prev.index.get(id(r)) for r in reqs]
+            if None in order:
+                return None
+            base = [prev.starts[i] for i in order]  # exact: filled by prev's predecessor
+            bounds, ends = [b + k1 for b in base], [b + 2 * k1 for b in base]
+        if max(ends) > self.h.req_to_token.shape[1]:
+            return None
+        if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
+            return None
+        for r, e in zip(reqs, ends):
+            r.kv_len = e
+        rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
+        index = to_device(rows, device)
+        generated = [len(r.output_ids) for r in reqs]  # lower bounds with prev in flight
+        batch, table = list(reqs), self.h.req_to_token
+        if prev is None:
+            last = to_device([[r.all_ids[-1]] for r in reqs], device)
+            begin = to_device(starts, device)
+            initial = self.worker.first_of(reqs)
+        else:
+            picked = None if order == list(range(len(prev.reqs))) else to_device(order, device)
+
+        @torch.inference_mode()
+        def run() -> RoundOut:
+            if prev is None:
+                first, start, tail = initial, begin, last
+            else:
+                out: RoundOut = prev.result.result()
+                pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
+                accept_len = pick(out.res.accept_len)
+                start = pick(out.starts) + accept_len + 1
+                tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
+                first = FirstDrafts(
+                    pick(out.first.tokens),
+                    None if out.first.probs is None else pick(out.first.probs),
+                    pick(out.first.hidden),
+                )
+            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
+            at = Starts(start, bounds)
+            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, generated, rows)
+            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, generated, None, rows)
+            return RoundOut(res, logits, nxt, start)
+
+        # with prev in flight the starts are filled in by prev's finish; until then (should
+        # prev fail) prev's own: the KV before them is all that is surely valid
+        known = list(starts) if prev is None else list(base)
+        self._latest = LaunchedRound(batch, known, self.h.worker.submit(run), k, generated)
+        return self._latest
+
+    def finish(self, step: LaunchedStep) -> list[StepRequest]:
+        """Reads the round's verdict (the one host read) and commits it; fills in the starts
+        of the round launched after it (where a request leaving now rolls back to). A
+        request the next round does not hold gets its exact `kv_len` back, the slots past it
+        freed."""
+        assert isinstance(step, LaunchedRound)
+        out: RoundOut = step.result.result()
+        after = self._latest if self._latest is not step else None
+        if after is None:
+            self._latest = None
+        verdict = self._read(out.res, out.logits)
+        logprobs = self._logprobs(step.reqs, verdict)
+        committed, estimates, accepted = [], [], []
+        for i, r in enumerate(step.reqs):
+            if r.finished:  # found one round late or aborted: this round's tokens are dropped
+                continue
+            n = verdict.accept_len[i]
+            estimates.append(self._estimate(r))
+            accepted.append(n)
+            self._count(r, step.k, n)
+            self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
+            committed.append(r)
+            valid = r.seq_len - 1  # the last committed token has no KV yet
+            j = None if after is None else after.index.get(id(r))
+            if j is not None:
+                after.starts[j] = valid
+            else:
+                r.kv_len = valid
+                self.h.kv.free_positions(r, valid, r.alloc_len)
+        if committed:
+            self.draft_length.record(estimates, step.k, accepted, None)
+        return committed
 
     def _drafts_ahead(self, reqs: list[StepRequest]) -> bool:
         """Whether the round's MTP pass and next d_1 run before its host read (from the
@@ -340,7 +513,7 @@ class MTPDecoder(Decoder):
         self.num_accepted += accepted
 
     def _accept(
-        self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts
+        self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts, generated: list[int]
     ) -> tuple[AcceptResult, torch.Tensor]:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy.
@@ -348,13 +521,10 @@ class MTPDecoder(Decoder):
         the device."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
-        if all_plain_greedy(reqs):  # nothing modifies the logits: argmax of the raw ones
+        if all_plain_greedy(reqs, generated):  # nothing modifies the logits: raw argmax
             return greedy_accept(tokens, logits.argmax(dim=-1)), logits
         info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs],
-            self.vocab,
-            device,
-            seed_offsets=[len(r.output_ids) for r in reqs],
+            [r.sampling_params for r in reqs], self.vocab, device, seed_offsets=generated
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions

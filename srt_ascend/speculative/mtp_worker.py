@@ -13,7 +13,7 @@ and the acceptance rule compares them there.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -79,6 +79,33 @@ class Drafts(NamedTuple):
 
     tokens: torch.Tensor  # [B, K] d_1..d_K
     probs: torch.Tensor | None  # [B, K, V] what each was drawn from; None: all greedy
+
+
+class FirstDrafts(NamedTuple):
+    """Each request's d_1 for its next round, on the device: what `draft_after_verify` drew
+    and an overlapped round hands to the next one (SpecState holds the same per request)."""
+
+    tokens: torch.Tensor  # [B]
+    probs: torch.Tensor | None  # [B, V]; None: every d_1 greedy
+    hidden: torch.Tensor  # [B, D] the outputs that drafted them
+
+
+class Starts(NamedTuple):
+    """Each request's first position of a round (the position of its verify input token) on
+    the device, with host upper bounds: an overlapped round's follow the previous round's
+    accept lengths, which the host has not read. A round with exact host starts passes them
+    as a list instead."""
+
+    device: torch.Tensor  # [B] int64
+    bounds: list[int]
+
+
+def lengths(starts: list[int] | Starts, plus: int):
+    """(sequence lengths start + plus, their host bounds or None when exact): the `seq_lens`
+    and `seq_bounds` of a ForwardBatch over positions ending at start + plus - 1."""
+    if isinstance(starts, Starts):
+        return starts.device + plus, [b + plus for b in starts.bounds]
+    return [s + plus for s in starts], None
 
 
 def one_hot_probs(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -155,13 +182,14 @@ class MTPWorker:
     def draft_after_verify(
         self,
         reqs: list[StepRequest],
-        starts: list[int],  # position of each request's verify input token
+        starts: list[int] | Starts,  # position of each request's verify input token
         loc: torch.Tensor,  # [B, K+1] slots of positions start .. start+K
         hidden: torch.Tensor,  # [B*(K+1), D] the verify forward's target hidden states
         verdict: AcceptResult,  # accept_len [B], emitted [B, K+1] (-1 past them), on the device
         generated: list[int] | None,  # tokens each request generated before this round
         draft_rows: list[bool] | None = None,  # whose d_1 is drafted (None: every row's)
-    ) -> None:
+        rows: list[int] | None = None,  # req_to_token rows (None: the requests' own)
+    ) -> FirstDrafts | None:
         """DRAFT_EXTEND after a verify, always over all 1+K positions per request (a fixed
         shape a graph can replay): the token after position start+j is emitted[j] (0 past
         the accepted ones). Rows past a request's committed positions see only their own
@@ -172,17 +200,21 @@ class MTPWorker:
         With `generated` the round is not committed yet (read): nothing here needs a host
         value of it, and d_1 is drawn as after the commit (`_draft_ahead`); the batch has no
         penalties nor grammar, whose state the commit advances. None: it is committed, and
-        d_1 follows the requests' host state."""
+        d_1 follows the requests' host state. Returns the drafted d_1 (every row's) with
+        `generated`, else None; each drafting request's SpecState keeps its own."""
         k1 = loc.shape[1]
         batch = len(reqs)
         next_tokens = verdict.emitted.clamp(min=0)  # [B, K+1]
+        seq, bounds = lengths(starts, k1)
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND,
             next_tokens.reshape(-1),
-            [r.req_pool_idx for r in reqs],
-            [s + k1 for s in starts],
+            rows or [r.req_pool_idx for r in reqs],
+            seq,
             [k1] * batch,
             loc.reshape(-1),
+            None,
+            bounds,
         )
         ends = torch.arange(0, batch * k1, k1, device=loc.device) + verdict.accept_len
         chosen = (
@@ -194,9 +226,12 @@ class MTPWorker:
         picked = [reqs[i] for i in chosen]
         if generated is None:
             self._draft_first(picked, out[ends], logits)
-        elif picked:
-            tokens, probs = self._draft_ahead(picked, logits, generated, verdict.accept_len, k1)
-            self._keep_first(picked, tokens, probs, out[ends])
+            return None
+        # every row drafts (draft_rows is None with `generated`)
+        tokens, probs = self._draft_ahead(picked, logits, generated, verdict.accept_len, k1)
+        first = FirstDrafts(tokens, probs, out[ends])
+        self._keep_first(picked, *first)
+        return first
 
     def defer(
         self,
@@ -281,7 +316,14 @@ class MTPWorker:
             s.probs = None if probs is None else probs[i]
 
     @torch.inference_mode()
-    def draft_chain(self, reqs: list[StepRequest], loc: torch.Tensor) -> Drafts:
+    def draft_chain(
+        self,
+        reqs: list[StepRequest],
+        loc: torch.Tensor,
+        first: FirstDrafts | None = None,
+        starts: list[int] | Starts | None = None,
+        rows: list[int] | None = None,
+    ) -> Drafts:
         """d_1 from each request's state, then draft steps 2..K: MTP layer l_j (j = 1..K-1,
         `layer_for_step`) over (the chain's outputs, its drafts) at positions L-1 .. L-2+j
         (L = committed length; position L-2+i takes the output that drafted d_i, and d_i),
@@ -290,23 +332,31 @@ class MTPWorker:
         decoder's). A step whose layer ran the step before needs only its last position (a
         1-token step; the layer's KV at the others holds the same inputs already); a step
         that starts a new layer runs all j positions (the first one: 1). Everything stays on
-        the device."""
+        the device. `first`: d_1 (an overlapped round's, from the round before; None: the
+        requests' states); `starts`: L-1 per request (on the device in an overlapped round;
+        None: from the committed lengths); `rows`: their req_to_token rows (None: the
+        requests' own; an overlapped round takes them at launch, as a request released
+        meanwhile has none)."""
         k = loc.shape[1] - 1
-        states = [state_of(r) for r in reqs]
-        tokens = [torch.stack([s.token for s in states])]  # [B] per draft position
-        probs = [self._gather_probs(states, tokens[0])]
-        outs = [torch.stack([s.hidden for s in states])]  # [B, D] the output drafting d_j
-        rows = [r.req_pool_idx for r in reqs]
+        first = first or self.first_of(reqs)
+        tokens = [first.tokens]  # [B] per draft position
+        probs = [first.probs]
+        outs = [first.hidden]  # [B, D] the output drafting d_j
+        rows = rows or [r.req_pool_idx for r in reqs]
+        begin = starts if starts is not None else [r.seq_len - 1 for r in reqs]
         for j in range(1, k):
             kind = self.step_kinds[j]
             n = kind.tokens_per_req  # positions L-1-n+j .. L-2+j
+            seq, bounds = lengths(begin, j)  # KV positions 0 .. L-2+j
             fb = self.h.build_forward_batch(
                 ForwardMode.DECODE if n == 1 else ForwardMode.DRAFT_EXTEND,
                 torch.stack(tokens[j - n :], dim=1).reshape(-1),
                 rows,
-                [r.seq_len - 1 + j for r in reqs],  # KV positions 0 .. L-2+j
+                seq,
                 [n] * len(reqs),
                 loc[:, j - n : j].reshape(-1),
+                None,
+                bounds,
             )
             hidden = torch.stack(outs[j - n :], dim=1).reshape(-1, outs[0].shape[-1])
             last = torch.arange(n - 1, len(reqs) * n, n, device=loc.device)  # each one's last
@@ -327,14 +377,18 @@ class MTPWorker:
             ),
         )
 
-    def _gather_probs(self, states: Sequence[SpecState], tokens: torch.Tensor):
-        """[B, V] distributions d_1 was drawn from (one-hot for greedy drafts), or None when
-        every d_1 was greedy."""
-        if all(s.probs is None for s in states):
-            return None
-        one_hot = one_hot_probs(tokens, self.h.vocab_size)
-        return torch.stack(
-            [one_hot[i] if s.probs is None else s.probs for i, s in enumerate(states)]
+    def first_of(self, reqs: list[StepRequest]) -> FirstDrafts:
+        """The requests' d_1 as their states keep them, stacked; the distributions are None
+        when every d_1 was greedy, else one-hot for the greedy ones."""
+        states = [state_of(r) for r in reqs]
+        probs = None
+        if any(s.probs is not None for s in states):
+            vocab = self.h.vocab_size
+            probs = torch.stack(
+                [one_hot_probs(s.token, vocab) if s.probs is None else s.probs for s in states]
+            )
+        return FirstDrafts(
+            torch.stack([s.token for s in states]), probs, torch.stack([s.hidden for s in states])
         )
 
     def _draft_step(

@@ -50,8 +50,9 @@ class VerifyStrategy(ABC):
         self,
         tokens: torch.Tensor,  # [B, K+1]: t_{L-1}, d_1..d_K per request, on the device
         rows: Sequence[int],  # [B] req_to_token rows
-        seq_lens: Sequence[int],  # [B] L: committed length per request
+        seq_lens: Sequence[int] | torch.Tensor,  # [B] L: committed length per request
         loc: torch.Tensor,  # [B, K+1] slots of positions L-1 .. L-1+K, in req_to_token
+        bounds: Sequence[int] | None = None,  # host upper bounds of L when it is on the device
     ) -> ForwardBatch: ...
 
 
@@ -64,16 +65,23 @@ class BatchExpansionVerify(VerifyStrategy):
         k1 = self.k + 1
         return GraphKind(f"verify_expand{suffix}", ForwardMode.TARGET_VERIFY, k1, k1, self.backend)
 
-    def build(self, tokens, rows, seq_lens, loc):
+    def build(self, tokens, rows, seq_lens, loc, bounds=None):
         k1 = loc.shape[1]
+        expand = lambda lens: [length + j for length in lens for j in range(k1)]  # noqa: E731
+        if isinstance(seq_lens, torch.Tensor):
+            seq = (seq_lens.view(-1, 1) + torch.arange(k1, device=seq_lens.device)).view(-1)
+            bounds = expand(bounds)
+        else:
+            seq = expand(seq_lens)
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
             tokens.reshape(-1),
             [row for row in rows for _ in range(k1)],
-            [length + j for length in seq_lens for j in range(k1)],
+            seq,
             [1] * (len(rows) * k1),
             loc.reshape(-1),
             self.backend,
+            bounds,
         )
 
 
@@ -90,14 +98,19 @@ class MultiQueryFiaVerify(VerifyStrategy):
         k1 = self.k + 1
         return GraphKind(f"verify_fia{suffix}", ForwardMode.TARGET_VERIFY, k1, 1, self.backend)
 
-    def build(self, tokens, rows, seq_lens, loc):
+    def build(self, tokens, rows, seq_lens, loc, bounds=None):
         k1 = loc.shape[1]
+        if isinstance(seq_lens, torch.Tensor):
+            seq, bounds = seq_lens - 1 + k1, [length - 1 + k1 for length in bounds]
+        else:
+            seq = [length - 1 + k1 for length in seq_lens]
         return self.build_forward_batch(
             ForwardMode.TARGET_VERIFY,
             tokens.reshape(-1),
             list(rows),
-            [length - 1 + k1 for length in seq_lens],
+            seq,
             [k1] * len(rows),
             loc.reshape(-1),
             self.backend,
+            bounds,
         )

@@ -2,7 +2,7 @@
 gives, on the shipped checkpoint in float32: greedy tokens, seeded samples, logprobs, `n > 1`,
 a stop string found one step late, a grammar request beside overlapped ones, penalties (run
 serially), an abort while a step is in flight, retractions from a small KV pool; and MTP
-(which runs serially under overlap) equals plain decoding. Each scenario runs on one engine
+rounds under overlap equal serial MTP rounds and plain decoding. Each scenario runs on one engine
 per setting, which then must be idle with the KV invariant intact (every slot and request row
 free or owned by the prefix cache)."""
 
@@ -107,6 +107,39 @@ def abort_in_flight(engine: Engine) -> list:
     return [o["output_ids"] for o in outs]
 
 
+def late_join(engine: Engine) -> list:
+    """Requests that arrive while a streamed one decodes: the overlapped steps end (their
+    prefill runs serially) with the streamed request unfinished, and start again."""
+    tm = engine.tokenizer_manager
+    long = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}
+
+    async def run():
+        first = tm.make_request(tm.tokenize(PROMPTS[5]), long, stream=True)
+
+        async def streamed():
+            chunks, ids = 0, None
+            async for out in tm.generate_one(first):
+                chunks += 1
+                ids = out["output_ids"]
+                if chunks == 4:
+                    others.set_result(None)
+            return ids
+
+        others = asyncio.get_running_loop().create_future()
+
+        async def joined(p):
+            await others
+            r = tm.make_request(tm.tokenize(p), GREEDY)
+            last = None
+            async for out in tm.generate_one(r):
+                last = out
+            return last["output_ids"]
+
+        return await asyncio.gather(streamed(), *(joined(p) for p in PROMPTS[:3]))
+
+    return asyncio.run_coroutine_threadsafe(run(), engine.loop).result()
+
+
 def retraction(engine: Engine) -> list:
     prompts = PROMPTS + [p + " x" for p in PROMPTS]
     outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 12})
@@ -117,6 +150,7 @@ SCENARIOS = {
     f.__name__: f for f in (greedy, seeded, logprobs, n_samples, stop_string, grammar_and_penalties)
 }
 SCENARIOS["abort_in_flight"] = abort_in_flight
+SCENARIOS["late_join"] = late_join
 
 
 def idle_problem(engine: Engine) -> str | None:
@@ -184,15 +218,81 @@ def test_retractions_under_overlap(model_path):
     assert on == off
 
 
-def test_mtp_equals_plain_under_overlap(model_path, overlapped):
-    """MTP runs serially with overlap on (its steps are not split yet) and gives the plain
-    decoder's greedy tokens and stop-string outputs."""
-    scenarios = {"greedy": greedy, "stop_string": stop_string}
-    mtp = run_all(model_path, scenarios, speculative_algorithm="MTP", speculative_num_steps=2)
+MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
+# grammar_and_penalties and n_samples (seeded sampling) run their rounds serially: an
+# overlapped streak ends and starts again around them
+MTP_SCENARIOS = {
+    name: SCENARIOS[name]
+    for name in (
+        "greedy",
+        "logprobs",
+        "stop_string",
+        "abort_in_flight",
+        "grammar_and_penalties",
+        "late_join",
+    )
+}
+
+
+def same_logprobs(a: list, b: list) -> bool:
+    """Outputs of `logprobs` equal: tokens exactly, logprobs within float32 noise (an
+    overlapped round's attention is written in tensor ops over the device lengths)."""
+
+    def flat(x):
+        if isinstance(x, (list, tuple)):
+            return [v for item in x for v in flat(item)]
+        return [x]
+
+    fa, fb = flat(a), flat(b)
+    return len(fa) == len(fb) and all(
+        x == y if not isinstance(x, float) else abs(x - y) < 1e-4 for x, y in zip(fa, fb)
+    )
+
+
+def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlapped):
+    """MTP rounds launched before the round before them is read give what serial MTP rounds
+    give (tokens, logprobs, stop strings, the prefix cache left behind, an abort mid-round,
+    batches that fall back to serial rounds, arrivals that end a streak of overlapped
+    rounds), and the plain decoder's greedy tokens; the KV invariant holds after each. The
+    CPU's verify (fia) runs eagerly here, its attention over the device lengths."""
+    on = run_all(model_path, MTP_SCENARIOS, **MTP)
+    off = run_all(model_path, MTP_SCENARIOS, disable_overlap_schedule=True, **MTP)
+    for name in MTP_SCENARIOS:
+        (out_on, cached_on), problem_on, n_on, _ = on[name]
+        (out_off, cached_off), problem_off, n_off, _ = off[name]
+        assert problem_on is None and problem_off is None, name
+        assert n_off == 0 and n_on > 0, name
+        assert cached_on == cached_off, name
+        if name == "logprobs":
+            assert same_logprobs(out_on, out_off)
+        else:
+            assert out_on == out_off, name
+    for name in ("greedy", "stop_string", "late_join"):
+        assert on[name][0][0] == overlapped[name][0][0], name
+
+
+def test_mtp_overlap_with_expand_verify_and_graphs(model_path, overlapped):
+    """Batch-expanded verify replayed from CPU graphs under overlap: each replay's KV window
+    comes from the host bounds of the lengths; the plain decoder's greedy tokens."""
+    scenarios = {name: SCENARIOS[name] for name in ("greedy", "stop_string", "late_join")}
+    kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
+    on = run_all(model_path, scenarios, **MTP, **kw)
     for name in scenarios:
-        out, problem, n_overlapped, _ = mtp[name]
-        assert problem is None and n_overlapped == 0
-        assert out[0] == overlapped[name][0][0]
+        (out, _), problem, n_on, _ = on[name]
+        assert problem is None and n_on > 0, name
+        assert out == overlapped[name][0][0], name
+
+
+def test_mtp_retractions_under_overlap(model_path):
+    scenarios = {"retraction": retraction}
+    kw = {**MTP, **SMALL_POOL}
+    (off, problem_off, _, retracted_off) = run_all(
+        model_path, scenarios, disable_overlap_schedule=True, **kw
+    )["retraction"]
+    (on, problem_on, n_on, retracted_on) = run_all(model_path, scenarios, **kw)["retraction"]
+    assert problem_off is None and problem_on is None
+    assert retracted_off > 0 and retracted_on > 0 and n_on > 0
+    assert on[0] == off[0]
 
 
 def test_idle_once_the_last_request_finishes(model_path):

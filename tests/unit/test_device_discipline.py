@@ -346,6 +346,7 @@ RAGGED_PROMPTS = ([5, 17, 33, 81, 2, 9, 40], [6, 17], [7, 17, 33, 82, 2], [8] + 
         ("NONE", {"disable_overlap_schedule": True}),
         ("MTP", {"speculative_num_steps": 2, "speculative_verify": "expand"}),
         ("MTP", {"speculative_num_steps": 3, "speculative_verify": "fia"}),
+        ("MTP", {"speculative_num_steps": 2, "disable_overlap_schedule": True}),
     ],
 )
 def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
@@ -353,7 +354,8 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
     radix cache, the request table's host mirror): a prefill of prompts of four different
     lengths (ragged query rows; a chunk of the last one, whose rest prefills next), the first
     tokens and the MTP pass, then decode steps, each making only its counted host reads.
-    Overlapped (plain decoding by default), a step launches the next decode step before it
+    Overlapped (the default), a step launches the next decode step (an MTP round: its
+    positions, lengths and slots gathered on the device from the round in flight) before it
     reads the one in flight: still one read per step, the first launch none, the last read
     when the step in flight is finished."""
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
@@ -388,7 +390,7 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
             scheduler.step()  # prefill: one read, the first tokens
             assert reads.count - before <= 1
         assert len(scheduler.running) == len(RAGGED_PROMPTS)
-        overlapped = algorithm == "NONE" and not args.disable_overlap_schedule
+        overlapped = not args.disable_overlap_schedule
         for i in range(3):
             before = reads.count
             scheduler.step()

@@ -44,6 +44,12 @@ class AttentionBackend(ABC):
     # capturable: then that layout needs no FIA op on this device.
     serves_multi_query_verify: bool = False
 
+    def takes_length_bounds(self, device: torch.device) -> bool:
+        """Whether it runs batches whose host lengths are upper bounds only (ForwardBatch
+        `host_lengths_exact` False; an overlapped MTP round), reading each row's length on
+        the device and the bounds only to size its KV window."""
+        return True
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:  # noqa: B027
         """Precompute per-batch index tensors once, before the layers run (optional)."""
 

@@ -191,14 +191,20 @@ class FiaMLABackend(AttentionBackend):
             self._mask = build_compressed_causal_mask(device)
         return self._mask
 
+    def takes_length_bounds(self, device: torch.device) -> bool:
+        """Off NPU the attention of such a batch is written in tensor ops reading the device
+        lengths (as in a compiled forward); NPU's op takes the exact lengths on the host."""
+        return not has_device_fia(device.type)
+
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
-        if torch.compiler.is_compiling():  # the lengths come from the device tensors
-            forward_batch.attn_metadata = FiaMetadata(
-                build_block_table(forward_batch),
-                None,
-                None,
-                forward_batch.static_max_q or MAX_QUERY_TOKENS_PER_REQ,
+        fb = forward_batch
+        if torch.compiler.is_compiling() or not fb.host_lengths_exact:
+            # the lengths come from the device tensors (compiled: a graph's constant query
+            # bound; eager with host bounds: the batch's one query length)
+            max_q = fb.static_max_q or (
+                MAX_QUERY_TOKENS_PER_REQ if fb.static_shapes else max(fb.extend_seq_lens_cpu)
             )
+            fb.attn_metadata = FiaMetadata(build_block_table(fb), None, None, max_q)
             return
         forward_batch.attn_metadata = FiaMetadata(
             build_block_table(forward_batch),
