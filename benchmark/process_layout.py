@@ -1,38 +1,45 @@
 """What the HTTP, tokenizer and detokenizer side costs the scheduler: one process or several?
 
-    python benchmark/process_layout.py [--compile] [--concurrencies 1 16 64]
-        [--layouts http engine pipe alone] [--input-len 48] [--output-len 48]
+    python benchmark/process_layout.py [--compile] [--concurrencies 1 16 64] [--rounds 3]
+        [--layouts http split engine pipe alone] [--input-len 48] [--output-len 48]
         [--requests-per-stream 2] [--json-out FILE] [--server-flags --num-threads 1 ...]
 
 Shipped checkpoint, bf16, greedy, `ignore_eos`, CPU graphs at every concurrency
 (`--context-length 110`: one KV window; `--compile`: compiled, `--torch-compile-max-bs` the
-largest concurrency). Every layout runs the same scheduler (same flags) in a spawned child
-process of its own, all of them up at once, and the measured runs interleave: per
-concurrency C, each layout in turn (the order rotates per C) gets one warm-up wave of C
-requests and then `--requests-per-stream` requests on each of C streams, the same prompts for
-every layout. The layouts:
-- http: the server as users run it (`launch_server.run`: uvicorn + TokenizerManager in the
+largest concurrency; `--server-flags` last, e.g. `--device cuda` on a lent machine). Every
+layout runs the same scheduler (same flags) in spawned child processes of its own, all of
+them up at once, and the measured runs interleave: per round and concurrency C, each layout
+in turn (the order rotates) gets one warm-up wave of C requests and then
+`--requests-per-stream` requests on each of C streams, the same prompts for every layout.
+The layouts:
+- http: the server as users run it (`launch_server.run`: uvicorn + TokenizerManager on the
   main thread's event loop, the scheduler in threads of the same process); C streaming
   /generate clients in this (the harness's) process.
+- split: SGLang's layout for the same streaming /generate path: the HTTP server and the
+  TokenizerManager (tokenizing, dispatch, incremental detokenizing, responses) in one
+  process, the scheduler (its threads as in the server) in a second one; requests, aborts
+  and control messages are pickled over one `multiprocessing` pipe, the scheduler's
+  per-step outputs over another (a prototype for measuring: no grammars, TP or
+  disaggregation; `SchedulerProxy`). Same clients as http.
 - engine: the in-process `Engine` (TokenizerManager on its own event-loop thread: dispatch,
   incremental detokenizing and the response dict per step, as served, but no HTTP), C client
   threads in the child calling `Engine.generate`.
-- pipe: what the scheduler's process would do in SGLang's layout: the scheduler's outputs are
-  pickled and sent over a `multiprocessing` pipe to a second process, which detokenizes them
-  incrementally and builds and JSON-encodes a response per output (the tokenizer manager /
-  detokenizer side, without HTTP), and hands finished requests back over a second pipe.
+- pipe: the scheduler's outputs pickled over a pipe to a second process, which detokenizes
+  them and builds and JSON-encodes a response per output (the output side without HTTP);
+  finished requests come back over a second pipe; requests are submitted in-process.
 - alone: the scheduler with nothing consuming its outputs (the emit only marks finishes):
   the floor for any layout.
 Per layout and C, over the measured requests: the scheduler's decode step period (median,
-from one step's start to the next, periods with a prefill left out) and its ratio to
-`alone`'s; each thread's CPU time per decode step (`/proc/self/task/<tid>/stat`, by thread
-name: `srt-scheduler` runs the forwards, `srt-scheduler-loop` the scheduler's loop, the
-event loop is `MainThread` (http) or `srt-engine-loop` (engine); the pipe's consumer process
-and, for http, this harness's client threads are counted apart); and the scheduler's host
-work per step (its step calls less the forwards and result waits inside them), wall and CPU:
-their difference is the time the scheduler's Python was ready but off a core: waiting for the
-GIL or for the OS to give it a core. On a 2-core machine that is the question: a process
-split removes the GIL waits but not the competition for the cores.
+from one step's start to the next, periods with a prefill left out), its ratio to `alone`'s
+in the same round, and tokens/s; each thread's CPU time per decode step
+(`/proc/self/task/<tid>/stat`, by thread name: `srt-scheduler` runs the forwards (the device
+worker), `srt-scheduler-loop` the scheduler's loop, the event loop is `MainThread` (http;
+`http: MainThread` in split) or `srt-engine-loop` (engine); the pipe's consumer process and
+this harness's client threads counted apart); and the scheduler's host work per step (its
+step calls less the forwards and result waits inside them), wall and CPU: their difference
+("off CPU") is time the scheduler's Python was ready but not running, waiting for the GIL or
+for the OS to give it a core. On a 2-core machine that is the question: a process split
+removes the GIL waits but not the competition for the cores.
 """
 
 from __future__ import annotations
@@ -65,7 +72,7 @@ from step_overhead import (
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
-LAYOUTS = ("http", "engine", "pipe", "alone")
+LAYOUTS = ("http", "split", "engine", "pipe", "alone")
 SAMPLING = {"temperature": 0, "ignore_eos": True}
 
 
@@ -216,6 +223,174 @@ class Direct:
         del self.finished[req.rid]
 
 
+# ---- split: SGLang's process layout for the generate path ------------------------------------
+
+
+def scheduler_process(argv: list[str], to_sched, from_sched, cmd) -> None:
+    """The split layout's scheduler process: a TokenizerManager's scheduler (threads as in
+    the server) whose outputs are pickled to the HTTP process (`from_sched`); the messages
+    the HTTP process submits arrive on `to_sched` (a reply future is answered back as
+    ("reply", key, value)); `cmd` answers "cpu" and "records" as `serve_commands` does."""
+    from concurrent.futures import Future
+
+    from srt_ascend.managers.tokenizer_manager import TokenizerManager
+    from srt_ascend.server_args import prepare_server_args
+
+    records: list = []
+    install_timers(records)
+    send_lock = threading.Lock()
+
+    def send(obj) -> None:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        with send_lock:
+            from_sched.send_bytes(data)
+
+    class Manager(TokenizerManager):
+        def _on_outputs(self, outputs) -> None:
+            send(("out", outputs))
+
+    tm = Manager(prepare_server_args(argv))
+    runner = tm.runner
+    send(
+        (
+            "info",
+            {
+                "vocab_size": runner.vocab_size,
+                "context_len": runner.context_len,
+                "max_total_tokens": runner.max_total_tokens,
+                "eos_ids": tm.scheduler.stop_checker.eos_ids,
+            },
+        )
+    )
+
+    def receive() -> None:
+        while True:
+            key, msg = pickle.loads(to_sched.recv_bytes())
+            if key is not None:
+                msg = dataclasses.replace(msg, reply=Future())
+                msg.reply.add_done_callback(lambda f, key=key: send(("reply", key, f.result())))
+            tm.scheduler.submit(msg)
+
+    threading.Thread(target=receive, name="split-receive", daemon=True).start()
+    serve_commands(cmd, records, None, {})
+
+
+class SchedulerProxy:
+    """What the HTTP process's TokenizerManager sees of the scheduler in the other process:
+    `submit` pickles the message over a pipe (a reply future stays here, answered when the
+    scheduler's process sends its value back)."""
+
+    def __init__(self, conn, eos_ids) -> None:
+        self.conn = conn
+        self.stop_checker = argparse.Namespace(eos_ids=eos_ids)
+        self.replies: dict[int, object] = {}
+        self.keys = iter(range(1 << 62))
+        self.lock = threading.Lock()
+
+    def submit(self, msg) -> None:
+        key = None
+        if getattr(msg, "reply", None) is not None:
+            key = next(self.keys)
+            self.replies[key] = msg.reply
+            msg = dataclasses.replace(msg, reply=None)
+        if getattr(msg, "grammar", None) is not None:
+            raise NotImplementedError("the split layout's benchmark carries no grammars")
+        data = pickle.dumps((key, msg), protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            self.conn.send_bytes(data)
+
+    def stop(self) -> None:
+        pass
+
+
+def split_http(args, argv: list[str], conn, records: list) -> None:
+    """The split layout's HTTP process (this one): uvicorn + a TokenizerManager whose
+    scheduler is a `SchedulerProxy` to a spawned scheduler process; commands as
+    `serve_commands`, "cpu" and "records" merged with the scheduler process's."""
+    import asyncio
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
+    from srt_ascend import launch_server
+    from srt_ascend.constrained import GrammarBackend, GrammarOptions
+    from srt_ascend.managers.tokenizer_manager import TokenizerManager, _max_token_chars
+    from srt_ascend.managers.tp_ranks import load_tokenizer
+    from srt_ascend.platforms import get_platform
+
+    ctx = multiprocessing.get_context("spawn")
+    to_sched_r, to_sched_w = ctx.Pipe(duplex=False)
+    from_sched_r, from_sched_w = ctx.Pipe(duplex=False)
+    cmd_here, cmd_there = ctx.Pipe()
+    proc = ctx.Process(target=scheduler_process, args=(argv, to_sched_r, from_sched_w, cmd_there))
+    proc.start()
+    kind, info = pickle.loads(from_sched_r.recv_bytes())
+    assert kind == "info"
+    proxy = SchedulerProxy(to_sched_w, info["eos_ids"])
+
+    class SplitManager(TokenizerManager):
+        def __init__(self, server_args) -> None:  # TokenizerManager's, the scheduler remote
+            self.platform = get_platform(server_args.device)
+            self.args = server_args.for_device(self.platform.name)
+            self.tokenizer = load_tokenizer(server_args.tokenizer)
+            self.states, self._submissions = {}, {}
+            self._submission_ids = itertools.count()
+            self.loop: asyncio.AbstractEventLoop | None = None
+            self.dist_init = self.ranks = None
+            self.scheduler, self.thread = proxy, None
+            self.runner = argparse.Namespace(config=None, **info)
+            self.context_len = info["context_len"]
+            self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+            self.max_text_chars = self.context_len * _max_token_chars(self.tokenizer)
+            self.grammars = GrammarBackend(
+                self.tokenizer,
+                info["vocab_size"],
+                info["eos_ids"],
+                GrammarOptions.from_args(self.args),
+            )
+            self.draining = False
+
+        def shutdown(self) -> None:
+            self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
+            self.grammars.shutdown()
+
+    tm_box: list = []
+
+    def build(server_args):
+        tm_box.append(SplitManager(server_args))
+        return tm_box[0]
+
+    def outputs() -> None:
+        while True:
+            msg = pickle.loads(from_sched_r.recv_bytes())
+            if msg[0] == "out":
+                tm_box[0]._on_outputs(msg[1])
+            else:
+                fut = proxy.replies.pop(msg[1])
+                tm_box[0].loop.call_soon_threadsafe(fut.set_result, msg[2])
+
+    def commands() -> None:
+        while True:
+            cmd = conn.recv()
+            if cmd[0] == "cpu":
+                cmd_here.send(cmd)
+                there = cmd_here.recv()
+                here = thread_cpu()
+                conn.send({**{f"http: {k}": v for k, v in here.items()}, **there})
+            elif cmd[0] == "records":
+                cmd_here.send(cmd)
+                there = cmd_here.recv()
+                conn.send(there + [r for r in records if cmd[1] <= r[2] <= cmd[2]])
+            else:
+                cmd_here.send(("stop",))
+                conn.send("stopped")
+                os._exit(0)
+
+    threading.Thread(target=outputs, name="split-outputs", daemon=True).start()
+    threading.Thread(target=commands, name="layout-cmd", daemon=True).start()
+    launch_server.build_tokenizer_manager = build
+    launch_server.run(args)
+
+
 def layout_child(layout: str, argv: list[str], conn) -> None:
     """One layout in this (spawned) process, driven by commands over `conn`:
     ("cpu",) -> per-thread CPU; ("run", prompts, C, n) -> (start, end) after C client threads
@@ -227,6 +402,10 @@ def layout_child(layout: str, argv: list[str], conn) -> None:
 
     args = prepare_server_args(argv)
     pids: dict[str, int] = {}
+    if layout == "split":
+        conn.send("started")
+        split_http(args, argv, conn, records)
+        return
     if layout == "http":  # the server in the main thread, as launched; commands beside it
         from srt_ascend.launch_server import run
 
@@ -288,7 +467,7 @@ class Layout:
     def __init__(self, name: str, a) -> None:
         self.name = name
         argv = server_flags(a)
-        if name == "http":
+        if name in ("http", "split"):
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 self.port = sock.getsockname()[1]
@@ -304,7 +483,7 @@ class Layout:
 
     def wait_ready(self) -> None:
         self.conn.recv()  # "ready" / "started"
-        if self.name != "http":
+        if self.name not in ("http", "split"):
             return
         url = f"http://127.0.0.1:{self.port}"
         while True:
@@ -320,7 +499,7 @@ class Layout:
 
     def run(self, a, prompts, c) -> tuple[float, float, float]:
         """(start, end, harness CPU s) of the client run."""
-        if self.name == "http":
+        if self.name in ("http", "split"):
             cpu0 = time.process_time()
             start, end, _ = client(self.port, a, prompts, c)
             return start, end, time.process_time() - cpu0
@@ -374,7 +553,7 @@ def measure(layout: Layout, a, prompts, c) -> dict:
     n = max(steps, 1)
     cpu = {k: round((v - cpu0.get(k, 0.0)) / n * 1e3, 3) for k, v in cpu1.items()}
     if client_cpu:
-        cpu["harness clients (http)"] = round(client_cpu / n * 1e3, 3)
+        cpu["harness clients"] = round(client_cpu / n * 1e3, 3)
     tokens = (len(prompts) - c) * a.output_len
     return {
         "layout": layout.name,
