@@ -155,6 +155,11 @@ def check_tpot(rep: Report, device: str, size: dict) -> None:
     configs = {"off": {}} | {
         f"K={k}": {"speculative_algorithm": "MTP", "speculative_num_steps": k} for k in size["ks"]
     }
+    # overlap scheduling off (the serial loop) for plain decoding and the first K: the host
+    # time per step that overlap hides
+    serial = {"disable_overlap_schedule": True}
+    first = size["ks"][0]
+    configs |= {"off serial": serial, f"K={first} serial": {**configs[f"K={first}"], **serial}}
     base: dict[int, float] = {}
     for name, spec in configs.items():
         dtype, conc_max = size["speed_dtype"], max(size["conc"])
@@ -163,10 +168,12 @@ def check_tpot(rep: Report, device: str, size: dict) -> None:
                 prompts = held_out_prompts(conc * size["waves"])
                 t = tpot_ms(e, prompts, conc, size["tpot_len"])
                 base.setdefault(conc, t)
-                acc = e.get_internal_state().get("avg_spec_accept_length", 1.0)
+                state = e.get_internal_state()
+                acc = state.get("avg_spec_accept_length", 1.0)
                 rep.data.setdefault("tpot", []).append(
-                    dict(config=name, concurrency=conc, tpot_ms=t, accept_length=acc)
-                )
+                    dict(config=name, concurrency=conc, tpot_ms=t, accept_length=acc,
+                         overlapped_steps=state["num_overlapped_steps"])
+                )  # fmt: skip
                 figure = f"TPOT {t:.2f} ms, {base[conc] / t:.2f}x vs off, accept {acc:.2f}"
                 rep.add(f"{dtype} TPOT", f"{name} c={conc}", figure)
 
