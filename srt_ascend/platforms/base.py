@@ -134,6 +134,9 @@ class Platform(ABC):
     # Inductor options of this device's compiled forwards (torch.compile takes a mode or
     # options, not both: these spell out the mode they stand for).
     compile_options: dict[str, object] = {}
+    # Inductor options of the AOTInductor packages a warm start loads compiled shapes from
+    # (model_executor/compile_packages.py); None: this device compiles at every start.
+    package_options: dict[str, object] | None = None
 
     def compile_unavailable(self) -> str | None:
         """Why forwards cannot be compiled here (one line for a warning), or None."""
