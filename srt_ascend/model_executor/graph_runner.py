@@ -32,7 +32,8 @@ capture/pad/replay logic runs in every test. Buckets up to `compile_max_bs`
 (--enable-torch-compile) capture the forward compiled (model_executor/torch_compile.py): at
 capture, or (`capture(defer_compile=True)`) captured uncompiled first and compiled one shape
 per `compile_next` call, which swaps the compiled graph in; the caller runs it between steps,
-in the thread that replays (the rule is in torch_compile.py's docstring).
+in the thread that replays (the rule is in torch_compile.py's docstring). A shape whose
+package is in the compile cache (compile_packages.py) is loaded compiled at capture either way.
 
 Under data-parallel attention (`dp_size` > 1) a captured forward gathers its padded rows from
 every DP group before each MLP, and all ranks replay the same kind and bucket, or none does:

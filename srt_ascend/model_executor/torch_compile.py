@@ -3,9 +3,12 @@
 Each (kind, batch bucket, KV window) the graph runner captures, up to --torch-compile-max-bs,
 is compiled whole (fullgraph, dynamic=False) with the platform's settings (`Platform.compile`)
 and then captured like any forward: replayed by the C++ wrapper's code on CPU, inside a CUDA
-graph on CUDA. Compiled artifacts go to inductor's FX graph cache on disk,
-$TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/srt_ascend/inductor, so a restart with the same
-model and shapes skips inductor's code generation, autotuning and C++ builds.
+graph on CUDA. Compiled artifacts go to the compile cache on disk, $TORCHINDUCTOR_CACHE_DIR,
+by default ~/.cache/srt_ascend/inductor: on CPU each shape as an AOTInductor package, which a
+later start loads while it captures the graphs, before serving, with no tracing or code
+generation at all (compile_packages.py); elsewhere (or for a forward that cannot be packaged)
+inductor's FX graph cache, so a restart skips inductor's code generation, autotuning and C++
+builds but still traces each shape through dynamo and AOT autograd.
 
 When shapes compile: with --torch-compile-at-start all of them before the server serves; by
 default the server serves at once with every shape captured uncompiled, and the scheduler
