@@ -303,6 +303,7 @@ def compile_package(
         torch._inductor.aoti_compile_and_package(
             program, package_path=tmp, inductor_configs=configs
         )
+        os.chmod(tmp, 0o644)  # mkstemp's 0600: readable by whoever shares the cache
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
