@@ -121,3 +121,29 @@ def test_a_corrupt_package_is_compiled_again(cold):
     assert_same_outputs(first, again)
     # and packaged again: the next start loads it
     assert start_and_replay(path)["packages"] == {"loaded": 1}
+
+
+def test_a_package_that_does_not_fit_this_process_is_refused(cold):
+    """A package whose inputs do not match this process's tensors (here a KV pool of another
+    size) is refused before it runs (compile_packages.PackagedForward), never run on them."""
+    from srt_ascend.model_executor.compile_packages import PackagedForward, StalePackage
+
+    path, cache, _ = cold
+    (package,) = glob.glob(os.path.join(cache, "aoti", "*.pt2"))
+    args = ServerArgs(
+        model_path=path,
+        dtype="float32",
+        context_length=40,
+        max_running_requests=2,
+        max_total_tokens=128,  # the package's pool holds 256
+        cuda_graph_bs=(1,),
+        enable_cpu_graph=True,
+    )
+    runner = ModelRunner(args, CpuPlatform())
+    decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
+    runner.capture_graphs(decoder.graph_kinds())
+    gr = runner.graph_runner
+    (shape,) = gr.graphs
+    roots = {"fb": gr.graphs[shape].fb, "hidden": None, "model": runner.model, "mtp": None}
+    with pytest.raises(StalePackage, match="token_to_kv_pool"):
+        PackagedForward(package, roots)
