@@ -410,7 +410,9 @@ class GraphRunner:
                 return None
             fn = fn or CompiledForward(self.platform, body, self.eager_threads)
         with self.platform.stream(self.stream):
-            for _ in range(graph.warmup_runs):
+            # a compiled forward runs at least once here: it compiles (or its package runs)
+            # at capture, not at the first served replay (EagerReplayGraph runs nothing)
+            for _ in range(max(graph.warmup_runs, int(compiled))):
                 fn()
         graph.capture(fn, self.pool, self.stream)
         return _Captured(graph, fb, fb.num_tokens, fb.batch_size, compiled)
