@@ -324,13 +324,15 @@ class PackageStore:
         return os.path.join(self.dir, f"{shape[0]}-b{shape[1]}-w{shape[2]}-{key}.pt2")
 
     def load(self, path: str, roots: dict[str, object]) -> PackagedForward | None:
-        """The package at `path` bound to these tensors; None when there is none, or (then
-        removed, with a warning) it is stale or corrupt."""
+        """The package at `path` bound to these tensors, run once (over the zeroed static
+        buffers: padding only); None when there is none, or (then removed, with a warning)
+        it is stale or corrupt."""
         if not os.path.exists(path):
             return None
         try:
             fwd = PackagedForward(path, {**roots, **self.roots})
-        except StalePackage as e:
+            fwd()  # runs once here: a package that loads but cannot run is stale too
+        except Exception as e:  # StalePackage, or whatever its code raised
             logger.warning(
                 "compile cache: %s is stale or corrupt (%s); compiling it again",
                 os.path.basename(path),
@@ -352,6 +354,7 @@ class PackageStore:
         try:
             compile_package(body, all_roots, path, self.options)
             fwd = PackagedForward(path, all_roots)
+            fwd()
         except Exception as e:  # export / AOTInductor limits: torch.compile as before
             logger.warning(
                 "compile cache: %s cannot be packaged (%r); compiling it with torch.compile",
@@ -359,6 +362,8 @@ class PackageStore:
                 e,
             )
             stats["unpackaged"] += 1
+            if os.path.exists(path):  # written but unusable: no later start should load it
+                os.remove(path)
             return None
         stats["compiled"] += 1
         return fwd
