@@ -6,9 +6,12 @@
 One server per run (shipped checkpoint, bf16, MTP K = 2 through FIA, --torch-compile-max-bs 1
 --context-length 256 unless --server-args says otherwise), all runs against one
 TORCHINDUCTOR_CACHE_DIR: "cold" empties it first, "warm" keeps what the runs before it wrote
-(inductor's FX graph cache and autotune results). Per run: seconds from launch to the first
-/health 200 (the server serves from there, uncompiled), to /server_info's `torch_compile`
-reporting every shape compiled, and the shapes compiled.
+(inductor's FX graph cache and autotune results, and the AOTInductor packages a warm start
+loads its compiled shapes from: model_executor/compile_packages.py). Per run: seconds from
+launch to the first /health 200 (the server serves from there, uncompiled where a shape is
+not compiled yet), to /server_info's `torch_compile` reporting every shape compiled, the
+shapes compiled and how many of them were loaded from the cache, and the load average
+(`os.getloadavg`, 1 min) at the end of the run. `--log-dir DIR` keeps each server's stderr.
 """
 
 from __future__ import annotations
@@ -33,18 +36,19 @@ SMALL = (
 )
 
 
-def start_times(model: str, extra: list[str], cache_dir: str) -> dict:
+def start_times(model: str, extra: list[str], cache_dir: str, log: str | None = None) -> dict:
     """Launches one server; returns when every shape is compiled (then stops it)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
     cmd = [sys.executable, "-m", "srt_ascend.launch_server", "--model-path", model]
+    err = open(log, "w") if log else subprocess.DEVNULL  # noqa: SIM115 - closed below
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [*cmd, "--port", str(port), "--log-level", "warning", *extra],
         env=env,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=err,
     )
     try:
         while True:
@@ -63,10 +67,14 @@ def start_times(model: str, extra: list[str], cache_dir: str) -> dict:
             all_compiled_s=round(time.perf_counter() - t0, 1),
             shapes=progress.get("total", 0),
             compiled=progress.get("compiled", 0),
+            loaded=progress.get("loaded", 0),
+            load_avg_1m=round(os.getloadavg()[0], 2),
         )
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+        if log:
+            err.close()
 
 
 def main() -> None:
@@ -76,19 +84,24 @@ def main() -> None:
     p.add_argument("--cache-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--server-args", default=SMALL)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--log-dir", default=None, help="keep each server's stderr here")
     a = p.parse_args()
     cache_dir = a.cache_dir or tempfile.mkdtemp(prefix="inductor_")
     rows = []
     for run in a.runs:
         if run == "cold":
             shutil.rmtree(cache_dir, ignore_errors=True)
-        row = {"run": run, **start_times(a.model_path, a.server_args.split(), cache_dir)}
+        log = os.path.join(a.log_dir, f"{len(rows)}_{run}.log") if a.log_dir else None
+        row = {"run": run, **start_times(a.model_path, a.server_args.split(), cache_dir, log)}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    print("| run | /health 200 (s) | all shapes compiled (s) | shapes |")
-    print("| --- | --- | --- | --- |")
+    print("| run | /health 200 (s) | all shapes compiled (s) | compiled | loaded | load 1m |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['run']} | {r['health_s']} | {r['all_compiled_s']} | {r['compiled']} |")
+        print(
+            f"| {r['run']} | {r['health_s']} | {r['all_compiled_s']} | {r['compiled']} "
+            f"| {r['loaded']} | {r['load_avg_1m']} |"
+        )
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"server_args": a.server_args, "rows": rows}, f, indent=1)

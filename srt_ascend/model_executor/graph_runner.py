@@ -32,7 +32,8 @@ capture/pad/replay logic runs in every test. Buckets up to `compile_max_bs`
 (--enable-torch-compile) capture the forward compiled (model_executor/torch_compile.py): at
 capture, or (`capture(defer_compile=True)`) captured uncompiled first and compiled one shape
 per `compile_next` call, which swaps the compiled graph in; the caller runs it between steps,
-in the thread that replays (the rule is in torch_compile.py's docstring).
+in the thread that replays (the rule is in torch_compile.py's docstring). A shape whose
+package is in the compile cache (compile_packages.py) is loaded compiled at capture either way.
 
 Under data-parallel attention (`dp_size` > 1) a captured forward gathers its padded rows from
 every DP group before each MLP, and all ranks replay the same kind and bucket, or none does:
@@ -65,6 +66,7 @@ from srt_ascend.utils import to_device
 
 if TYPE_CHECKING:
     from srt_ascend.mem_cache.memory_pool import MLATokenToKVPool, ReqToTokenPool
+    from srt_ascend.model_executor.compile_packages import PackageStore
     from srt_ascend.platforms import DeviceGraph, Platform
 
 logger = logging.getLogger(__name__)
@@ -207,8 +209,11 @@ class GraphRunner:
         compile_max_bs: int = 0,
         dp_size: int = 1,
         eager_threads: int | None = None,
+        packages: PackageStore | None = None,
     ) -> None:
         self.platform = platform
+        # compiled shapes as AOTInductor packages in the compile cache (compile_packages.py)
+        self.packages = packages
         # intra-op threads of uncompiled replays (compiled ones: CompiledForward's own count)
         self.eager_threads = eager_threads or torch.get_num_threads()
         self.dp_size = dp_size  # DP attention groups whose tokens each MLP gathers
@@ -279,18 +284,22 @@ class GraphRunner:
             allow_compiled_shapes(len(to_compile))
         self.compile_queue = CompileQueue(to_compile, list(self.kinds))
         for shape in shapes:
-            if defer_compile or shape[1] > self.compile_max_bs:
+            if shape in to_compile and (loaded := self._load_compiled(shape)) is not None:
+                self.graphs[shape] = loaded  # from the compile cache: nothing to compile
+                self.compile_queue.loaded_from_cache(shape)
+            elif defer_compile or shape[1] > self.compile_max_bs:
                 self.graphs[shape] = self._capture_one(self.kinds[shape[0]], *shape[1:], False)
         self.platform.synchronize()
         if not defer_compile:
             while self.compile_next():
                 pass
         logger.info(
-            "captured %d graphs (%s; %d compiled, %d to compile while idle) for batch sizes "
-            "%s, KV windows %s",
+            "captured %d graphs (%s; %d compiled, %d of them loaded from the compile cache, "
+            "%d to compile while idle) for batch sizes %s, KV windows %s",
             len(self.graphs),
             ", ".join(f"{name}: {n}" for name, n in self.graphs_per_kind().items()),
             self.compile_queue.compiled,
+            self.compile_queue.loaded,
             len(self.compile_queue),
             self.buckets,
             self.windows,
@@ -345,7 +354,44 @@ class GraphRunner:
             dp_token_counts=[n_tok] * self.dp_size if self.dp_size > 1 else None,
         )
 
-    def _capture_one(self, kind: GraphKind, bs: int, window: int, compiled: bool) -> _Captured:
+    @torch.inference_mode()
+    def _load_compiled(self, shape: Shape) -> _Captured | None:
+        """`shape` captured compiled from its package in the compile cache, or None (no
+        packages here, none for this shape, or a stale one, then removed)."""
+        if self.packages is None:
+            return None
+        self.buf.zero_()
+        self.platform.synchronize()
+        captured = self._capture_one(self.kinds[shape[0]], *shape[1:], True, load_only=True)
+        self.platform.synchronize()
+        return captured
+
+    def _packaged(self, kind: GraphKind, bs: int, window: int, fb, hidden, body, load_only):
+        """`body` compiled through the compile cache's packages: loaded, or (unless
+        `load_only`) compiled and packaged; None when there is none to load / it cannot be
+        packaged (compile_packages.py)."""
+        threads = self.platform.compiled_forward_threads(self.eager_threads)
+        shape = (kind.name, bs, window)
+        described = (
+            f"{kind.mode}|{kind.tokens_per_req}|{kind.rows_per_req}|"
+            f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
+        )
+        path = self.packages.path(shape, described, threads)
+        roots = {"fb": fb, "hidden": hidden}
+        set_intra_op_threads(threads)  # kernels are generated for the threads they run on
+        with torch.inference_mode(False), torch.no_grad():
+            packaged = self.packages.load(path, roots)
+            if packaged is None and not load_only:
+                packaged = self.packages.compile(body, path, roots)
+        if packaged is None:
+            return None
+        return CompiledForward(self.platform, body, self.eager_threads, compiled=packaged)
+
+    def _capture_one(
+        self, kind: GraphKind, bs: int, window: int, compiled: bool, load_only: bool = False
+    ) -> _Captured | None:
+        """`kind` at (`bs`, `window`) captured, `compiled` or not; with `load_only`, compiled
+        from its package only, else None."""
         fb = self._static_batch(kind, bs, window)
         hidden = self.buf.hidden[: fb.num_tokens] if kind.mtp_layer is not None else None
 
@@ -357,9 +403,16 @@ class GraphRunner:
         fn = body
         if compiled:
             body()  # eagerly first: what the compiled graph only reads is built (caches)
-            fn = CompiledForward(self.platform, body, self.eager_threads)
+            fn = None
+            if self.packages is not None:
+                fn = self._packaged(kind, bs, window, fb, hidden, body, load_only)
+            if fn is None and load_only:
+                return None
+            fn = fn or CompiledForward(self.platform, body, self.eager_threads)
         with self.platform.stream(self.stream):
-            for _ in range(graph.warmup_runs):
+            # a compiled forward runs at least once here: it compiles (or its package runs)
+            # at capture, not at the first served replay (EagerReplayGraph runs nothing)
+            for _ in range(max(graph.warmup_runs, int(compiled))):
                 fn()
         graph.capture(fn, self.pool, self.stream)
         return _Captured(graph, fb, fb.num_tokens, fb.batch_size, compiled)

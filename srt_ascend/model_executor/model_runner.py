@@ -7,6 +7,7 @@ the kind when it calls `forward` / `forward_mtp`."""
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -16,6 +17,7 @@ from srt_ascend.layers.attention.base import create_attention_backend
 from srt_ascend.layers.attention.batch_invariant import batch_invariant_backend
 from srt_ascend.layers.attention.device_plan import resolve_attention_plan
 from srt_ascend.mem_cache import MLATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from srt_ascend.model_executor.compile_packages import PackageStore, model_identity
 from srt_ascend.model_executor.dp_graph import agree_replay, demand, token_counts
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import (
@@ -139,6 +141,7 @@ class ModelRunner:
         if compile_on and self.tp.dp_size > 1:
             logger.warning("--enable-torch-compile: data-parallel attention runs graphs uncompiled")
             compile_on = False
+        compile_max = compile_max_bs(compile_on, args.torch_compile_max_bs, self.platform)
         self.graph_runner = GraphRunner(
             self.platform,
             self._captured_forward,
@@ -151,11 +154,32 @@ class ModelRunner:
             ),
             kinds,
             smallest_kv_window,
-            compile_max_bs(compile_on, args.torch_compile_max_bs, self.platform),
+            compile_max,
             self.tp.dp_size,
             self.eager_threads,
+            self._compile_packages() if compile_max else None,
         )
         self.graph_runner.capture(defer_compile=not args.torch_compile_at_start)
+
+    def _compile_packages(self) -> PackageStore | None:
+        """Where compiled shapes are kept as AOTInductor packages, so that a later start
+        loads them (compile_packages.py): on platforms that package (CPU), one rank only
+        (a rank's graph may hold its rank; tensor-parallel runs compile at every start)."""
+        options = self.platform.package_options
+        if options is None or self.tp.size > 1:
+            return None
+        args = self.server_args
+        try:
+            identity = model_identity(args, args.model_path)
+        except OSError as e:  # no config.json to key packages by
+            logger.info("compile cache: no packages (%s)", e)
+            return None
+        return PackageStore(
+            os.environ["TORCHINDUCTOR_CACHE_DIR"],
+            identity,
+            options,
+            {"model": self.model, "mtp": self.mtp},
+        )
 
     def compile_next_graph(self) -> bool:
         """Compiles one more graph (--enable-torch-compile without --torch-compile-at-start)

@@ -3,9 +3,12 @@
 Each (kind, batch bucket, KV window) the graph runner captures, up to --torch-compile-max-bs,
 is compiled whole (fullgraph, dynamic=False) with the platform's settings (`Platform.compile`)
 and then captured like any forward: replayed by the C++ wrapper's code on CPU, inside a CUDA
-graph on CUDA. Compiled artifacts go to inductor's FX graph cache on disk,
-$TORCHINDUCTOR_CACHE_DIR, by default ~/.cache/srt_ascend/inductor, so a restart with the same
-model and shapes skips inductor's code generation, autotuning and C++ builds.
+graph on CUDA. Compiled artifacts go to the compile cache on disk, $TORCHINDUCTOR_CACHE_DIR,
+by default ~/.cache/srt_ascend/inductor: on CPU each shape as an AOTInductor package, which a
+later start loads while it captures the graphs, before serving, with no tracing or code
+generation at all (compile_packages.py); elsewhere (or for a forward that cannot be packaged)
+inductor's FX graph cache, so a restart skips inductor's code generation, autotuning and C++
+builds but still traces each shape through dynamo and AOT autograd.
 
 When shapes compile: with --torch-compile-at-start all of them before the server serves; by
 default the server serves at once with every shape captured uncompiled, and the scheduler
@@ -110,8 +113,15 @@ class CompiledForward:
     holds (measured: a greedy argmax over 16 x 8192 logits took 6.7 ms a step that way, on 2
     shared cores). Eager forwards set the eager count back (`ModelRunner`, `GraphRunner`)."""
 
-    def __init__(self, platform, fn: Callable[[], torch.Tensor], eager_threads: int) -> None:
-        self._fn = platform.compile(fn)
+    def __init__(
+        self,
+        platform,
+        fn: Callable[[], torch.Tensor],
+        eager_threads: int,
+        compiled: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
+        # `compiled`: `fn` compiled already (a loaded package: compile_packages.py)
+        self._fn = compiled if compiled is not None else platform.compile(fn)
         self.threads = platform.compiled_forward_threads(eager_threads)
 
     def __call__(self) -> torch.Tensor:
@@ -133,7 +143,7 @@ class CompileQueue:
         rank = {name: i for i, name in enumerate(kind_order)}
         self._order = {s: (s[1], s[2], rank[s[0]]) for s in shapes}
         self._hits: Counter[Shape] = Counter()
-        self.total, self.compiled = len(shapes), 0
+        self.total, self.compiled, self.loaded = len(shapes), 0, 0
         self._bar = tqdm(total=self.total, desc="torch.compile", disable=not shapes)
 
     def __len__(self) -> int:
@@ -150,6 +160,12 @@ class CompileQueue:
         del self._order[shape]
         return shape
 
+    def loaded_from_cache(self, shape: Shape) -> None:
+        """`shape` was loaded compiled from the compile cache: off the queue, compiled."""
+        del self._order[shape]
+        self.loaded += 1
+        self.done(True)
+
     def done(self, compiled: bool) -> None:
         """The shape last popped is finished with: `compiled`, or it failed (it then keeps
         its uncompiled graph)."""
@@ -159,6 +175,12 @@ class CompileQueue:
             self._bar.close()
 
     def progress(self) -> dict[str, int | bool]:
-        """Shapes compiled so far, of `total`; `ready` once none is left to try (a shape
-        whose compile failed stays uncompiled and is not counted)."""
-        return {"compiled": self.compiled, "total": self.total, "ready": not self._order}
+        """Shapes compiled so far, of `total` (`loaded` of them from the compile cache's
+        packages); `ready` once none is left to try (a shape whose compile failed stays
+        uncompiled and is not counted)."""
+        return {
+            "compiled": self.compiled,
+            "loaded": self.loaded,
+            "total": self.total,
+            "ready": not self._order,
+        }

@@ -31,6 +31,9 @@ class CpuPlatform(Platform):
         "cpp_wrapper": True,
         "freezing": True,
     }
+    # the same for the packages (AOTInductor's code is C++ throughout; weights are inputs,
+    # not frozen constants, so a package does not depend on weight values)
+    package_options = {"max_autotune": True, "coordinate_descent_tuning": True}
 
     @staticmethod
     def is_available() -> bool:

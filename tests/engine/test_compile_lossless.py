@@ -10,6 +10,7 @@ checked shape by shape through dynamo in tests/unit/test_torch_compile.py."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -44,11 +45,15 @@ def next_progress(engine: Engine, last: dict | None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def compiled_run(model_path):
+def compiled_run(model_path, tmp_path_factory):
     """(outputs, final internal state, compile progress before each prompt sent alone and
     after the last prompt). The engine serves at once; its idle scheduler compiles one shape
-    between two of the first prompts, so they run with 0, 1, 2 and 3 of the 3 compiled."""
+    between two of the first prompts, so they run with 0, 1, 2 and 3 of the 3 compiled. An
+    empty compile cache: a warm one would load every shape at start (compile_packages.py),
+    and the shapes then run from the packages the compiles wrote."""
     prompts = [PROMPTS[i] for i in SHORT]
+    old_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("compile_cache"))
     engine = Engine(model_path=model_path, dtype="float32", **COMPILED)
     try:
         outs, progress = [], [None]
@@ -65,6 +70,10 @@ def compiled_run(model_path):
         return outs, state, progress[1:]
     finally:
         engine.shutdown()
+        if old_cache is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old_cache
 
 
 def test_compiled_greedy_identical_to_eager(compiled_run, baseline):
@@ -75,7 +84,7 @@ def test_compiled_greedy_identical_to_eager(compiled_run, baseline):
 def test_shapes_switch_to_compiled_between_prompts(compiled_run):
     _, _, progress = compiled_run
     assert [p["compiled"] for p in progress] == [0, 1, 2, 3, 3], progress
-    assert progress[-1] == {"compiled": 3, "total": 3, "ready": True}, progress
+    assert progress[-1] == {"compiled": 3, "loaded": 0, "total": 3, "ready": True}, progress
 
 
 def test_every_kind_replayed_compiled_and_uncompiled(compiled_run):

@@ -1,15 +1,20 @@
-"""A warm start generates and builds no code (--enable-torch-compile, CPU, the platform's real
-inductor settings): a second model runner started against the same compile cache (and with
-dynamo's in-memory code emptied, as in a new process) finds every shape's compiled code in
-inductor's FX graph cache; none misses. AOT autograd's own cache, which would also skip AOT
-autograd's tracing (most of a warm shape's seconds), is bypassed while weights are frozen
-(inductor's `freezing`); with freezing off it hit, but a warm hit across processes failed in
-the server (benchmark/README.md, "Warm start"), so freezing stays and this pins the bypass.
+"""A warm start loads every compiled shape from the compile cache (--enable-torch-compile, CPU,
+the platform's real inductor settings): the first start compiles each shape and writes it as
+an AOTInductor package under $TORCHINDUCTOR_CACHE_DIR/aoti; a second *process* with the same
+checkpoint, flags and cache loads every shape without dynamo tracing, AOT autograd or inductor
+(model_executor/compile_packages.py), and its replays give bit-identical float32 logits and
+KV writes. A corrupt package is removed and its shape queued to compile again; a package whose
+inputs do not fit this process is refused before it runs.
 """
 
 from __future__ import annotations
 
-from collections import Counter
+import glob
+import multiprocessing
+import os
+
+import pytest
+import torch
 
 from srt_ascend.decoding import DecoderHandles
 from srt_ascend.decoding.plain import PlainDecoder
@@ -17,24 +22,22 @@ from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms.cpu import CpuPlatform
 from srt_ascend.server_args import ServerArgs
 
-WATCHED = {
-    "inductor": ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass"),
-    "aot_autograd": ("autograd_cache_hit", "autograd_cache_miss", "autograd_cache_bypass"),
-}
 
-
-def start(path: str) -> tuple[ModelRunner, Counter]:
-    """A runner compiling the plain decoder's shapes at start (bucket 1, one KV window), and
-    what the compile caches counted meanwhile. Dynamo's in-memory code cache is emptied
-    first, as in a new process (in one process a second runner reuses the first's compiled
-    code: same code, guards on tensor shapes and dtypes only)."""
+def start_and_replay(path: str, at_start: bool = True) -> dict:
+    """A runner compiling the plain decoder's shapes at start (bucket 1, one KV window; with
+    `at_start` False they are only queued for the idle scheduler, unless loaded), then
+    one replay of its decode graph over a seeded KV pool and batch: the logits, the KV row it
+    wrote, what the compile cache did (compile_packages.stats) and dynamo's / inductor's
+    counters meanwhile. Dynamo's in-memory code is emptied first, as in a new process."""
     # imported here, not at collection (tests/unit/triton_interpreter.py)
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    torch._dynamo.reset()
+    from srt_ascend.model_executor import compile_packages
 
-    before = Counter({(g, k): counters[g][k] for g, ks in WATCHED.items() for k in ks})
+    torch._dynamo.reset()
+    counters.clear()
+    compile_packages.stats.clear()
     args = ServerArgs(
         model_path=path,
         dtype="float32",
@@ -44,30 +47,108 @@ def start(path: str) -> tuple[ModelRunner, Counter]:
         cuda_graph_bs=(1,),
         enable_torch_compile=True,
         torch_compile_max_bs=1,
-        torch_compile_at_start=True,
+        torch_compile_at_start=at_start,
     )
     runner = ModelRunner(args, CpuPlatform())
     decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
     runner.capture_graphs(decoder.graph_kinds())
-    after = Counter({(g, k): counters[g][k] for g, ks in WATCHED.items() for k in ks})
-    after.subtract(before)
-    return runner, +after
+    gr = runner.graph_runner
+    (shape,) = gr.graphs
+    g = torch.Generator().manual_seed(0)
+    for layer in runner.kv_pool._joint:
+        layer.copy_(torch.randn(layer.shape, generator=g))
+    gr.req_to_token_pool.req_to_token[1, :9] = torch.arange(1, 10)
+    gr.buf.req_pool_indices[0], gr.buf.seq_lens[0] = 1, 9
+    gr.buf.positions[0], gr.buf.out_cache_loc[0], gr.buf.input_ids[0] = 8, 9, 5
+    with torch.inference_mode():
+        hidden, logits = gr.graphs[shape].graph.replay()
+    return {
+        "shapes": gr.compile_queue.progress(),
+        "packages": dict(compile_packages.stats),
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
+        "inductor": sum(counters["inductor"].values()),
+        "logits": logits.clone(),
+        "kv_written": torch.stack([layer[9].clone() for layer in runner.kv_pool._joint]),
+    }
 
 
-def test_a_second_start_with_the_same_cache_compiles_nothing(
-    tiny_mtp_factory, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    path = tiny_mtp_factory().path
-    first, cold = start(path)
-    shapes = first.graph_runner.compile_queue.compiled
-    assert shapes == 1, first.graph_runner.graphs
-    assert cold == {
-        ("inductor", "fxgraph_cache_miss"): 1,
-        ("aot_autograd", "autograd_cache_bypass"): 1,
-    }
-    _, warm = start(path)
-    assert warm == {
-        ("inductor", "fxgraph_cache_hit"): 1,
-        ("aot_autograd", "autograd_cache_bypass"): 1,
-    }
+@pytest.fixture(scope="module")
+def cold(tiny_mtp_factory, tmp_path_factory):
+    """The first start against an empty compile cache (the environment variable stays set
+    for this module's tests, so the child processes inherit it)."""
+    cache = str(tmp_path_factory.mktemp("compile_cache"))
+    old = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+    try:
+        path = tiny_mtp_factory().path
+        yield path, cache, start_and_replay(path)
+    finally:
+        if old is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
+
+
+def in_new_process(path: str) -> dict:
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(start_and_replay, (path,))
+
+
+def assert_same_outputs(a: dict, b: dict) -> None:
+    assert torch.equal(a["logits"], b["logits"])
+    assert torch.equal(a["kv_written"], b["kv_written"])
+    assert a["kv_written"].abs().sum() > 0  # the replay wrote its token's KV
+
+
+def test_a_second_process_loads_every_shape_from_the_cache(cold):
+    path, cache, first = cold
+    assert first["packages"] == {"compiled": 1}, first
+    assert first["shapes"] == {"compiled": 1, "loaded": 0, "total": 1, "ready": True}
+    assert len(glob.glob(os.path.join(cache, "aoti", "decode-b1-w57-*.pt2"))) == 1
+    warm = in_new_process(path)
+    assert warm["packages"] == {"loaded": 1}, warm
+    assert warm["shapes"] == {"compiled": 1, "loaded": 1, "total": 1, "ready": True}
+    assert warm["dynamo_graphs"] == 0 and warm["inductor"] == 0, warm  # nothing traced
+    assert_same_outputs(first, warm)
+
+
+def test_a_package_that_does_not_fit_this_process_is_refused(cold):
+    """A package whose inputs do not match this process's tensors (here a KV pool of another
+    size) is refused before it runs (compile_packages.PackagedForward), never run on them."""
+    from srt_ascend.model_executor.compile_packages import PackagedForward, StalePackage
+
+    path, cache, _ = cold
+    (package,) = glob.glob(os.path.join(cache, "aoti", "*.pt2"))
+    args = ServerArgs(
+        model_path=path,
+        dtype="float32",
+        context_length=40,
+        max_running_requests=2,
+        max_total_tokens=128,  # the package's pool holds 256
+        cuda_graph_bs=(1,),
+        enable_cpu_graph=True,
+    )
+    runner = ModelRunner(args, CpuPlatform())
+    decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
+    runner.capture_graphs(decoder.graph_kinds())
+    gr = runner.graph_runner
+    (shape,) = gr.graphs
+    roots = {"fb": gr.graphs[shape].fb, "hidden": None, "model": runner.model, "mtp": None}
+    with pytest.raises(StalePackage, match="token_to_kv_pool"):
+        PackagedForward(package, roots)
+
+
+def test_a_corrupt_package_is_removed_and_its_shape_queued_to_compile(cold):
+    """A truncated package is removed and its shape served uncompiled (the same logits as
+    the compiled ones, to float32 rounding) until the idle scheduler compiles it: that
+    compile is the cold one above, so this start stops before it."""
+    path, cache, first = cold
+    (package,) = glob.glob(os.path.join(cache, "aoti", "*.pt2"))
+    with open(package, "r+b") as f:
+        f.truncate(os.path.getsize(package) // 2)
+    again = start_and_replay(path, at_start=False)
+    assert again["packages"] == {"stale": 1}, again
+    assert again["shapes"] == {"compiled": 0, "loaded": 0, "total": 1, "ready": False}
+    assert not os.path.exists(package)
+    torch.testing.assert_close(again["logits"], first["logits"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(again["kv_written"], first["kv_written"], rtol=1e-4, atol=1e-4)

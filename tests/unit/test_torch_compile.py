@@ -30,7 +30,10 @@ from srt_ascend.server_args import ServerArgs
 
 class TracingPlatform(CpuPlatform):
     """The CPU platform compiling with dynamo's eager backend, counting compilations and
-    keeping each compiled graph's outputs' (shape, dtype) and the ops it calls."""
+    keeping each compiled graph's outputs' (shape, dtype) and the ops it calls (no
+    AOTInductor packages: every shape goes through `compile`)."""
+
+    package_options = None
 
     def __init__(self) -> None:
         self.compiles = 0
@@ -186,7 +189,7 @@ def test_compile_queue_puts_hit_shapes_first_then_small_buckets_windows_and_kind
         ("verify", 1, 128),
         ("decode", 4, 64),
     ]
-    assert queue.progress() == {"compiled": 5, "total": 6, "ready": True}
+    assert queue.progress() == {"compiled": 5, "loaded": 0, "total": 6, "ready": True}
 
 
 def kv_snapshot(runner: ModelRunner) -> list[torch.Tensor]:
@@ -208,7 +211,7 @@ def test_deferred_compile_swaps_one_shape_at_a_time_without_touching_request_kv(
     window = gr.static_kv_len
     assert platform.compiles == 0
     assert not any(g.compiled for g in gr.graphs.values())
-    assert gr.compile_queue.progress() == {"compiled": 0, "total": 4, "ready": False}
+    assert gr.compile_queue.progress() == {"compiled": 0, "loaded": 0, "total": 4, "ready": False}
     reqs = Requests(runner, lens=(5, 11))  # bucket 2: compiled, once its turn comes
     try:
         extend = reqs.kind("draft_extend")
@@ -232,7 +235,7 @@ def test_deferred_compile_swaps_one_shape_at_a_time_without_touching_request_kv(
         pass
     assert platform.compiles == 4
     assert all(g.compiled == (bs <= 2) for (_, bs, _), g in gr.graphs.items())
-    assert gr.compile_queue.progress() == {"compiled": 4, "total": 4, "ready": True}
+    assert gr.compile_queue.progress() == {"compiled": 4, "loaded": 0, "total": 4, "ready": True}
 
 
 class BlockingPlatform(TracingPlatform):
@@ -281,4 +284,5 @@ def test_idle_scheduler_compiles_and_stops_between_shapes(tiny_mtp_factory):
     assert not thread.is_alive()
     assert time.monotonic() - start < 30
     progress = scheduler.runner.graph_runner.compile_queue.progress()
-    assert progress == {"compiled": 1, "total": 6, "ready": False}  # the rest never started
+    # the rest never started
+    assert progress == {"compiled": 1, "loaded": 0, "total": 6, "ready": False}
