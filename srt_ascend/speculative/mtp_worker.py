@@ -68,7 +68,8 @@ MtpLogitsForward = Callable[
 class DraftHandles:
     forward: MtpForward
     forward_logits: MtpLogitsForward
-    build_forward_batch: Callable[..., ForwardBatch]  # (mode, ids, rows, seq, ext, loc)
+    # (mode, ids, rows, seq, ext, loc[, backend, seq_bounds]): ModelRunner.build_forward_batch
+    build_forward_batch: Callable[..., ForwardBatch]
     req_to_token: torch.Tensor  # [rows, max_context] slot table
     vocab_size: int
     eos_ids: list[int]

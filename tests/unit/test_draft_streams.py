@@ -70,7 +70,7 @@ def _worker(eos_ids: tuple[int, ...] = ()) -> MTPWorker:
             torch.zeros(fb, 1),
             draft_logits.expand(len(rows), V).clone(),
         ),
-        build_forward_batch=lambda mode, ids, rows, seq, ext, loc: len(ids),
+        build_forward_batch=lambda mode, ids, rows, seq, ext, loc, *more: len(ids),
         req_to_token=torch.zeros(1, 1, dtype=torch.int64),
         vocab_size=V,
         eos_ids=list(eos_ids),
