@@ -32,7 +32,7 @@ request's next step with drafts, which first runs every deferred position in one
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -111,7 +111,6 @@ class LaunchedRound(LaunchedStep):
     own starts (a lower bound)."""
 
     k: int = 0
-    generated: list[int] = field(default_factory=list)  # lower bounds at launch
 
 
 @DECODERS.register("MTP")
@@ -440,7 +439,7 @@ class MTPDecoder(Decoder):
         # with prev in flight the starts are filled in by prev's finish; until then (should
         # prev fail) prev's own: the KV before them is all that is surely valid
         known = list(starts) if prev is None else list(base)
-        self._latest = LaunchedRound(batch, known, self.h.worker.submit(run), k, generated)
+        self._latest = LaunchedRound(batch, known, self.h.worker.submit(run), k)
         return self._latest
 
     def finish(self, step: LaunchedStep) -> list[StepRequest]:
