@@ -339,7 +339,7 @@ class MTPWorker:
         requests' own; an overlapped round takes them at launch, as a request released
         meanwhile has none)."""
         k = loc.shape[1] - 1
-        first = first or self.first_of(reqs)
+        first = self.first_of(reqs) if first is None else first
         tokens = [first.tokens]  # [B] per draft position
         probs = [first.probs]
         outs = [first.hidden]  # [B, D] the output drafting d_j
@@ -382,15 +382,14 @@ class MTPWorker:
         """The requests' d_1 as their states keep them, stacked; the distributions are None
         when every d_1 was greedy, else one-hot for the greedy ones."""
         states = [state_of(r) for r in reqs]
+        tokens = torch.stack([s.token for s in states])
         probs = None
         if any(s.probs is not None for s in states):
-            vocab = self.h.vocab_size
+            one_hot = one_hot_probs(tokens, self.h.vocab_size)  # one op for the batch
             probs = torch.stack(
-                [one_hot_probs(s.token, vocab) if s.probs is None else s.probs for s in states]
+                [one_hot[i] if s.probs is None else s.probs for i, s in enumerate(states)]
             )
-        return FirstDrafts(
-            torch.stack([s.token for s in states]), probs, torch.stack([s.hidden for s in states])
-        )
+        return FirstDrafts(tokens, probs, torch.stack([s.hidden for s in states]))
 
     def _draft_step(
         self,
