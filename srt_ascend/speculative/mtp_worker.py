@@ -259,18 +259,32 @@ class MTPWorker:
             return
         rows = [row for _, _, first, m in keep for row in range(first, first + m)]
         kept = hidden.index_select(0, to_device(rows, hidden.device))
-        at = 0
-        for r, start, _, m in keep:
+        at, owned = 0, []
+        for _, _, _, m in keep:
+            owned.append(kept[at : at + m])
+            at += m
+        self.keep_deferred([r for r, *_ in keep], [start for _, start, *_ in keep], owned)
+        self.catch_up([r for r, *_ in keep if r.finished], draft=False)
+
+    @staticmethod
+    def keep_deferred(
+        reqs: list[StepRequest],
+        starts: list[int],  # position of each request's first deferred row
+        hidden: list[torch.Tensor],  # [m, D] each: copies the request may keep
+    ) -> None:
+        """`defer`'s bookkeeping, without a device op: each request's deferred positions grow
+        by its rows (the latest MAX_DEFERRED kept while it runs) and its d_1 is dropped (it
+        is drafted from the latest position). An overlapped K = 0 round (MTPDecoder.finish)
+        calls it from the scheduler's thread, with its rows copied on the device worker."""
+        for r, start, rows in zip(reqs, starts, hidden):
             s = state_of(r)
             if not s.deferred:
                 s.deferred_start = start
-            s.deferred.extend(kept[at : at + m])
-            at += m
+            s.deferred.extend(rows)
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
             if len(s.deferred) > MAX_DEFERRED and not r.finished:
                 s.deferred_start += len(s.deferred) - MAX_DEFERRED
                 del s.deferred[:-MAX_DEFERRED]
-        self.catch_up([r for r, *_ in keep if r.finished], draft=False)
 
     @torch.inference_mode()
     def catch_up(self, reqs: list[StepRequest], draft: bool = True) -> None:

@@ -9,12 +9,14 @@ free or owned by the prefix cache)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
 from conftest import PROMPTS
 
 from srt_ascend import Engine
+from srt_ascend.speculative.draft_length import FixedDraftLength
 
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
@@ -165,10 +167,13 @@ def idle_problem(engine: Engine) -> str | None:
     return "the scheduler did not go idle"
 
 
-def run_all(model_path: str, scenarios: dict, **kw) -> dict:
-    """Each scenario's result, the KV invariant after it, and how many steps overlapped."""
+def run_all(model_path: str, scenarios: dict, setup=None, **kw) -> dict:
+    """Each scenario's result, the KV invariant after it, and how many steps overlapped;
+    `setup(engine)` first, if given."""
     engine = Engine(model_path=model_path, **COMMON, **kw)
     try:
+        if setup is not None:
+            setup(engine)
         results = {}
         for name, scenario in scenarios.items():
             before = engine.get_internal_state()["num_overlapped_steps"]
@@ -328,3 +333,85 @@ def test_idle_once_the_last_request_finishes(model_path):
         assert sched.idle_invariant_problem() is None
     finally:
         sched.worker.close()
+
+
+class WalkDraftLength(FixedDraftLength):
+    """Adaptive K made to vary: each round runs the next K of `walk`, over and over (0: the
+    plain decoder's step, its MTP pass deferred); learns like the real policies."""
+
+    def __init__(self, max_k: int, walk) -> None:
+        super().__init__(max_k, [1])
+        self.walk = itertools.cycle(walk)
+
+    def choose(self, estimates):
+        return next(self.walk)
+
+
+# two graph buckets: the start profile of step costs (which the scripted K ignores) stays short
+ADAPTIVE = {**MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
+# K changes between overlapped rounds with drafts (2 -> 1 -> 2), drafts -> K = 0 -> K = 0, and
+# K = 0 -> drafts (which runs serially: the deferred passes first)
+WALK = (2, 1, 0, 0, 2, 2, 1, 0, 1)
+
+
+def walk_rounds(launched: list):
+    """A setup that scripts the engine's K (`WalkDraftLength`) and notes each overlapped
+    round's (prev K or None, K) in `launched`."""
+
+    def setup(engine: Engine) -> None:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.draft_length = WalkDraftLength(2, WALK)
+        launch = decoder.launch
+
+        def noting(reqs, prev):
+            out = launch(reqs, prev)
+            if out is not None:
+                launched.append((None if prev is None else prev.k, out.k))
+            return out
+
+        decoder.launch = noting
+
+    return setup
+
+
+def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
+    """--speculative-adaptive under overlap: each round's K is chosen at its launch (here
+    scripted to change between rounds, K = 0 included), rounds overlap across changes of K,
+    and tokens and logprobs equal plain decoding's; an abort
+    mid-streak and arrivals that end a streak leave the KV invariant intact. Before adaptive
+    K overlapped, every adaptive round ran serially."""
+    scenarios = {
+        name: SCENARIOS[name]
+        for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
+    }
+    launched: list = []
+    on = run_all(model_path, scenarios, walk_rounds(launched), speculative_adaptive=True, **MTP)
+    for name in scenarios:
+        (out, cached), problem, n_on, _ = on[name]
+        assert problem is None and n_on > 0, name
+        plain = overlapped[name][0][0]
+        if name == "logprobs":
+            assert same_logprobs(out, plain)
+        else:
+            assert out == plain, name
+    pairs = {(a, b) for a, b in launched if a is not None}
+    assert {(2, 1), (1, 0), (0, 0)} <= pairs, pairs  # K changed under overlap
+    assert (0, 2) not in pairs and (0, 1) not in pairs  # the catch-up ran serially
+
+
+def test_adaptive_k_retractions_under_overlap(model_path):
+    """Retractions from a small KV pool while adaptive rounds of varying K overlap: the
+    serial loop's tokens, the KV invariant intact."""
+    scenarios = {"retraction": retraction}
+    kw = {**ADAPTIVE, **SMALL_POOL}
+    launched: list = []
+    (on, problem_on, n_on, retracted_on) = run_all(
+        model_path, scenarios, walk_rounds(launched), **kw
+    )["retraction"]
+    (off, problem_off, _, _) = run_all(
+        model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL
+    )["retraction"]
+    assert problem_on is None and problem_off is None
+    assert retracted_on > 0 and n_on > 0
+    assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
+    assert on[0] == off[0]
