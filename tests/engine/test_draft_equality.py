@@ -10,6 +10,7 @@ retraction under a small KV pool, both verify layouts and K = 1..3.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -187,6 +188,51 @@ def test_prompt_only_prefill_that_defers_leaves_mtp_kv(model_path, dense, monkey
         engine.shutdown()
     assert state["cached_tokens_in_tree"] > 0
     _check("prompt-only", dense, records, 2)
+
+
+class WalkingDraftLength(FixedDraftLength):
+    """Adaptive K scripted: each round runs the next K of `walk`, over and over."""
+
+    def __init__(self, max_k: int, walk) -> None:
+        super().__init__(max_k, [1])
+        self.walk = itertools.cycle(walk)
+
+    def choose(self, estimates):
+        return next(self.walk)
+
+
+def test_drafts_after_overlapped_plain_rounds_equal_dense_mtp(model_path, dense, monkeypatch):
+    """Adaptive K under overlap, scripted through runs of K = 0 rounds: their MTP passes,
+    deferred at each overlapped round's finish (a request that finishes there runs them
+    then, for the prefix cache that requests continuing its output hit) and caught up by the
+    next round with drafts, leave the MTP KV and d_1 the dense module gives."""
+    records = _record(monkeypatch)
+    engine = Engine(
+        model_path=model_path,
+        dtype="float32",
+        speculative_algorithm="MTP",
+        speculative_num_steps=2,
+        speculative_adaptive=True,
+        cuda_graph_bs=(1, 16),
+    )
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.draft_length = WalkingDraftLength(2, (0,))  # finished in K = 0 rounds
+        tm = engine.tokenizer_manager
+        first = [tm.tokenize(p) for p in PROMPTS[:2]]
+        outs = engine.generate(input_ids=first, sampling_params=GREEDY)
+        decoder.draft_length = WalkingDraftLength(2, (0, 0, 2, 1, 0, 2, 2, 0, 0, 0, 1))
+        # the first requests' outputs from the prefix cache: their MTP KV from the passes
+        # run when they finished
+        again = [ids + o["output_ids"] + [13] for ids, o in zip(first, outs)]
+        engine.generate(input_ids=again, sampling_params=GREEDY)
+        engine.generate([p + tail for tail in ("", " x") for p in PROMPTS], GREEDY)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert state["num_overlapped_steps"] > 0
+    assert state["spec_draft_length_steps"]["0"] > 0
+    _check("adaptive overlapped", dense, records, 2)
 
 
 def test_multi_layer_checkpoint_drafts_equal_dense_mtp(three_layer_path, monkeypatch):

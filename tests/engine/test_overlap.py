@@ -210,11 +210,16 @@ def test_overlap_equals_serial(serial, overlapped, name):
     assert out_on == out_off
 
 
-def test_retractions_under_overlap(model_path):
+@pytest.fixture(scope="module")
+def serial_retraction(model_path) -> tuple:
+    """`retraction` in the serial loop without MTP, with the small pool."""
     scenarios = {"retraction": retraction}
-    (off, problem_off, _, retracted_off) = run_all(
-        model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL
-    )["retraction"]
+    return run_all(model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL)["retraction"]
+
+
+def test_retractions_under_overlap(model_path, serial_retraction):
+    scenarios = {"retraction": retraction}
+    (off, problem_off, _, retracted_off) = serial_retraction
     (on, problem_on, overlapped_on, retracted_on) = run_all(model_path, scenarios, **SMALL_POOL)[
         "retraction"
     ]
@@ -399,7 +404,7 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
     assert (0, 2) not in pairs and (0, 1) not in pairs  # the catch-up ran serially
 
 
-def test_adaptive_k_retractions_under_overlap(model_path):
+def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
     """Retractions from a small KV pool while adaptive rounds of varying K overlap: the
     serial loop's tokens, the KV invariant intact."""
     scenarios = {"retraction": retraction}
@@ -408,9 +413,7 @@ def test_adaptive_k_retractions_under_overlap(model_path):
     (on, problem_on, n_on, retracted_on) = run_all(
         model_path, scenarios, walk_rounds(launched), **kw
     )["retraction"]
-    (off, problem_off, _, _) = run_all(
-        model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL
-    )["retraction"]
+    (off, problem_off, _, _) = serial_retraction
     assert problem_on is None and problem_off is None
     assert retracted_on > 0 and n_on > 0
     assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
