@@ -30,7 +30,9 @@ SETTLE_STEPS decode steps after a prefill are not timed (the serving threads ans
 tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
 several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
-verify steps.
+verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
+before the round in flight is read: from estimates one round stale; its timing is the time
+from the previous round's read to its own (a streak's period: what a served round costs).
 """
 
 from __future__ import annotations
