@@ -6,7 +6,8 @@
         [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving] [--skip-accept]
 
 Part 1 (`sglang.bench_serving`, held-out text, servers as in benchmark/serving.py): MTP off,
-fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency;
+fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency
+(the names with `-serial`: the same with `--disable-overlap-schedule`);
 the adaptive server's chosen-K histogram and acceptance per position come from /server_info.
 Part 2 (in-process Engine, held-out text, seeded sampling): mean accept length of token-wise
 rejection sampling vs block verification (`--speculative-accept-method block`) at
@@ -31,6 +32,9 @@ CONFIGS = {
     **{f"mtp-k{k}": [*MTP, "--speculative-num-steps", str(k)] for k in (1, 2, 3)},
     "adaptive-k3": [*MTP, "--speculative-num-steps", "3", "--speculative-adaptive"],
 }
+# the serial loop beside the default (overlapped rounds): adaptive K overlaps since 2026-12-02
+SERIAL = ["--disable-overlap-schedule"]
+CONFIGS.update({f"{name}-serial": [*args, *SERIAL] for name, args in list(CONFIGS.items())})
 
 
 def serving_rows(a) -> list[dict]:
