@@ -1,10 +1,10 @@
-"""Overlap scheduling (the default) gives what the serial loop (`--disable-overlap-schedule`)
-gives, on the shipped checkpoint in float32: greedy tokens, seeded samples, logprobs, `n > 1`,
-a stop string found one step late, a grammar request beside overlapped ones, penalties (run
-serially), an abort while a step is in flight, retractions from a small KV pool; and MTP
-rounds under overlap equal serial MTP rounds and plain decoding. Each scenario runs on one engine
-per setting, which then must be idle with the KV invariant intact (every slot and request row
-free or owned by the prefix cache)."""
+"""Overlap scheduling (forced on: eager forwards on CPU run serially by default) gives what the
+serial loop (`--disable-overlap-schedule`) gives, on the shipped checkpoint in float32: greedy
+tokens, seeded samples, logprobs, `n > 1`, a stop string found one step late, a grammar request
+beside overlapped ones, penalties (run serially), an abort while a step is in flight, retractions
+from a small KV pool; and MTP rounds under overlap equal serial MTP rounds and plain decoding.
+Each scenario runs on one engine per setting, which then must be idle with the KV invariant
+intact (every slot and request row free or owned by the prefix cache)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from srt_ascend import Engine
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
 COMMON = {"dtype": "float32", "num_threads": 2, "kv_invariant_check": "fatal"}
+ON = {"enable_overlap_schedule": True}  # eager forwards on CPU: serial unless forced
 
 
 def greedy(engine: Engine) -> list:
@@ -187,12 +188,12 @@ def run_all(model_path: str, scenarios: dict, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def serial(model_path) -> dict:
-    return run_all(model_path, SCENARIOS, disable_overlap_schedule=True)
+    return run_all(model_path, SCENARIOS)  # eager forwards on CPU: serial by default
 
 
 @pytest.fixture(scope="module")
 def overlapped(model_path) -> dict:
-    return run_all(model_path, SCENARIOS)
+    return run_all(model_path, SCENARIOS, **ON)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -210,9 +211,9 @@ def test_retractions_under_overlap(model_path):
     (off, problem_off, _, retracted_off) = run_all(
         model_path, scenarios, disable_overlap_schedule=True, **SMALL_POOL
     )["retraction"]
-    (on, problem_on, overlapped_on, retracted_on) = run_all(model_path, scenarios, **SMALL_POOL)[
-        "retraction"
-    ]
+    (on, problem_on, overlapped_on, retracted_on) = run_all(
+        model_path, scenarios, **ON, **SMALL_POOL
+    )["retraction"]
     assert problem_off is None and problem_on is None
     assert retracted_off > 0 and retracted_on > 0 and overlapped_on > 0
     assert on == off
@@ -255,7 +256,7 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
     batches that fall back to serial rounds, arrivals that end a streak of overlapped
     rounds), and the plain decoder's greedy tokens; the KV invariant holds after each. The
     CPU's verify (fia) runs eagerly here, its attention over the device lengths."""
-    on = run_all(model_path, MTP_SCENARIOS, **MTP)
+    on = run_all(model_path, MTP_SCENARIOS, **ON, **MTP)
     off = run_all(model_path, MTP_SCENARIOS, disable_overlap_schedule=True, **MTP)
     for name in MTP_SCENARIOS:
         (out_on, cached_on), problem_on, n_on, _ = on[name]
@@ -276,7 +277,7 @@ def test_mtp_overlap_with_expand_verify_and_graphs(model_path, overlapped):
     comes from the host bounds of the lengths; the plain decoder's greedy tokens."""
     scenarios = {name: SCENARIOS[name] for name in ("greedy", "stop_string", "late_join")}
     kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
-    on = run_all(model_path, scenarios, **MTP, **kw)
+    on = run_all(model_path, scenarios, **ON, **MTP, **kw)
     for name in scenarios:
         (out, _), problem, n_on, _ = on[name]
         assert problem is None and n_on > 0, name
@@ -289,7 +290,7 @@ def test_mtp_retractions_under_overlap(model_path):
     (off, problem_off, _, retracted_off) = run_all(
         model_path, scenarios, disable_overlap_schedule=True, **kw
     )["retraction"]
-    (on, problem_on, n_on, retracted_on) = run_all(model_path, scenarios, **kw)["retraction"]
+    (on, problem_on, n_on, retracted_on) = run_all(model_path, scenarios, **ON, **kw)["retraction"]
     assert problem_off is None and problem_on is None
     assert retracted_off > 0 and retracted_on > 0 and n_on > 0
     assert on[0] == off[0]
@@ -305,7 +306,7 @@ def test_idle_once_the_last_request_finishes(model_path):
     from srt_ascend.sampling.sampling_params import SamplingParams
     from srt_ascend.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024)
+    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024, **ON)
     outputs: list = []
     sched = build_scheduler(
         args, get_platform("cpu"), load_tokenizer(args.tokenizer), outputs.extend
