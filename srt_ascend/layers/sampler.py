@@ -39,6 +39,30 @@ def draw_uniforms(
     return 1.0 - u
 
 
+def draw_uniforms_among(
+    generators: Sequence[Sequence[torch.Generator] | None],  # [B]: each row's candidates
+    pick: torch.Tensor,  # [B] int64 on the device: the candidate each row draws from
+    num: int,
+) -> torch.Tensor:  # [B, num] float32 in (0, 1]
+    """`draw_uniforms` for rows whose generator only the device knows, as one of the row's
+    candidates (all rows with candidates have as many): every candidate draws its `num`
+    numbers on the host (what `draw_uniforms` draws from it) and `pick` chooses among them
+    on the device; rows without candidates (None) share one draw from the global RNG."""
+    device = pick.device
+    u = torch.rand(len(generators), num, device=device)
+    seeded = [row for row, g in enumerate(generators) if g]
+    if seeded:
+        width = len(generators[seeded[0]])
+        host = torch.stack(
+            [torch.rand(num, generator=g) for row in seeded for g in generators[row]]
+        )
+        rows = to_device(seeded, device)
+        at = pick.index_select(0, rows).view(-1, 1, 1).expand(-1, 1, num)
+        picked = to_device(host, device, torch.float32).view(len(seeded), width, num)
+        u = u.index_copy(0, rows, picked.gather(1, at).squeeze(1))
+    return 1.0 - u
+
+
 def inverse_cdf_sample(
     probs: torch.Tensor,  # [B, V] non-negative, each row with positive mass
     uniforms: torch.Tensor,  # [B] in (0, 1]
