@@ -549,7 +549,8 @@ class MTPDecoder(Decoder):
         uniforms = None  # exact counts: drawn from info.generators
         if isinstance(generated, Counts):
             uniforms = stream_uniforms(reqs, generated, lambda c: c, k1)
-        res = self.accept(tokens, draft_probs, target, uniforms, list(info.generators))
+        gens = list(info.generators)
+        res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
         return res, logits
 
     def _read(self, res: AcceptResult, logits: torch.Tensor) -> Verdict:
