@@ -533,11 +533,12 @@ class MTPDecoder(Decoder):
         applied), both on the device."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
-        low = lower(generated)
+        low, ranged = lower(generated), isinstance(generated, Counts)
         if all_plain_greedy(reqs, low):  # nothing modifies the logits: raw argmax
             return greedy_accept(tokens, logits.argmax(dim=-1)), logits
+        params = [r.sampling_params for r in reqs]  # a range: `stream_uniforms` below
         info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs], self.vocab, device, seed_offsets=low
+            params, self.vocab, device, seed_offsets=low, generators=not ranged
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
@@ -547,8 +548,8 @@ class MTPDecoder(Decoder):
         if draft_probs is None:  # greedy drafts: one-hot at the token
             draft_probs = one_hot_probs(tokens, self.vocab)
         uniforms = None  # exact counts: drawn from info.generators
-        if isinstance(generated, Counts):
-            uniforms = stream_uniforms(reqs, generated, lambda c: c, k1)
+        if ranged:
+            uniforms = stream_uniforms(reqs, generated, 0, k1)
         gens = list(info.generators)
         res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
         return res, logits

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from srt_ascend.decoding.base import StepRequest
-from srt_ascend.layers.sampler import draw_uniforms_among, processed_probs, sample_from_probs
+from srt_ascend.layers.sampler import processed_probs, sample_from_probs, uniforms_among
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.sampling.penalties import mask_stop_tokens
@@ -134,19 +134,37 @@ def counts_after(generated: list[int] | Counts, accept_len: torch.Tensor, k1: in
 
 
 def stream_uniforms(
-    reqs: list[StepRequest], generated: Counts, offset: Callable[[int], int], num: int
+    reqs: list[StepRequest], generated: Counts, draft: int, num: int
 ) -> torch.Tensor:  # [B, num] in (0, 1]
-    """The `num` uniforms each row draws: a sampled seeded row's from its stream at its
-    count, seeded_generator(seed, offset(count)) (the numbers a round with that exact count
-    draws), one host draw per count of its range, picked on the device; the other rows'
-    from the global RNG (a greedy row's uniforms decide nothing)."""
+    """The `num` uniforms each row draws from its stream at its count (`draft` 0: the
+    target's, the verify's; j: draft j's, `draft_seed_offset`): a sampled seeded row's are
+    the numbers a round with that exact count draws, drawn on the host for every count of
+    its range (`stream_draws`) and picked on the device; the other rows' come from the
+    global RNG (a greedy row's uniforms decide nothing)."""
     candidates = [
         None
         if (p := r.sampling_params).seed is None or p.is_greedy
-        else [seeded_generator(p.seed, offset(g + c)) for c in range(generated.span)]
+        else stream_draws(r, draft, num, g, generated.span)
         for r, g in zip(reqs, generated.low)
     ]
-    return draw_uniforms_among(candidates, generated.extra, num)
+    return uniforms_among(candidates, generated.extra, num)
+
+
+def stream_draws(req: StepRequest, draft: int, num: int, low: int, span: int) -> torch.Tensor:
+    """[span, num] host draws of a seeded request's stream (`draft` as in `stream_uniforms`)
+    at counts low .. low+span-1: `num` numbers from seeded_generator(seed, offset). Each
+    count's are drawn once and kept in the request's SpecState (the range of an overlapped
+    round overlaps the next one's); counts below `low` are dropped (counts only grow: a
+    stream is never read again once its count is passed, and one drawn again is the same)."""
+    kept = state_of(req).draws.setdefault((draft, num), {})
+    for c in [c for c in kept if c < low]:
+        del kept[c]
+    seed = req.sampling_params.seed
+    for c in range(low, low + span):
+        if c not in kept:
+            offset = c if draft == 0 else draft_seed_offset(c, draft)
+            kept[c] = torch.rand(num, generator=seeded_generator(seed, offset))
+    return torch.stack([kept[c] for c in range(low, low + span)])
 
 
 def lengths(starts: list[int] | Starts, plus: int):
@@ -462,6 +480,7 @@ class MTPWorker:
             self.h.vocab_size,
             logits.device,
             seed_offsets=None if ranged else [draft_seed_offset(c, n_drafted + 1) for c in counts],
+            generators=not ranged,  # a range: `stream_uniforms` below
         )
         logits = penalised_logits(logits, reqs, info, self.h.eos_ids, drafted, generated=counts)
         if info.is_all_greedy:  # greedy verification needs the draft tokens only
@@ -469,8 +488,7 @@ class MTPWorker:
         probs = processed_probs(logits, info)  # [B, V]
         uniforms = None
         if ranged:
-            at = lambda c: draft_seed_offset(c, n_drafted + 1)  # noqa: E731
-            uniforms = stream_uniforms(reqs, generated, at, 1)[:, 0]
+            uniforms = stream_uniforms(reqs, generated, n_drafted + 1, 1)[:, 0]
         return sample_from_probs(probs, info, uniforms), probs
 
     def _draft_ahead(
@@ -494,7 +512,8 @@ class MTPWorker:
         least = [g + 1 for g in generated]
         if all_plain_greedy(reqs, least):  # min_new_tokens reached whatever is accepted
             return logits.argmax(dim=-1), None
-        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], vocab, device)
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(params, vocab, device, generators=False)
         # masked where even K+1 tokens leave it below min_new_tokens, then where the accept
         # length leaves it below: accept_len < min_new_tokens - generated - 1
         logits = penalised_logits(
@@ -518,6 +537,5 @@ class MTPWorker:
         probs = processed_probs(logits, info)
         # a seeded row's stream is that of its count after the round,
         # draft_seed_offset(generated + accept_len + 1, 1): picked on the device
-        at = lambda c: draft_seed_offset(c, 1)  # noqa: E731
-        uniforms = stream_uniforms(reqs, after, at, 1)[:, 0]
+        uniforms = stream_uniforms(reqs, after, 1, 1)[:, 0]
         return sample_from_probs(probs, info, uniforms), probs

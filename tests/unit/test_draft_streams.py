@@ -194,8 +194,17 @@ def test_a_round_launched_ahead_draws_what_a_serial_round_draws() -> None:
         seeded_generator(r.sampling_params.seed, len(r.output_ids)) if i in seeded else None
         for i, r in enumerate(serial)
     ]
-    uniforms = [draw_uniforms(gens, k1, "cpu"), mtp_worker.stream_uniforms(ahead, counts, int, k1)]
+    uniforms = [draw_uniforms(gens, k1, "cpu"), mtp_worker.stream_uniforms(ahead, counts, 0, k1)]
     assert torch.equal(uniforms[0][seeded], uniforms[1][seeded])
+    # the next round's range overlaps this one's: the draws kept for it are the same numbers
+    later = (extra + 1) % k1
+    again = mtp_worker.stream_uniforms(
+        ahead, mtp_worker.Counts([low + 1] * batch, later, k1), 0, k1
+    )
+    for i in seeded:
+        seed = serial[i].sampling_params.seed
+        gen = seeded_generator(seed, low + 1 + int(later[i]))
+        assert torch.equal(again[i], draw_uniforms([gen], k1, "cpu")[0])
     # the next d_1, drawn before this round's read too
     accept = torch.tensor([(i // k1) % k1 for i in range(batch)])
     emitted = torch.where(torch.arange(k1).view(1, -1) <= accept.view(-1, 1), 1, -1)
