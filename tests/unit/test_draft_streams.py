@@ -17,6 +17,10 @@ defective worker did (one stream per output position: a step after one that acce
 K - 2 drafts draws its d_1 with an examined draft's uniform) and must fail the same check; on
 this pair it shifts token 2 by 0.0074 (token 2 of the first emitted token after such a step
 by 0.017), 4.5 sd past the threshold.
+
+A round launched under overlap knows its generated count as a range only (`Counts`): its draft
+steps, acceptance uniforms and next d_1 must be drawn from the streams a serial round with the
+exact count draws from (`test_a_round_launched_ahead_draws_what_a_serial_round_draws`).
 """
 
 from __future__ import annotations
