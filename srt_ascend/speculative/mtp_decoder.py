@@ -431,7 +431,7 @@ class MTPDecoder(Decoder):
                 pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
                 accept_len = pick(out.res.accept_len)
                 start = pick(out.starts) + accept_len + 1
-                counts = Counts([g + 1 for g in generated], accept_len, k1)
+                counts = Counts([g + 1 for g in generated], accept_len, prev.k + 1)
                 tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
                 first = FirstDrafts(
                     pick(out.first.tokens),
