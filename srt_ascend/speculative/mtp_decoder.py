@@ -21,7 +21,10 @@ its first positions (round N's plus its accept lengths + 1), last committed toke
 come from round N's device results, its slots are gathered from req_to_token on the device,
 and its forwards carry device sequence lengths with host upper bounds (the slots of every
 position it may reach were allocated ahead). Its finish fills in where the round after it
-starts. Batches whose sampling follows the committed count run `step` (`can_overlap`).
+starts. A seeded request's streams follow its generated count, which is round N's plus
+its accept length + 1: the uniforms of each count it may reach are drawn on the host and
+picked on the device (`Counts`), exactly those a serial round draws. Batches whose masks
+follow the committed count run `step` (`can_overlap`).
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
@@ -53,14 +56,17 @@ from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult, greedy_accept
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
 from srt_ascend.speculative.mtp_worker import (
+    Counts,
     DraftHandles,
     Drafts,
     FirstDrafts,
     MTPWorker,
     Starts,
     lengths,
+    lower,
     one_hot_probs,
     state_of,
+    stream_uniforms,
 )
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 from srt_ascend.utils import HOST_READS, to_device
@@ -339,12 +345,12 @@ class MTPDecoder(Decoder):
         starts: list[int] | Starts,  # L-1 per request: exact, or on the device (overlap)
         last: torch.Tensor,  # [B, 1] t_{L-1} on the device
         first: FirstDrafts | None,  # d_1 (None: from the requests' states)
-        generated: list[int],  # tokens each request generated before the round
+        generated: list[int] | Counts,  # tokens each request generated before the round
         rows: list[int],  # their req_to_token rows
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
         (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
-        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows)
+        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
         fb = verify.build(
@@ -365,15 +371,14 @@ class MTPDecoder(Decoder):
         """Rounds whose sampling needs no host value of the round before (its accept lengths
         decide the next round's positions, which only the device knows at launch): a fixed
         K, one rank, backends that read lengths on the device, and no request with a
-        grammar, penalties, a min_new_tokens still ahead or a seed for sampled tokens (their
-        masks and streams follow the committed count). Other batches run `step`."""
+        grammar, penalties or a min_new_tokens still ahead (their masks follow the committed
+        count; seeded streams are picked on the device, `Counts`). Other batches run
+        `step`."""
         if not self._takes_bounds or self.args.speculative_adaptive or self.runner.tp.size > 1:
             return False
         for r in reqs:
             p = r.sampling_params
             if r.grammar is not None or has_penalties(p) or len(r.output_ids) < p.min_new_tokens:
-                return False
-            if p.seed is not None and not p.is_greedy:
                 return False
         return True
 
@@ -406,7 +411,9 @@ class MTPDecoder(Decoder):
             r.kv_len = e
         rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
         index = to_device(rows, device)
-        generated = [len(r.output_ids) for r in reqs]  # lower bounds with prev in flight
+        # exact without prev; with prev in flight, the count before it (its predecessor is
+        # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
+        generated = [len(r.output_ids) for r in reqs]
         batch, table = list(reqs), self.h.req_to_token
         if prev is None:
             last = to_device([[r.all_ids[-1]] for r in reqs], device)
@@ -418,12 +425,13 @@ class MTPDecoder(Decoder):
         @torch.inference_mode()
         def run() -> RoundOut:
             if prev is None:
-                first, start, tail = initial, begin, last
+                first, start, tail, counts = initial, begin, last, generated
             else:
                 out: RoundOut = prev.result.result()
                 pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
                 accept_len = pick(out.res.accept_len)
                 start = pick(out.starts) + accept_len + 1
+                counts = Counts([g + 1 for g in generated], accept_len, prev.k + 1)
                 tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
                 first = FirstDrafts(
                     pick(out.first.tokens),
@@ -432,8 +440,8 @@ class MTPDecoder(Decoder):
                 )
             loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             at = Starts(start, bounds)
-            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, generated, rows)
-            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, generated, None, rows)
+            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, counts, rows)
+            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
             return RoundOut(res, logits, nxt, start)
 
         # with prev in flight the starts are filled in by prev's finish; until then (should
@@ -512,18 +520,25 @@ class MTPDecoder(Decoder):
         self.num_accepted += accepted
 
     def _accept(
-        self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts, generated: list[int]
+        self,
+        reqs: list[StepRequest],
+        logits: torch.Tensor,
+        drafts: Drafts,
+        generated: list[int] | Counts,
     ) -> tuple[AcceptResult, torch.Tensor]:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy.
-        Returns the verdict and the logits it read [B, K+1, V] (penalties applied), both on
-        the device."""
+        A seeded request's uniforms come from the stream of its count (`Counts`: picked on
+        the device). Returns the verdict and the logits it read [B, K+1, V] (penalties
+        applied), both on the device."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
-        if all_plain_greedy(reqs, generated):  # nothing modifies the logits: raw argmax
+        low, ranged = lower(generated), isinstance(generated, Counts)
+        if all_plain_greedy(reqs, low):  # nothing modifies the logits: raw argmax
             return greedy_accept(tokens, logits.argmax(dim=-1)), logits
+        params = [r.sampling_params for r in reqs]  # a range: `stream_uniforms` below
         info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs], self.vocab, device, seed_offsets=generated
+            params, self.vocab, device, seed_offsets=low, generators=not ranged
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
@@ -532,7 +547,12 @@ class MTPDecoder(Decoder):
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
             draft_probs = one_hot_probs(tokens, self.vocab)
-        return self.accept(tokens, draft_probs, target, generators=list(info.generators)), logits
+        uniforms = None  # exact counts: drawn from info.generators
+        if ranged:
+            uniforms = stream_uniforms(reqs, generated, 0, k1)
+        gens = list(info.generators)
+        res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
+        return res, logits
 
     def _read(self, res: AcceptResult, logits: torch.Tensor) -> Verdict:
         """The step's one host read of the acceptance result (`agree`d across ranks)."""

@@ -141,6 +141,44 @@ def late_join(engine: Engine) -> list:
     return asyncio.run_coroutine_threadsafe(run(), engine.loop).result()
 
 
+def seeded_logprobs(engine: Engine) -> list:
+    """Sampled requests with seeds of their own, with and without top_p / top_k: tokens and
+    logprobs (an MTP round's seeded streams follow its committed count, which an overlapped
+    round has on the device only)."""
+    params = [
+        {"max_new_tokens": 10, "temperature": 0.7 + 0.2 * i, "seed": 101 + i, "ignore_eos": True}
+        for i in range(4)
+    ]
+    params[1]["top_p"] = 0.9
+    params[2]["top_k"] = 8
+    params[3].update(top_p=0.8, top_k=20)
+    outs = engine.generate(PROMPTS[:4], params, return_logprob=True, top_logprobs_num=2)
+    return [
+        (
+            o["output_ids"],
+            o["meta_info"]["output_token_logprobs"],
+            o["meta_info"]["output_top_logprobs"],
+        )
+        for o in outs
+    ]
+
+
+def mixed_sampling(engine: Engine) -> list:
+    """Seeded, unseeded sampled and greedy requests in one batch: the seeded and greedy
+    ones' tokens (the unseeded ones draw from the global RNG)."""
+    kinds = [
+        {"temperature": 0.9, "top_p": 0.95, "seed": 7},
+        {"temperature": 1.0},
+        {"temperature": 0},
+        {"temperature": 0.8, "top_k": 10, "seed": 8},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "seed": 9},
+    ]
+    params = [{**kind, "max_new_tokens": 10, "ignore_eos": True} for kind in kinds]
+    outs = engine.generate(PROMPTS[: len(params)], params)
+    return [o["output_ids"] for o, p in zip(outs, params) if "seed" in p or not p["temperature"]]
+
+
 def retraction(engine: Engine) -> list:
     prompts = PROMPTS + [p + " x" for p in PROMPTS]
     outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 12})
@@ -178,8 +216,10 @@ def run_all(model_path: str, scenarios: dict, **kw) -> dict:
             state = engine.get_internal_state()
             overlapped = state["num_overlapped_steps"] - before
             # the prefix cache as the serial loop leaves it: a step's token found one step late
-            # is dropped, its KV position freed (aborts aside, whose timing differs)
-            cached = state["cached_tokens_in_tree"] if name != "abort_in_flight" else None
+            # is dropped, its KV position freed (aborts aside, whose timing differs, and
+            # unseeded samples, whose tokens differ)
+            compared = name not in ("abort_in_flight", "mixed_sampling")
+            cached = state["cached_tokens_in_tree"] if compared else None
             results[name] = ((out, cached), problem, overlapped, state["num_retractions"])
         return results
     finally:
@@ -220,8 +260,8 @@ def test_retractions_under_overlap(model_path):
 
 
 MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
-# grammar_and_penalties and n_samples (seeded sampling) run their rounds serially: an
-# overlapped streak ends and starts again around them
+# grammar_and_penalties runs its rounds serially: an overlapped streak ends and starts again
+# around it; seeded sampled requests overlap (their streams picked on the device)
 MTP_SCENARIOS = {
     name: SCENARIOS[name]
     for name in (
@@ -231,8 +271,11 @@ MTP_SCENARIOS = {
         "abort_in_flight",
         "grammar_and_penalties",
         "late_join",
+        "n_samples",
     )
 }
+MTP_SCENARIOS["seeded_logprobs"] = seeded_logprobs
+MTP_SCENARIOS["mixed_sampling"] = mixed_sampling
 
 
 def same_logprobs(a: list, b: list) -> bool:
@@ -254,7 +297,8 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
     """MTP rounds launched before the round before them is read give what serial MTP rounds
     give (tokens, logprobs, stop strings, the prefix cache left behind, an abort mid-round,
     batches that fall back to serial rounds, arrivals that end a streak of overlapped
-    rounds), and the plain decoder's greedy tokens; the KV invariant holds after each. The
+    rounds, seeded sampled requests alone, with `n > 1`, and beside unseeded sampled and
+    greedy ones), and the plain decoder's greedy tokens; the KV invariant holds after each. The
     CPU's verify (fia) runs eagerly here, its attention over the device lengths."""
     on = run_all(model_path, MTP_SCENARIOS, **ON, **MTP)
     off = run_all(model_path, MTP_SCENARIOS, disable_overlap_schedule=True, **MTP)
@@ -264,8 +308,8 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
         assert problem_on is None and problem_off is None, name
         assert n_off == 0 and n_on > 0, name
         assert cached_on == cached_off, name
-        if name == "logprobs":
-            assert same_logprobs(out_on, out_off)
+        if name in ("logprobs", "seeded_logprobs"):
+            assert same_logprobs(out_on, out_off), name
         else:
             assert out_on == out_off, name
     for name in ("greedy", "stop_string", "late_join"):
