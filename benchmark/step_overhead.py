@@ -40,10 +40,10 @@ response building; the HTTP streaming itself is what the loop spends beyond them
 not a dependency; `--gil`: only the thread holding the GIL is sampled), keeps the raw samples
 in FILE and prints each thread's most frequent frames: the sampler costs CPU itself, so those
 times are not comparable with the timed run. `--switch-interval` sets the server's
-`sys.setswitchinterval` (an experiment on GIL hand-offs). The server overlaps decode steps
-(the default: "step (overlapped)" is the finish of a launched step, in the loop's thread, and
-the forward runs in the device worker's, `srt-scheduler`); `--disable-overlap-schedule`
-(after `--server-flags`) times the serial loop ("step (decode)").
+`sys.setswitchinterval` (an experiment on GIL hand-offs). With overlap ("step (overlapped)" is
+the finish of a launched step, in the loop's thread, and the forward runs in the device
+worker's, `srt-scheduler`; the default with compiled forwards, `--enable-overlap-schedule`
+for eager ones) or the serial loop ("step (decode)"; `--disable-overlap-schedule`).
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ PARTS = [
 def server_flags(a) -> list[str]:
     """The server's flags for a run at concurrencies `a.buckets` (graphs at each of them;
     `a.compile`: compiled; `a.mtp_k`: MTP with that many drafts; `a.overlap` False:
-    --disable-overlap-schedule), then `a.server_flags`."""
+    --disable-overlap-schedule, True: --enable-overlap-schedule, which eager CPU forwards
+    need, None: the platform's default), then `a.server_flags`."""
     buckets = [str(c) for c in a.buckets]
     flags = ["--context-length", str(a.context_length)]
     flags += ["--max-running-requests", str(max(4, *a.buckets))]
@@ -117,8 +118,8 @@ def server_flags(a) -> list[str]:
         flags += ["--enable-torch-compile", "--torch-compile-max-bs", str(max(a.buckets))]
     if a.mtp_k:
         flags += ["--speculative-algorithm", "MTP", "--speculative-num-steps", str(a.mtp_k)]
-    if not a.overlap:
-        flags += ["--disable-overlap-schedule"]
+    if a.overlap is not None:
+        flags += ["--enable-overlap-schedule" if a.overlap else "--disable-overlap-schedule"]
     return flags + a.server_flags
 
 
@@ -691,7 +692,7 @@ def main() -> None:
     for k, v in defaults.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.overlap = True  # (--server-flags --disable-overlap-schedule turns it off in one run)
+    a.overlap = None  # one run: the default, or --server-flags --{enable,disable}-overlap-...
     if a.matrix:
         if a.py_spy:
             p.error("--py-spy profiles one run, not --matrix")

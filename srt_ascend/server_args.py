@@ -67,6 +67,8 @@ class ServerArgs:
     enable_cache_report: bool = False  # accepted for SGLang: usage always has cached_tokens
     kv_invariant_check: str = "log"  # when idle: "log" a broken KV invariant, or "fatal"
     disable_overlap_schedule: bool = False  # SGLang's flag: the serial step loop
+    # overlap where the platform would run serially (eager forwards on CPU)
+    enable_overlap_schedule: bool = False
     # parallelism
     tp_size: int = 1
     ep_size: int = 1  # 1, or --tp-size: routed experts partitioned over the TP ranks
@@ -198,6 +200,10 @@ class ServerArgs:
             raise ValueError("--stream-interval must be >= 1")
         if self.decode_log_interval < 1:
             raise ValueError("--decode-log-interval must be >= 1")
+        if self.enable_overlap_schedule and self.disable_overlap_schedule:
+            raise ValueError(
+                "--enable-overlap-schedule and --disable-overlap-schedule are exclusive"
+            )
         if self.context_length is not None and self.context_length < 2:
             raise ValueError("--context-length must be >= 2")
         if self.page_size is not None and self.page_size < 1:
@@ -601,6 +607,12 @@ class ServerArgs:
             action="store_true",
             help="run each decode step's forward after the previous step's results are "
             "committed (the serial loop) instead of overlapping them",
+        )
+        a(
+            "--enable-overlap-schedule",
+            action="store_true",
+            help="overlap decode steps where the platform runs them serially by default "
+            "(eager forwards on CPU, which hold the GIL op by op)",
         )
         a(
             "--tp-size",

@@ -39,6 +39,27 @@ def draw_uniforms(
     return 1.0 - u
 
 
+def uniforms_among(
+    candidates: Sequence[torch.Tensor | None],  # [B]: each row's [C, num] host draws, or None
+    pick: torch.Tensor,  # [B] int64 on the device: the candidate each row takes
+    num: int,
+) -> torch.Tensor:  # [B, num] float32 in (0, 1]
+    """`draw_uniforms` for rows whose generator only the device knows, as one of C candidates
+    (as many for every row that has them): a row's candidates are what each generator draws
+    (`torch.rand(num, generator=g)`, on the host) and `pick` chooses among them on the
+    device; rows without candidates (None) share one draw from the global RNG."""
+    device = pick.device
+    u = torch.rand(len(candidates), num, device=device)
+    seeded = [row for row, c in enumerate(candidates) if c is not None]
+    if seeded:
+        host = torch.stack([candidates[row] for row in seeded])  # [S, C, num]
+        rows = to_device(seeded, device)
+        at = pick.index_select(0, rows).view(-1, 1, 1).expand(-1, 1, num)
+        picked = to_device(host, device, torch.float32).gather(1, at).squeeze(1)
+        u = u.index_copy(0, rows, picked)
+    return 1.0 - u
+
+
 def inverse_cdf_sample(
     probs: torch.Tensor,  # [B, V] non-negative, each row with positive mass
     uniforms: torch.Tensor,  # [B] in (0, 1]

@@ -7,14 +7,16 @@ Under tensor parallelism every rank runs one Scheduler; only the leader's (rank 
 messages through `submit`, and at the top of each loop it broadcasts those it took (`_receive`),
 so every rank handles the same messages at the same point and then runs the same step.
 
-Overlap scheduling (the default with one rank; `--disable-overlap-schedule` gives the serial
-loop): in a decode phase the scheduler launches step N+1 (`Decoder.launch`, its inputs step
-N's tokens still on the device) before it finishes step N (`Decoder.finish`: the host read,
-commits, stop checks, releases, outputs), so that host work runs while the device computes.
-Everything else (a prefill, a retraction, a batch the decoder cannot overlap, a graph compile)
-first finishes the step in flight and then runs serially, as without overlap; so does
-everything while tokens are waiting to be admitted. The device work runs on the platform's
-DeviceWorker (`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
+Overlap scheduling (the default with one rank where the platform gains by it, that is on an
+accelerator or with compiled forwards on CPU: `Platform.overlaps_by_default`;
+`--disable-overlap-schedule` gives the serial loop, `--enable-overlap-schedule` forces it): in
+a decode phase the scheduler launches step N+1 (`Decoder.launch`, its inputs step N's tokens
+still on the device) before it finishes step N (`Decoder.finish`: the host read, commits, stop
+checks, releases, outputs), so that host work runs while the device computes. Everything else
+(a prefill, a retraction, a batch the decoder cannot overlap, a graph compile) first finishes
+the step in flight and then runs serially, as without overlap; so does everything while tokens
+are waiting to be admitted. The device work runs on the platform's DeviceWorker
+(`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
 """
 
 from __future__ import annotations
@@ -98,10 +100,15 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.in_flight: list[Req] = []  # the requests of the step being run
         self.inbox: queue.Queue = queue.Queue()
-        # overlap scheduling: with one rank (the ranks of a group agree on each step's tokens
-        # before it commits, serially) and a decoder that splits its steps
+        # overlap scheduling: where the platform gains by it (or forced on), with one rank
+        # (the ranks of a group agree on each step's tokens before it commits, serially) and
+        # a decoder that splits its steps
         self.overlap = (
             not server_args.disable_overlap_schedule
+            and (
+                server_args.enable_overlap_schedule
+                or runner.platform.overlaps_by_default(server_args)
+            )
             and self.tp.size == 1
             and decoder_class(server_args).overlaps
         )

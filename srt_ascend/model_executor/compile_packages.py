@@ -38,11 +38,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import glob
 import hashlib
 import json
 import logging
 import os
+import shutil
 import tempfile
+import threading
+import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
 
@@ -227,12 +231,36 @@ class _FromBases(nn.Module):
         return tuple(self.gm(*args))
 
 
+_EXTRACT_LOCK = threading.Lock()
+
+
+def _load_package(path: str):
+    """`aoti_load_package`, leaving nothing in the temporary directory. The loader extracts
+    the package (its shared library, a few MB) into a directory of $TMPDIR that only the
+    loaded model's destructor removes, which a server stopped by a signal never runs: each
+    start left one such directory per shape. Here it extracts into a scratch directory that
+    is removed once the library is loaded (a mapped library outlives its file)."""
+    tempfile.gettempdir()  # Python's own temporary files keep the real $TMPDIR
+    with _EXTRACT_LOCK:
+        scratch = tempfile.mkdtemp(prefix="srt-aoti-load-")
+        old = os.environ.get("TMPDIR")
+        os.environ["TMPDIR"] = scratch
+        try:
+            return torch._inductor.aoti_load_package(path)
+        finally:
+            if old is None:
+                del os.environ["TMPDIR"]
+            else:
+                os.environ["TMPDIR"] = old
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
 class PackagedForward:
     """A loaded package bound to this process's tensors: calling it runs the forward."""
 
     def __init__(self, path: str, roots: dict[str, object]) -> None:
         try:
-            model = torch._inductor.aoti_load_package(path)
+            model = _load_package(path)
             meta = json.loads(model.get_metadata()[_META])
         except Exception as e:  # a truncated or foreign file: many exception types
             raise StalePackage(f"cannot load: {e!r}") from e
@@ -310,6 +338,26 @@ def compile_package(
             os.remove(tmp)
 
 
+# a partial package untouched this long was left by a killed compile, not one in progress
+ABANDONED_PARTIAL_S = 3600
+
+
+def remove_abandoned_partials(directory: str, now: float | None = None) -> int:
+    """Removes the partial packages (`compile_package`'s temporary files) that a compile killed
+    before its rename left in `directory`; a recent one may be another process's compile in
+    progress and is kept. Returns how many were removed."""
+    now = time.time() if now is None else now
+    removed = 0
+    for path in glob.glob(os.path.join(directory, ".partial-*.pt2")):
+        try:
+            if now - os.path.getmtime(path) > ABANDONED_PARTIAL_S:
+                os.remove(path)
+                removed += 1
+        except OSError:  # removed meanwhile by another process
+            pass
+    return removed
+
+
 class PackageStore:
     """The packages of one model runner's compiled shapes, under `cache_dir`/aoti/."""
 
@@ -318,6 +366,7 @@ class PackageStore:
     ) -> None:
         self.dir = os.path.join(cache_dir, PACKAGE_DIR)
         self.identity, self.options, self.roots = identity, options, roots
+        remove_abandoned_partials(self.dir)
 
     def path(self, shape: tuple, kind_repr: str, threads) -> str:
         key = package_key(self.identity, shape, kind_repr, threads, self.options)

@@ -11,11 +11,15 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.registry import Registry
+
+if TYPE_CHECKING:
+    from srt_ascend.server_args import ServerArgs
 
 PLATFORMS: Registry[Platform] = Registry("device")
 register_platform = PLATFORMS.register
@@ -105,6 +109,11 @@ class Platform(ABC):
 
     def stream(self, stream) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def overlaps_by_default(self, server_args: ServerArgs) -> bool:
+        """Whether decode steps overlap unless `--disable-overlap-schedule` is given: on a
+        device whose streams run asynchronously to the host."""
+        return True
 
     def new_device_worker(self) -> DeviceWorker:
         """Where the overlap scheduler's step closures run (`platforms/device_worker.py`):

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import TYPE_CHECKING
 
 import torch
 
 from srt_ascend.platforms.base import Platform, register_platform
 from srt_ascend.platforms.device_worker import DeviceWorker, ThreadWorker
+
+if TYPE_CHECKING:
+    from srt_ascend.server_args import ServerArgs
 
 # Matmuls up to 2^18 multiply-adds (this model's projections at 1-4 rows, the absorbed-MLA
 # batched matmuls at one row) are 1.3-4x faster through MKL than through oneDNN on the CI
@@ -38,6 +42,15 @@ class CpuPlatform(Platform):
     @staticmethod
     def is_available() -> bool:
         return True
+
+    def overlaps_by_default(self, server_args: ServerArgs) -> bool:
+        """Only compiled forwards (`--enable-torch-compile`): their code runs without the
+        GIL, while an eager forward in the device thread takes the GIL back op by op from
+        the loop's threads, and overlap then costs more than the host work it hides (eager
+        plain decoding at one request: 2.1x the serial loop's time per token;
+        benchmark/README.md "MTP rounds under overlap scheduling"). `--enable-overlap-schedule`
+        overlaps eager forwards too."""
+        return server_args.enable_torch_compile
 
     def new_device_worker(self) -> DeviceWorker:
         """No asynchronous device: step closures run on one thread beside the scheduler's."""

@@ -62,13 +62,15 @@ class SamplingBatchInfo:
         device: torch.device | str,
         *,
         seed_offsets: Sequence[int] | None = None,
+        generators: bool = True,
     ) -> SamplingBatchInfo:
         """Tensorise `params` (one row each; normalized or not) onto `device`.
 
         Seeded requests get a fresh host `torch.Generator` (the same numbers on every device;
         `layers.sampler.draw_uniforms` copies them over) seeded with
         `mix_seed(seed, seed_offsets[i])`; pass the request's number of output tokens so far as
-        its offset so every step draws new numbers (default offset 0). Others get None.
+        its offset so every step draws new numbers (default offset 0). Others get None, and
+        every row with `generators=False` (the caller draws its uniforms itself).
         """
         temps, top_ks, gens = [], [], []
         for i, p in enumerate(params):
@@ -77,7 +79,8 @@ class SamplingBatchInfo:
             top_k = 1 if greedy else p.top_k
             top_ks.append(vocab_size if top_k < 1 or top_k > vocab_size else top_k)
             offset = 0 if seed_offsets is None else int(seed_offsets[i])
-            gens.append(None if p.seed is None else seeded_generator(p.seed, offset))
+            seeded = p.seed is not None and generators
+            gens.append(seeded_generator(p.seed, offset) if seeded else None)
         top_ps = [float(p.top_p) for p in params]
         min_ps = [float(p.min_p) for p in params]
         freq = [float(p.frequency_penalty) for p in params]

@@ -21,7 +21,10 @@ its first positions (round N's plus its accept lengths + 1), last committed toke
 come from round N's device results, its slots are gathered from req_to_token on the device,
 and its forwards carry device sequence lengths with host upper bounds (the slots of every
 position it may reach were allocated ahead). Its finish fills in where the round after it
-starts. Batches whose sampling follows the committed count run `step` (`can_overlap`).
+starts. A seeded request's streams follow its generated count, which is round N's plus
+its accept length + 1: the uniforms of each count it may reach are drawn on the host and
+picked on the device (`Counts`), exactly those a serial round draws. Batches whose masks
+follow the committed count run `step` (`can_overlap`).
 K is --speculative-num-steps, or per step what `draft_length` chooses (--speculative-adaptive,
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
@@ -56,14 +59,17 @@ from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult, greedy_accept
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
 from srt_ascend.speculative.mtp_worker import (
+    Counts,
     DraftHandles,
     Drafts,
     FirstDrafts,
     MTPWorker,
     Starts,
     lengths,
+    lower,
     one_hot_probs,
     state_of,
+    stream_uniforms,
 )
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES
 from srt_ascend.utils import HOST_READS, to_device
@@ -349,12 +355,12 @@ class MTPDecoder(Decoder):
         starts: list[int] | Starts,  # L-1 per request: exact, or on the device (overlap)
         last: torch.Tensor,  # [B, 1] t_{L-1} on the device
         first: FirstDrafts | None,  # d_1 (None: from the requests' states)
-        generated: list[int],  # tokens each request generated before the round
+        generated: list[int] | Counts,  # tokens each request generated before the round
         rows: list[int],  # their req_to_token rows
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
         (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
-        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows)
+        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
         fb = verify.build(
@@ -375,16 +381,15 @@ class MTPDecoder(Decoder):
         """Rounds whose sampling needs no host value of the round before (its accept lengths
         decide the next round's positions, which only the device knows at launch): one
         rank, backends that read lengths on the device, and no request with a grammar,
-        penalties, a min_new_tokens still ahead or a seed for sampled tokens (their masks and
-        streams follow the committed count). Other batches run `step`. Adaptive K overlaps
-        too: `launch` chooses each round's K (and refuses the switches that run serially)."""
+        penalties or a min_new_tokens still ahead (their masks follow the committed count;
+        seeded streams are picked on the device, `Counts`). Other batches run `step`.
+        Adaptive K overlaps too: `launch` chooses each round's K (and refuses the switches
+        that run serially)."""
         if not self._takes_bounds or self.runner.tp.size > 1:
             return False
         for r in reqs:
             p = r.sampling_params
             if r.grammar is not None or has_penalties(p) or len(r.output_ids) < p.min_new_tokens:
-                return False
-            if p.seed is not None and not p.is_greedy:
                 return False
         return True
 
@@ -399,9 +404,11 @@ class MTPDecoder(Decoder):
         estimates as the last round read left them: with prev in flight that is the round
         before prev, so the choice is one round stale. K = 0 is the plain decoder's step over
         the device inputs, its MTP pass deferred at its finish (`MTPWorker.keep_deferred`);
-        K = 0 rounds overlap one after another. A round with drafts after a K = 0 step first
-        runs the deferred passes from committed tokens (`MTPWorker.catch_up`): it is not
-        launched (None; the scheduler finishes prev and runs `step`, which chooses again)."""
+        K = 0 rounds overlap one after another. Not launched (None; the scheduler finishes prev
+        and runs `step`, which chooses again): a round with drafts after a K = 0 step (it
+        first runs the deferred passes from committed tokens, `MTPWorker.catch_up`), and a
+        K = 0 round after one with drafts over a seeded sampled request (its sampling draws
+        from the host stream of its count, which prev's accept lengths leave open)."""
         k = self.draft_length.choose([self._estimate(r) for r in reqs])
         k1, device = k + 1, self.runner.device
         if prev is None:
@@ -414,6 +421,9 @@ class MTPDecoder(Decoder):
             assert isinstance(prev, LaunchedRound)
             if k and not prev.k:  # deferred passes to catch up, from prev's committed token
                 return None
+            seeded = [r for r in reqs if r.sampling_params.seed is not None]
+            if not k and prev.k and any(not r.sampling_params.is_greedy for r in seeded):
+                return None  # a K = 0 round samples from host streams: its count must be exact
             order = [prev.index.get(id(r)) for r in reqs]
             if None in order:
                 return None
@@ -430,10 +440,9 @@ class MTPDecoder(Decoder):
             r.kv_len = e
         rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
         index = to_device(rows, device)
-        # tokens generated before the round: exact after nothing or a K = 0 round, else lower
-        # bounds (read only by seeds and min_new_tokens, which `can_overlap` keeps serial)
-        ahead_count = 0 if prev is None or prev.k else 1
-        generated = [len(r.output_ids) + ahead_count for r in reqs]
+        # exact without prev; with prev in flight, the count before it (its predecessor is
+        # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
+        generated = [len(r.output_ids) for r in reqs]
         batch, table = list(reqs), self.h.req_to_token
         if prev is None:
             last = to_device([[r.all_ids[-1]] for r in reqs], device)
@@ -445,12 +454,13 @@ class MTPDecoder(Decoder):
         @torch.inference_mode()
         def run() -> RoundOut:
             if prev is None:
-                first, start, tail = initial, begin, last
+                first, start, tail, counts = initial, begin, last, generated
             else:
                 out: RoundOut = prev.result.result()
                 pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
                 accept_len = pick(out.res.accept_len)
                 start = pick(out.starts) + accept_len + 1
+                counts = Counts([g + 1 for g in generated], accept_len, prev.k + 1)
                 tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
                 first = None
                 if k:  # prev drafted (a K = 0 prev is refused above)
@@ -462,9 +472,9 @@ class MTPDecoder(Decoder):
             loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             at = Starts(start, bounds)
             if not k:
-                return self._plain_round(batch, loc[:, 0], at, tail, generated, rows)
-            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, generated, rows)
-            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, generated, None, rows)
+                return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
+            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, counts, rows)
+            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
             return RoundOut(res, logits, nxt, start)
 
         # with prev in flight the starts are filled in by prev's finish; until then (should
@@ -480,18 +490,20 @@ class MTPDecoder(Decoder):
         loc: torch.Tensor,  # [B] the slots of the round's positions
         at: Starts,  # the positions, on the device, with host bounds
         tail: torch.Tensor,  # [B, 1] the last committed tokens
-        generated: list[int],
+        counts: list[int] | Counts,  # tokens generated before the round
         rows: list[int],
     ) -> RoundOut:
         """An overlapped K = 0 round, on the device worker: the plain decoder's step (the
         decode kind, tokens and logprobs sampled as without MTP) over device positions; the
-        target hidden is copied for the deferred MTP pass (a graph reuses its output)."""
+        target hidden is copied for the deferred MTP pass (a graph reuses its output). The
+        counts are exact for a seeded sampled row (`launch`), lower bounds otherwise (read by
+        nothing: min_new_tokens is behind every overlapped row)."""
         seq, bounds = lengths(at, 1)
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE, tail.view(-1), rows, seq, [1] * len(reqs), loc, None, bounds
         )
         hidden, logits = self.runner.forward_logits(fb, self.plain_kind)
-        sampled = sample_tokens(logits, reqs, self.vocab, self.h.eos_ids, generated)
+        sampled = sample_tokens(logits, reqs, self.vocab, self.h.eos_ids, lower(counts))
         tokens = sampled.token_ids.view(-1, 1)
         res = AcceptResult(torch.zeros_like(at.device), tokens)
         return RoundOut(res, None, None, at.device, hidden.clone(), sampled.logprobs)
@@ -584,18 +596,25 @@ class MTPDecoder(Decoder):
         self.num_accepted += accepted
 
     def _accept(
-        self, reqs: list[StepRequest], logits: torch.Tensor, drafts: Drafts, generated: list[int]
+        self,
+        reqs: list[StepRequest],
+        logits: torch.Tensor,
+        drafts: Drafts,
+        generated: list[int] | Counts,
     ) -> tuple[AcceptResult, torch.Tensor]:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy.
-        Returns the verdict and the logits it read [B, K+1, V] (penalties applied), both on
-        the device."""
+        A seeded request's uniforms come from the stream of its count (`Counts`: picked on
+        the device). Returns the verdict and the logits it read [B, K+1, V] (penalties
+        applied), both on the device."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
-        if all_plain_greedy(reqs, generated):  # nothing modifies the logits: raw argmax
+        low, ranged = lower(generated), isinstance(generated, Counts)
+        if all_plain_greedy(reqs, low):  # nothing modifies the logits: raw argmax
             return greedy_accept(tokens, logits.argmax(dim=-1)), logits
+        params = [r.sampling_params for r in reqs]  # a range: `stream_uniforms` below
         info = SamplingBatchInfo.from_params(
-            [r.sampling_params for r in reqs], self.vocab, device, seed_offsets=generated
+            params, self.vocab, device, seed_offsets=low, generators=not ranged
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
@@ -604,7 +623,12 @@ class MTPDecoder(Decoder):
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
             draft_probs = one_hot_probs(tokens, self.vocab)
-        return self.accept(tokens, draft_probs, target, generators=list(info.generators)), logits
+        uniforms = None  # exact counts: drawn from info.generators
+        if ranged:
+            uniforms = stream_uniforms(reqs, generated, 0, k1)
+        gens = list(info.generators)
+        res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
+        return res, logits
 
     def _read(self, res: AcceptResult, logits: torch.Tensor) -> Verdict:
         """The step's one host read of the acceptance result (`agree`d across ranks)."""

@@ -21,11 +21,16 @@ import torch
 from torch import nn
 
 from srt_ascend.decoding.base import StepRequest
-from srt_ascend.layers.sampler import draw_uniforms, processed_probs, sample_from_probs
+from srt_ascend.layers.sampler import processed_probs, sample_from_probs, uniforms_among
 from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.sampling.penalties import mask_stop_tokens
-from srt_ascend.sampling.sample_step import all_plain_greedy, min_new_stop_ids, penalised_logits
+from srt_ascend.sampling.sample_step import (
+    all_plain_greedy,
+    generated_counts,
+    min_new_stop_ids,
+    penalised_logits,
+)
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo, seeded_generator
 from srt_ascend.server_args import MAX_SPEC_STEPS
 from srt_ascend.speculative.acceptance import AcceptResult
@@ -99,6 +104,67 @@ class Starts(NamedTuple):
 
     device: torch.Tensor  # [B] int64
     bounds: list[int]
+
+
+class Counts(NamedTuple):
+    """Tokens each request generated before a round, where the host knows them as a range
+    only: a round launched before the round ahead of it is read starts at low[i] + extra[i]
+    generated tokens, extra (that round's accept lengths) on the device, in 0..span-1. A
+    seeded request's streams follow the count, so `stream_uniforms` draws every count's and
+    picks on the device. A round with exact host counts passes them as a list instead;
+    min_new_tokens and the rest read the lower bounds (`lower`): an overlapped round has
+    none still ahead."""
+
+    low: list[int]
+    extra: torch.Tensor  # [B] int64
+    span: int
+
+
+def lower(generated: list[int] | Counts) -> list[int]:
+    """The counts, or their host lower bounds."""
+    return generated.low if isinstance(generated, Counts) else generated
+
+
+def counts_after(generated: list[int] | Counts, accept_len: torch.Tensor, k1: int) -> Counts:
+    """The counts once a round with up to `k1` tokens is committed: accept_len + 1 more."""
+    if isinstance(generated, Counts):
+        low, extra, span = generated
+        return Counts([g + 1 for g in low], extra + accept_len, span + k1 - 1)
+    return Counts([g + 1 for g in generated], accept_len, k1)
+
+
+def stream_uniforms(
+    reqs: list[StepRequest], generated: Counts, draft: int, num: int
+) -> torch.Tensor:  # [B, num] in (0, 1]
+    """The `num` uniforms each row draws from its stream at its count (`draft` 0: the
+    target's, the verify's; j: draft j's, `draft_seed_offset`): a sampled seeded row's are
+    the numbers a round with that exact count draws, drawn on the host for every count of
+    its range (`stream_draws`) and picked on the device; the other rows' come from the
+    global RNG (a greedy row's uniforms decide nothing)."""
+    candidates = [
+        None
+        if (p := r.sampling_params).seed is None or p.is_greedy
+        else stream_draws(r, draft, num, g, generated.span)
+        for r, g in zip(reqs, generated.low)
+    ]
+    return uniforms_among(candidates, generated.extra, num)
+
+
+def stream_draws(req: StepRequest, draft: int, num: int, low: int, span: int) -> torch.Tensor:
+    """[span, num] host draws of a seeded request's stream (`draft` as in `stream_uniforms`)
+    at counts low .. low+span-1: `num` numbers from seeded_generator(seed, offset). Each
+    count's are drawn once and kept in the request's SpecState (the range of an overlapped
+    round overlaps the next one's); counts below `low` are dropped (counts only grow: a
+    stream is never read again once its count is passed, and one drawn again is the same)."""
+    kept = state_of(req).draws.setdefault((draft, num), {})
+    for c in [c for c in kept if c < low]:
+        del kept[c]
+    seed = req.sampling_params.seed
+    for c in range(low, low + span):
+        if c not in kept:
+            offset = c if draft == 0 else draft_seed_offset(c, draft)
+            kept[c] = torch.rand(num, generator=seeded_generator(seed, offset))
+    return torch.stack([kept[c] for c in range(low, low + span)])
 
 
 def lengths(starts: list[int] | Starts, plus: int):
@@ -187,7 +253,7 @@ class MTPWorker:
         loc: torch.Tensor,  # [B, K+1] slots of positions start .. start+K
         hidden: torch.Tensor,  # [B*(K+1), D] the verify forward's target hidden states
         verdict: AcceptResult,  # accept_len [B], emitted [B, K+1] (-1 past them), on the device
-        generated: list[int] | None,  # tokens each request generated before this round
+        generated: list[int] | Counts | None,  # tokens each request generated before the round
         draft_rows: list[bool] | None = None,  # whose d_1 is drafted (None: every row's)
         rows: list[int] | None = None,  # req_to_token rows (None: the requests' own)
     ) -> FirstDrafts | None:
@@ -338,6 +404,7 @@ class MTPWorker:
         first: FirstDrafts | None = None,
         starts: list[int] | Starts | None = None,
         rows: list[int] | None = None,
+        generated: list[int] | Counts | None = None,
     ) -> Drafts:
         """d_1 from each request's state, then draft steps 2..K: MTP layer l_j (j = 1..K-1,
         `layer_for_step`) over (the chain's outputs, its drafts) at positions L-1 .. L-2+j
@@ -351,7 +418,8 @@ class MTPWorker:
         requests' states); `starts`: L-1 per request (on the device in an overlapped round;
         None: from the committed lengths); `rows`: their req_to_token rows (None: the
         requests' own; an overlapped round takes them at launch, as a request released
-        meanwhile has none)."""
+        meanwhile has none); `generated`: the tokens each generated before the round, which
+        its seeded draft streams follow (None: the committed ones)."""
         k = loc.shape[1] - 1
         first = self.first_of(reqs) if first is None else first
         tokens = [first.tokens]  # [B] per draft position
@@ -377,7 +445,7 @@ class MTPWorker:
             last = torch.arange(n - 1, len(reqs) * n, n, device=loc.device)  # each one's last
             out, logits = self.h.forward_logits(fb, hidden, j, kind, last)
             out = out.view(len(reqs), n, -1)[:, -1]
-            token, p = self._draft_step(reqs, logits, torch.stack(tokens, dim=1))
+            token, p = self._draft_step(reqs, logits, torch.stack(tokens, dim=1), generated)
             outs.append(out)
             tokens.append(token)
             probs.append(p)
@@ -410,30 +478,38 @@ class MTPWorker:
         reqs: list[StepRequest],
         logits: torch.Tensor,  # [B, V'] the MTP head's logits of each row's drafting output
         drafted: torch.Tensor | None,  # [B, j] drafts of this chain so far (None: j = 0)
+        generated: list[int] | Counts | None = None,  # before the round (None: committed)
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The next draft of every row [B] and the distribution it came from [B, V] (None
-        when every row drafts greedily), on the device."""
+        when every row drafts greedily), on the device. A seeded row draws from the stream
+        `draft_seed_offset` of its count (on the device with `Counts`)."""
         logits = logits[:, : self.h.vocab_size]
-        if all_plain_greedy(reqs):
+        counts = generated_counts(reqs, None if generated is None else lower(generated))
+        if all_plain_greedy(reqs, counts):
             return logits.argmax(dim=-1), None
         n_drafted = 0 if drafted is None else drafted.shape[1]  # the same for every row
+        ranged = isinstance(generated, Counts)
         info = SamplingBatchInfo.from_params(
             [r.sampling_params for r in reqs],
             self.h.vocab_size,
             logits.device,
-            seed_offsets=[draft_seed_offset(len(r.output_ids), n_drafted + 1) for r in reqs],
+            seed_offsets=None if ranged else [draft_seed_offset(c, n_drafted + 1) for c in counts],
+            generators=not ranged,  # a range: `stream_uniforms` below
         )
-        logits = penalised_logits(logits, reqs, info, self.h.eos_ids, drafted)
+        logits = penalised_logits(logits, reqs, info, self.h.eos_ids, drafted, generated=counts)
         if info.is_all_greedy:  # greedy verification needs the draft tokens only
             return logits.argmax(dim=-1), None
         probs = processed_probs(logits, info)  # [B, V]
-        return sample_from_probs(probs, info), probs
+        uniforms = None
+        if ranged:
+            uniforms = stream_uniforms(reqs, generated, n_drafted + 1, 1)[:, 0]
+        return sample_from_probs(probs, info, uniforms), probs
 
     def _draft_ahead(
         self,
         reqs: list[StepRequest],
         logits: torch.Tensor,  # [B, V'] the MTP head's logits at each row's last accepted one
-        generated: list[int],  # [B] tokens each request generated before the round
+        generated: list[int] | Counts,  # [B] tokens each request generated before the round
         accept_len: torch.Tensor,  # [B] the round's accepted drafts, on the device
         k1: int,  # K+1: the most tokens the round commits
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -441,13 +517,17 @@ class MTPWorker:
         accept_len[i] + 1 tokens once the round is committed, drawn before that count reaches
         the host: a row's min_new_tokens stop mask and its seeded stream
         (`draft_seed_offset`) are those of that count, chosen on the device. No penalties nor
-        grammar (their state is the committed tokens')."""
+        grammar (their state is the committed tokens'). With `Counts` (the round's own count
+        is a range) the stop mask reads their lower bounds (no min_new_tokens is ahead)."""
+        after = counts_after(generated, accept_len, k1)
+        generated = lower(generated)
         vocab, device = self.h.vocab_size, logits.device
         logits = logits[:, :vocab]
         least = [g + 1 for g in generated]
         if all_plain_greedy(reqs, least):  # min_new_tokens reached whatever is accepted
             return logits.argmax(dim=-1), None
-        info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], vocab, device)
+        params = [r.sampling_params for r in reqs]
+        info = SamplingBatchInfo.from_params(params, vocab, device, generators=False)
         # masked where even K+1 tokens leave it below min_new_tokens, then where the accept
         # length leaves it below: accept_len < min_new_tokens - generated - 1
         logits = penalised_logits(
@@ -469,27 +549,7 @@ class MTPWorker:
         if info.is_all_greedy:
             return logits.argmax(dim=-1), None
         probs = processed_probs(logits, info)
-        uniforms = self._ahead_uniforms(reqs, generated, accept_len, k1)
+        # a seeded row's stream is that of its count after the round,
+        # draft_seed_offset(generated + accept_len + 1, 1): picked on the device
+        uniforms = stream_uniforms(reqs, after, 1, 1)[:, 0]
         return sample_from_probs(probs, info, uniforms), probs
-
-    @staticmethod
-    def _ahead_uniforms(
-        reqs: list[StepRequest], generated: list[int], accept_len: torch.Tensor, k1: int
-    ) -> torch.Tensor:  # [B] in (0, 1]
-        """The uniform each row's d_1 is drawn with: a seeded row's from the stream of its
-        count after the round, draft_seed_offset(generated + accept_len + 1, 1), as one host
-        draw for each of the K+1 counts it may reach, picked on the device by `accept_len`."""
-        device = accept_len.device
-        uniforms = draw_uniforms([None] * len(reqs), 1, device)[:, 0]
-        seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
-        if not seeded:
-            return uniforms
-        gens = [
-            seeded_generator(reqs[i].sampling_params.seed, draft_seed_offset(generated[i] + c, 1))
-            for i in seeded
-            for c in range(1, k1 + 1)
-        ]
-        candidates = draw_uniforms(gens, 1, device).view(len(seeded), k1)
-        rows = to_device(seeded, device)
-        picked = candidates.gather(1, accept_len.index_select(0, rows).view(-1, 1)).view(-1)
-        return uniforms.index_copy(0, rows, picked)

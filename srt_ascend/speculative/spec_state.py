@@ -14,7 +14,8 @@ class SpecState:
     K = 0 steps (plain decoding, --speculative-adaptive) the MTP passes they skipped wait in
     `deferred`: the target hidden of positions deferred_start, deferred_start + 1, ...; d_1
     is then None until the next step with drafts runs them. On the host: the request's moving
-    acceptance estimate per draft position (draft_length)."""
+    acceptance estimate per draft position (draft_length), and a seeded request's draws of
+    the streams its next rounds may read."""
 
     token: torch.Tensor | None = None  # [] d_1; None: no draft yet
     # [V] the processed draft distribution d_1 was sampled from; None for a greedy draft (its
@@ -24,3 +25,6 @@ class SpecState:
     acceptance: list[float] | None = None  # [K] P(draft j accepted | drafts before accepted)
     deferred: list[torch.Tensor] = field(default_factory=list)  # [D] each, on the device
     deferred_start: int = 0  # position of deferred[0]
+    # seeded streams' host draws by (draft j, 0 for the target's; draws) and generated count,
+    # the counts an overlapped round may start at and those after (`mtp_worker.stream_draws`)
+    draws: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)

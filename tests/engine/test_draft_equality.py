@@ -140,7 +140,11 @@ def _check(name: str, dense, records, k: int) -> None:
 def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
     records = _record(monkeypatch)
     engine = Engine(
-        model_path=model_path, dtype="float32", speculative_algorithm="MTP", **CONFIGS[name]
+        model_path=model_path,
+        dtype="float32",
+        speculative_algorithm="MTP",
+        enable_overlap_schedule=True,  # overlapped chains too (eager CPU: serial by default)
+        **CONFIGS[name],
     )
     try:
         engine.generate(PROMPTS[:2], GREEDY)  # warm the radix cache
@@ -214,6 +218,7 @@ def test_drafts_after_overlapped_plain_rounds_equal_dense_mtp(model_path, dense,
         speculative_num_steps=2,
         speculative_adaptive=True,
         cuda_graph_bs=(1, 16),
+        enable_overlap_schedule=True,  # eager forwards on CPU: serial unless forced
     )
     try:
         decoder = engine.tokenizer_manager.scheduler.decoder
@@ -251,6 +256,7 @@ def test_multi_layer_checkpoint_drafts_equal_dense_mtp(three_layer_path, monkeyp
             speculative_num_steps=3,
             speculative_verify=verify,
             chunked_prefill_size=16,
+            enable_overlap_schedule=True,
             **extra,
         )
         try:

@@ -1,10 +1,10 @@
-"""Overlap scheduling (the default) gives what the serial loop (`--disable-overlap-schedule`)
-gives, on the shipped checkpoint in float32: greedy tokens, seeded samples, logprobs, `n > 1`,
-a stop string found one step late, a grammar request beside overlapped ones, penalties (run
-serially), an abort while a step is in flight, retractions from a small KV pool; and MTP
-rounds under overlap equal serial MTP rounds and plain decoding. Each scenario runs on one engine
-per setting, which then must be idle with the KV invariant intact (every slot and request row
-free or owned by the prefix cache)."""
+"""Overlap scheduling (forced on: eager forwards on CPU run serially by default) gives what the
+serial loop (`--disable-overlap-schedule`) gives, on the shipped checkpoint in float32: greedy
+tokens, seeded samples, logprobs, `n > 1`, a stop string found one step late, a grammar request
+beside overlapped ones, penalties (run serially), an abort while a step is in flight, retractions
+from a small KV pool; and MTP rounds under overlap equal serial MTP rounds and plain decoding.
+Each scenario runs on one engine per setting, which then must be idle with the KV invariant
+intact (every slot and request row free or owned by the prefix cache)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from srt_ascend.speculative.draft_length import FixedDraftLength
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 SMALL_POOL = {"max_total_tokens": 160, "chunked_prefill_size": 32}
 COMMON = {"dtype": "float32", "num_threads": 2, "kv_invariant_check": "fatal"}
+ON = {"enable_overlap_schedule": True}  # eager forwards on CPU: serial unless forced
 
 
 def greedy(engine: Engine) -> list:
@@ -142,6 +143,44 @@ def late_join(engine: Engine) -> list:
     return asyncio.run_coroutine_threadsafe(run(), engine.loop).result()
 
 
+def seeded_logprobs(engine: Engine) -> list:
+    """Sampled requests with seeds of their own, with and without top_p / top_k: tokens and
+    logprobs (an MTP round's seeded streams follow its committed count, which an overlapped
+    round has on the device only)."""
+    params = [
+        {"max_new_tokens": 10, "temperature": 0.7 + 0.2 * i, "seed": 101 + i, "ignore_eos": True}
+        for i in range(4)
+    ]
+    params[1]["top_p"] = 0.9
+    params[2]["top_k"] = 8
+    params[3].update(top_p=0.8, top_k=20)
+    outs = engine.generate(PROMPTS[:4], params, return_logprob=True, top_logprobs_num=2)
+    return [
+        (
+            o["output_ids"],
+            o["meta_info"]["output_token_logprobs"],
+            o["meta_info"]["output_top_logprobs"],
+        )
+        for o in outs
+    ]
+
+
+def mixed_sampling(engine: Engine) -> list:
+    """Seeded, unseeded sampled and greedy requests in one batch: the seeded and greedy
+    ones' tokens (the unseeded ones draw from the global RNG)."""
+    kinds = [
+        {"temperature": 0.9, "top_p": 0.95, "seed": 7},
+        {"temperature": 1.0},
+        {"temperature": 0},
+        {"temperature": 0.8, "top_k": 10, "seed": 8},
+        {"temperature": 0.8},
+        {"temperature": 1.0, "seed": 9},
+    ]
+    params = [{**kind, "max_new_tokens": 10, "ignore_eos": True} for kind in kinds]
+    outs = engine.generate(PROMPTS[: len(params)], params)
+    return [o["output_ids"] for o, p in zip(outs, params) if "seed" in p or not p["temperature"]]
+
+
 def retraction(engine: Engine) -> list:
     prompts = PROMPTS + [p + " x" for p in PROMPTS]
     outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 12})
@@ -182,8 +221,10 @@ def run_all(model_path: str, scenarios: dict, setup=None, **kw) -> dict:
             state = engine.get_internal_state()
             overlapped = state["num_overlapped_steps"] - before
             # the prefix cache as the serial loop leaves it: a step's token found one step late
-            # is dropped, its KV position freed (aborts aside, whose timing differs)
-            cached = state["cached_tokens_in_tree"] if name != "abort_in_flight" else None
+            # is dropped, its KV position freed (aborts aside, whose timing differs, and
+            # unseeded samples, whose tokens differ)
+            compared = name not in ("abort_in_flight", "mixed_sampling")
+            cached = state["cached_tokens_in_tree"] if compared else None
             results[name] = ((out, cached), problem, overlapped, state["num_retractions"])
         return results
     finally:
@@ -192,12 +233,12 @@ def run_all(model_path: str, scenarios: dict, setup=None, **kw) -> dict:
 
 @pytest.fixture(scope="module")
 def serial(model_path) -> dict:
-    return run_all(model_path, SCENARIOS, disable_overlap_schedule=True)
+    return run_all(model_path, SCENARIOS)  # eager forwards on CPU: serial by default
 
 
 @pytest.fixture(scope="module")
 def overlapped(model_path) -> dict:
-    return run_all(model_path, SCENARIOS)
+    return run_all(model_path, SCENARIOS, **ON)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
@@ -220,17 +261,17 @@ def serial_retraction(model_path) -> tuple:
 def test_retractions_under_overlap(model_path, serial_retraction):
     scenarios = {"retraction": retraction}
     (off, problem_off, _, retracted_off) = serial_retraction
-    (on, problem_on, overlapped_on, retracted_on) = run_all(model_path, scenarios, **SMALL_POOL)[
-        "retraction"
-    ]
+    (on, problem_on, overlapped_on, retracted_on) = run_all(
+        model_path, scenarios, **ON, **SMALL_POOL
+    )["retraction"]
     assert problem_off is None and problem_on is None
     assert retracted_off > 0 and retracted_on > 0 and overlapped_on > 0
     assert on == off
 
 
 MTP = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
-# grammar_and_penalties and n_samples (seeded sampling) run their rounds serially: an
-# overlapped streak ends and starts again around them
+# grammar_and_penalties runs its rounds serially: an overlapped streak ends and starts again
+# around it; seeded sampled requests overlap (their streams picked on the device)
 MTP_SCENARIOS = {
     name: SCENARIOS[name]
     for name in (
@@ -240,8 +281,11 @@ MTP_SCENARIOS = {
         "abort_in_flight",
         "grammar_and_penalties",
         "late_join",
+        "n_samples",
     )
 }
+MTP_SCENARIOS["seeded_logprobs"] = seeded_logprobs
+MTP_SCENARIOS["mixed_sampling"] = mixed_sampling
 
 
 def same_logprobs(a: list, b: list) -> bool:
@@ -263,9 +307,10 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
     """MTP rounds launched before the round before them is read give what serial MTP rounds
     give (tokens, logprobs, stop strings, the prefix cache left behind, an abort mid-round,
     batches that fall back to serial rounds, arrivals that end a streak of overlapped
-    rounds), and the plain decoder's greedy tokens; the KV invariant holds after each. The
+    rounds, seeded sampled requests alone, with `n > 1`, and beside unseeded sampled and
+    greedy ones), and the plain decoder's greedy tokens; the KV invariant holds after each. The
     CPU's verify (fia) runs eagerly here, its attention over the device lengths."""
-    on = run_all(model_path, MTP_SCENARIOS, **MTP)
+    on = run_all(model_path, MTP_SCENARIOS, **ON, **MTP)
     off = run_all(model_path, MTP_SCENARIOS, disable_overlap_schedule=True, **MTP)
     for name in MTP_SCENARIOS:
         (out_on, cached_on), problem_on, n_on, _ = on[name]
@@ -273,8 +318,8 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
         assert problem_on is None and problem_off is None, name
         assert n_off == 0 and n_on > 0, name
         assert cached_on == cached_off, name
-        if name == "logprobs":
-            assert same_logprobs(out_on, out_off)
+        if name in ("logprobs", "seeded_logprobs"):
+            assert same_logprobs(out_on, out_off), name
         else:
             assert out_on == out_off, name
     for name in ("greedy", "stop_string", "late_join"):
@@ -286,7 +331,7 @@ def test_mtp_overlap_with_expand_verify_and_graphs(model_path, overlapped):
     comes from the host bounds of the lengths; the plain decoder's greedy tokens."""
     scenarios = {name: SCENARIOS[name] for name in ("greedy", "stop_string", "late_join")}
     kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
-    on = run_all(model_path, scenarios, **MTP, **kw)
+    on = run_all(model_path, scenarios, **ON, **MTP, **kw)
     for name in scenarios:
         (out, _), problem, n_on, _ = on[name]
         assert problem is None and n_on > 0, name
@@ -299,7 +344,7 @@ def test_mtp_retractions_under_overlap(model_path):
     (off, problem_off, _, retracted_off) = run_all(
         model_path, scenarios, disable_overlap_schedule=True, **kw
     )["retraction"]
-    (on, problem_on, n_on, retracted_on) = run_all(model_path, scenarios, **kw)["retraction"]
+    (on, problem_on, n_on, retracted_on) = run_all(model_path, scenarios, **ON, **kw)["retraction"]
     assert problem_off is None and problem_on is None
     assert retracted_off > 0 and retracted_on > 0 and n_on > 0
     assert on[0] == off[0]
@@ -315,7 +360,7 @@ def test_idle_once_the_last_request_finishes(model_path):
     from srt_ascend.sampling.sampling_params import SamplingParams
     from srt_ascend.server_args import ServerArgs
 
-    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024)
+    args = ServerArgs(model_path=model_path, dtype="float32", max_total_tokens=1024, **ON)
     outputs: list = []
     sched = build_scheduler(
         args, get_platform("cpu"), load_tokenizer(args.tokenizer), outputs.extend
@@ -353,7 +398,7 @@ class WalkDraftLength(FixedDraftLength):
 
 
 # two graph buckets: the start profile of step costs (which the scripted K ignores) stays short
-ADAPTIVE = {**MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
+ADAPTIVE = {**ON, **MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
 # K changes between overlapped rounds with drafts (2 -> 1 -> 2), drafts -> K = 0 -> K = 0, and
 # K = 0 -> drafts (which runs serially: the deferred passes first)
 WALK = (2, 1, 0, 0, 2, 2, 1, 0, 1)

@@ -23,18 +23,21 @@ from srt_ascend.platforms.cpu import CpuPlatform
 from srt_ascend.server_args import ServerArgs
 
 
-def start_and_replay(path: str, at_start: bool = True) -> dict:
+def start_and_replay(path: str, at_start: bool = True, tmpdir: str | None = None) -> dict:
     """A runner compiling the plain decoder's shapes at start (bucket 1, one KV window; with
     `at_start` False they are only queued for the idle scheduler, unless loaded), then
     one replay of its decode graph over a seeded KV pool and batch: the logits, the KV row it
     wrote, what the compile cache did (compile_packages.stats) and dynamo's / inductor's
-    counters meanwhile. Dynamo's in-memory code is emptied first, as in a new process."""
+    counters meanwhile. Dynamo's in-memory code is emptied first, as in a new process. With
+    `tmpdir` as $TMPDIR: what is left in it while the runner is alive."""
     # imported here, not at collection (tests/unit/triton_interpreter.py)
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     from srt_ascend.model_executor import compile_packages
 
+    if tmpdir is not None:
+        os.environ["TMPDIR"] = tmpdir
     torch._dynamo.reset()
     counters.clear()
     compile_packages.stats.clear()
@@ -69,6 +72,7 @@ def start_and_replay(path: str, at_start: bool = True) -> dict:
         "inductor": sum(counters["inductor"].values()),
         "logits": logits.clone(),
         "kv_written": torch.stack([layer[9].clone() for layer in runner.kv_pool._joint]),
+        "tmp_left": None if tmpdir is None else sorted(os.listdir(tmpdir)),
     }
 
 
@@ -89,9 +93,9 @@ def cold(tiny_mtp_factory, tmp_path_factory):
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = old
 
 
-def in_new_process(path: str) -> dict:
+def in_new_process(path: str, tmpdir: str | None = None) -> dict:
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(start_and_replay, (path,))
+        return pool.apply(start_and_replay, (path, True, tmpdir))
 
 
 def assert_same_outputs(a: dict, b: dict) -> None:
@@ -100,13 +104,17 @@ def assert_same_outputs(a: dict, b: dict) -> None:
     assert a["kv_written"].abs().sum() > 0  # the replay wrote its token's KV
 
 
-def test_a_second_process_loads_every_shape_from_the_cache(cold):
+def test_a_second_process_loads_every_shape_from_the_cache(cold, tmp_path):
+    """A second process loads every shape and leaves nothing in $TMPDIR while it serves (the
+    loader's extracted library stayed there for good once a signal stopped the server:
+    `compile_packages._load_package`)."""
     path, cache, first = cold
     assert first["packages"] == {"compiled": 1}, first
     assert first["shapes"] == {"compiled": 1, "loaded": 0, "total": 1, "ready": True}
     assert len(glob.glob(os.path.join(cache, "aoti", "decode-b1-w57-*.pt2"))) == 1
-    warm = in_new_process(path)
+    warm = in_new_process(path, str(tmp_path))
     assert warm["packages"] == {"loaded": 1}, warm
+    assert not [n for n in warm["tmp_left"] if n.startswith("aotinductor_")], warm["tmp_left"]
     assert warm["shapes"] == {"compiled": 1, "loaded": 1, "total": 1, "ready": True}
     assert warm["dynamo_graphs"] == 0 and warm["inductor"] == 0, warm  # nothing traced
     assert_same_outputs(first, warm)
@@ -152,3 +160,22 @@ def test_a_corrupt_package_is_removed_and_its_shape_queued_to_compile(cold):
     assert not os.path.exists(package)
     torch.testing.assert_close(again["logits"], first["logits"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(again["kv_written"], first["kv_written"], rtol=1e-4, atol=1e-4)
+
+
+def test_partial_packages_of_killed_compiles_are_removed(tmp_path):
+    """A compile killed before its rename leaves a `.partial-*.pt2`: a later start removes it
+    once it is an hour old, and keeps a fresh one (another process's compile in progress) and
+    every finished package."""
+    from srt_ascend.model_executor.compile_packages import (
+        ABANDONED_PARTIAL_S,
+        remove_abandoned_partials,
+    )
+
+    names = (".partial-old.pt2", ".partial-new.pt2", "decode-b1-w57-abc.pt2", "old-b1-w1-x.pt2")
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    long_ago = os.path.getmtime(tmp_path / names[0]) - ABANDONED_PARTIAL_S - 1
+    for name in (names[0], names[3]):
+        os.utime(tmp_path / name, (long_ago, long_ago))
+    assert remove_abandoned_partials(str(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(names[1:])

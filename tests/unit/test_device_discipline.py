@@ -355,9 +355,10 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
     lengths (ragged query rows; a chunk of the last one, whose rest prefills next), the first
     tokens and the MTP pass, then decode steps, each making only its counted host reads.
     Overlapped (the default), a step launches the next decode step (an MTP round: its
-    positions, lengths and slots gathered on the device from the round in flight) before it
-    reads the one in flight: still one read per step, the first launch none, the last read
-    when the step in flight is finished."""
+    positions, lengths and slots gathered on the device from the round in flight, and a
+    seeded request's streams picked there by its accept length) before it reads the one in
+    flight: still one read per step, the first launch none, the last read when the step in
+    flight is finished."""
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
@@ -383,6 +384,8 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
         scheduler = Scheduler(args, runner, StopChecker(None, [1]), outputs.extend)
         for i, prompt in enumerate(RAGGED_PROMPTS):
             params = SamplingParams(temperature=0.0, max_new_tokens=6)
+            if i == 1:  # seeded sampling: an overlapped round picks its streams on the device
+                params = SamplingParams(temperature=0.9, top_k=5, seed=3, max_new_tokens=6)
             params.normalize()
             scheduler.handle(TokenizedGenerateReq(f"r{i}", prompt, params))
         while scheduler.chunked_req is not None or scheduler.waiting:

@@ -17,6 +17,10 @@ defective worker did (one stream per output position: a step after one that acce
 K - 2 drafts draws its d_1 with an examined draft's uniform) and must fail the same check; on
 this pair it shifts token 2 by 0.0074 (token 2 of the first emitted token after such a step
 by 0.017), 4.5 sd past the threshold.
+
+A round launched under overlap knows its generated count as a range only (`Counts`): its draft
+steps, acceptance uniforms and next d_1 must be drawn from the streams a serial round with the
+exact count draws from (`test_a_round_launched_ahead_draws_what_a_serial_round_draws`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from srt_ascend.layers.sampler import processed_probs
-from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.layers.sampler import draw_uniforms, processed_probs
+from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo, seeded_generator
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.speculative import mtp_worker
 from srt_ascend.speculative.acceptance import AcceptResult, block_verify
@@ -150,3 +154,69 @@ def test_first_draft_drawn_ahead_is_the_one_drawn_after_the_commit() -> None:
     drawn = [int(r.decoder_state.token) for r in ahead]
     assert drawn == [int(r.decoder_state.token) for r in after]
     assert 2 in drawn and len(set(drawn)) == 3  # sampled rows, and rows still masked
+
+
+def test_a_round_launched_ahead_draws_what_a_serial_round_draws() -> None:
+    """A round launched before the round ahead of it is read (MTP under overlap) knows its
+    requests' generated counts as ranges only: low + extra, extra (that round's accept
+    length) on the device (`Counts`). Its draft steps d_2..d_K, its acceptance uniforms and
+    its next d_1 must be those a round with the exact count draws, for every extra: the
+    seeded sampled rows' equal (unseeded rows draw from the global RNG, greedy ones by
+    argmax)."""
+    k1, batch, low = K + 1, 60, 3
+    extra = torch.tensor([i % k1 for i in range(batch)])
+
+    def requests() -> list[FakeReq]:
+        reqs = []
+        for i in range(batch):
+            kind = i % 6
+            p = SamplingParams(
+                temperature=0.0 if kind == 5 else 0.6 + 0.1 * kind,
+                top_p=0.9 if kind == 1 else 1.0,
+                top_k=2 if kind == 2 else -1,
+                seed=None if kind == 4 else 100 + i,
+            )
+            p.normalize()
+            reqs.append(FakeReq(p, output_ids=[0] * (low + int(extra[i]))))
+        return reqs
+
+    seeded = [i for i in range(batch) if i % 6 < 4]
+    serial, ahead = requests(), requests()
+    counts = mtp_worker.Counts([low] * batch, extra, k1)
+    worker = _worker()
+    loc = torch.zeros(batch, k1, dtype=torch.int64)
+    zeros = torch.zeros(batch, dtype=torch.int64)
+    first = mtp_worker.FirstDrafts(zeros, DRAFT.expand(batch, V).clone(), torch.zeros(batch, 1))
+    chains = [
+        worker.draft_chain(serial, loc, first).tokens,  # counts from output_ids
+        worker.draft_chain(ahead, loc, first, generated=counts).tokens,
+    ]
+    assert torch.equal(chains[0][seeded], chains[1][seeded])
+    assert len(set(chains[0][seeded, 1:].flatten().tolist())) == V  # sampled drafts
+    # the acceptance uniforms: those of the generator at the exact count
+    gens = [
+        seeded_generator(r.sampling_params.seed, len(r.output_ids)) if i in seeded else None
+        for i, r in enumerate(serial)
+    ]
+    uniforms = [draw_uniforms(gens, k1, "cpu"), mtp_worker.stream_uniforms(ahead, counts, 0, k1)]
+    assert torch.equal(uniforms[0][seeded], uniforms[1][seeded])
+    # the next round's range overlaps this one's: the draws kept for it are the same numbers
+    later = (extra + 1) % k1
+    again = mtp_worker.stream_uniforms(
+        ahead, mtp_worker.Counts([low + 1] * batch, later, k1), 0, k1
+    )
+    for i in seeded:
+        seed = serial[i].sampling_params.seed
+        gen = seeded_generator(seed, low + 1 + int(later[i]))
+        assert torch.equal(again[i], draw_uniforms([gen], k1, "cpu")[0])
+    # the next d_1, drawn before this round's read too
+    accept = torch.tensor([(i // k1) % k1 for i in range(batch)])
+    emitted = torch.where(torch.arange(k1).view(1, -1) <= accept.view(-1, 1), 1, -1)
+    verdict = AcceptResult(accept, emitted)
+    hidden = torch.zeros(batch * k1, 1)
+    exact = [len(r.output_ids) for r in serial]
+    worker.draft_after_verify(serial, [0] * batch, loc, hidden, verdict, exact)
+    worker.draft_after_verify(ahead, [0] * batch, loc, hidden, verdict, counts)
+    drawn = [[int(r.decoder_state.token) for r in reqs] for reqs in (serial, ahead)]
+    assert [drawn[0][i] for i in seeded] == [drawn[1][i] for i in seeded]
+    assert len({drawn[0][i] for i in seeded}) == V

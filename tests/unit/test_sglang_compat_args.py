@@ -89,11 +89,21 @@ def test_grammar_backend_flag():
             ServerArgs(grammar_backend=other)
 
 
-def test_disable_overlap_schedule_flag():
-    """SGLang's flag and default: overlap scheduling on unless the flag is given."""
+def test_overlap_schedule_flags():
+    """SGLang's flag and default: overlap scheduling on unless the flag is given, where the
+    platform gains by it: devices, and compiled forwards on CPU (eager forwards there hold the
+    GIL op by op: serial unless `--enable-overlap-schedule`). Both flags at once: an error."""
+    from srt_ascend.platforms import get_platform
+
     assert not ServerArgs().disable_overlap_schedule
     assert not prepare_server_args([]).disable_overlap_schedule
     assert prepare_server_args(["--disable-overlap-schedule"]).disable_overlap_schedule
+    assert prepare_server_args(["--enable-overlap-schedule"]).enable_overlap_schedule
+    with pytest.raises(ValueError, match="^--enable-overlap-schedule and --disable-"):
+        ServerArgs(enable_overlap_schedule=True, disable_overlap_schedule=True)
+    cpu = get_platform("cpu")
+    assert not cpu.overlaps_by_default(ServerArgs())
+    assert cpu.overlaps_by_default(ServerArgs(enable_torch_compile=True))
 
 
 def test_custom_logit_processor_flag_is_refused_by_name(capsys):
