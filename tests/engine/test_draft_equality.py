@@ -111,8 +111,8 @@ def _record(monkeypatch) -> list[tuple[Any, int, list[int]]]:
     records: list[tuple[Any, int, list[int]]] = []
     chain = MTPWorker.draft_chain
 
-    def recorded(self, reqs, loc, first=None, starts=None, rows=None):
-        out = chain(self, reqs, loc, first, starts, rows)
+    def recorded(self, reqs, loc, first=None, starts=None, rows=None, generated=None):
+        out = chain(self, reqs, loc, first, starts, rows, generated)
         if isinstance(starts, Starts):
             begin = starts.device.tolist()
         else:

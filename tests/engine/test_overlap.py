@@ -424,18 +424,34 @@ def walk_rounds(launched: list):
     return setup
 
 
+def plain_rounds(scenario):
+    """`scenario` with every round K = 0, then the walk again."""
+
+    def run(engine: Engine):
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        walk, decoder.draft_length = decoder.draft_length, WalkDraftLength(2, (0,))
+        try:
+            return scenario(engine)
+        finally:
+            decoder.draft_length = walk
+
+    return run
+
+
 def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
     """--speculative-adaptive under overlap: each round's K is chosen at its launch (here
     scripted to change between rounds, K = 0 included), rounds overlap across changes of K,
-    and tokens and logprobs equal plain decoding's; an abort
-    mid-streak and arrivals that end a streak leave the KV invariant intact. Before adaptive
-    K overlapped, every adaptive round ran serially."""
+    and tokens and logprobs equal plain decoding's, seeded samples too where every round
+    runs K = 0 (the plain decoder's sampling, at the exact count); an abort mid-streak and
+    arrivals that end a streak leave the KV invariant intact. Before adaptive K overlapped,
+    every adaptive round ran serially."""
     scenarios = {
         name: SCENARIOS[name]
         for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
     }
+    scenarios["seeded"] = plain_rounds(seeded)
     launched: list = []
-    on = run_all(model_path, scenarios, walk_rounds(launched), speculative_adaptive=True, **MTP)
+    on = run_all(model_path, scenarios, walk_rounds(launched), **ADAPTIVE)
     for name in scenarios:
         (out, cached), problem, n_on, _ = on[name]
         assert problem is None and n_on > 0, name
