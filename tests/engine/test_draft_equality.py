@@ -157,6 +157,14 @@ def test_drafts_equal_dense_mtp(model_path, dense, monkeypatch, name):
     _check(name, dense, records, CONFIGS[name]["speculative_num_steps"])
 
 
+ADAPTIVE_K2 = {
+    "dtype": "float32",
+    "speculative_algorithm": "MTP",
+    "speculative_num_steps": 2,
+    "speculative_adaptive": True,
+}
+
+
 class DeferringPrefills(FixedDraftLength):
     """K = max_k at every step; prefills defer their MTP pass while `defer` is set (what
     adaptive K does when it expects the next steps to run K = 0)."""
@@ -174,13 +182,7 @@ def test_prompt_only_prefill_that_defers_leaves_mtp_kv(model_path, dense, monkey
     whose prefill defers its MTP pass still write the MTP KV of every cached position:
     requests that then reuse the cached prompts draft what the dense module drafts."""
     records = _record(monkeypatch)
-    engine = Engine(
-        model_path=model_path,
-        dtype="float32",
-        speculative_algorithm="MTP",
-        speculative_num_steps=2,
-        speculative_adaptive=True,
-    )
+    engine = Engine(model_path=model_path, **ADAPTIVE_K2)
     try:
         policy = DeferringPrefills(2)
         engine.tokenizer_manager.scheduler.decoder.draft_length = policy
@@ -213,10 +215,7 @@ def test_drafts_after_overlapped_plain_rounds_equal_dense_mtp(model_path, dense,
     records = _record(monkeypatch)
     engine = Engine(
         model_path=model_path,
-        dtype="float32",
-        speculative_algorithm="MTP",
-        speculative_num_steps=2,
-        speculative_adaptive=True,
+        **ADAPTIVE_K2,
         cuda_graph_bs=(1, 16),
         enable_overlap_schedule=True,  # eager forwards on CPU: serial unless forced
     )

@@ -38,16 +38,18 @@ def seeded(engine: Engine) -> list:
     return [o["output_ids"] for o in engine.generate(PROMPTS, params)]
 
 
+def with_logprobs(outs: list) -> list:
+    """Each output's tokens with its token and top logprobs."""
+    meta = [o["meta_info"] for o in outs]
+    return [
+        (o["output_ids"], m["output_token_logprobs"], m["output_top_logprobs"])
+        for o, m in zip(outs, meta)
+    ]
+
+
 def logprobs(engine: Engine) -> list:
     outs = engine.generate(PROMPTS[:4], GREEDY, return_logprob=True, top_logprobs_num=3)
-    return [
-        (
-            o["output_ids"],
-            o["meta_info"]["output_token_logprobs"],
-            o["meta_info"]["output_top_logprobs"],
-        )
-        for o in outs
-    ]
+    return with_logprobs(outs)
 
 
 def n_samples(engine: Engine) -> list:
@@ -155,14 +157,7 @@ def seeded_logprobs(engine: Engine) -> list:
     params[2]["top_k"] = 8
     params[3].update(top_p=0.8, top_k=20)
     outs = engine.generate(PROMPTS[:4], params, return_logprob=True, top_logprobs_num=2)
-    return [
-        (
-            o["output_ids"],
-            o["meta_info"]["output_token_logprobs"],
-            o["meta_info"]["output_top_logprobs"],
-        )
-        for o in outs
-    ]
+    return with_logprobs(outs)
 
 
 def mixed_sampling(engine: Engine) -> list:
