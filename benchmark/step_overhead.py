@@ -126,7 +126,6 @@ def server_flags(a) -> list[str]:
 # ---- bare forward --------------------------------------------------------------------------
 
 
-@torch.inference_mode()
 def bare(a) -> dict:
     """Per concurrency C in `a.buckets`: ms of the step's forwards back to back in this
     process's main thread (graph replays). Plain: one decode forward over C requests with KV
@@ -137,7 +136,6 @@ def bare(a) -> dict:
     served mean length."""
     import srt_ascend.speculative.mtp_decoder  # noqa: F401  (registers "MTP")
     from srt_ascend.decoding import DecoderHandles, create_decoder
-    from srt_ascend.model_executor.forward_batch import ForwardMode
     from srt_ascend.model_executor.model_runner import ModelRunner
     from srt_ascend.platforms import get_platform
     from srt_ascend.server_args import prepare_server_args
@@ -154,6 +152,16 @@ def bare(a) -> dict:
     while runner.compile_next_graph():
         pass
     out = {"compile_s": round(time.perf_counter() - t0, 1)}
+    # built and compiled outside inference mode, as the server does (a runner whose pool and
+    # buffers are inference tensors cannot be packaged); the forwards run inside it
+    with torch.inference_mode():
+        return _bare_forwards(a, runner, decoder, prefix, out)
+
+
+def _bare_forwards(a, runner, decoder, prefix: int, out: dict) -> dict:
+    """`bare`'s timings over a built runner, in inference mode."""
+    from srt_ascend.model_executor.forward_batch import ForwardMode
+
     if a.mtp_k:
         from srt_ascend.speculative import mtp_decoder
 
