@@ -65,6 +65,7 @@ from srt_ascend.speculative.mtp_worker import (
     FirstDrafts,
     MTPWorker,
     Starts,
+    counts_after,
     lengths,
     lower,
     one_hot_probs,
@@ -460,7 +461,7 @@ class MTPDecoder(Decoder):
                 pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
                 accept_len = pick(out.res.accept_len)
                 start = pick(out.starts) + accept_len + 1
-                counts = Counts([g + 1 for g in generated], accept_len, prev.k + 1)
+                counts = counts_after(generated, accept_len, prev.k + 1)
                 tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
                 first = None
                 if k:  # prev drafted (a K = 0 prev is refused above)

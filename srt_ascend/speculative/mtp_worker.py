@@ -325,10 +325,7 @@ class MTPWorker:
             return
         rows = [row for _, _, first, m in keep for row in range(first, first + m)]
         kept = hidden.index_select(0, to_device(rows, hidden.device))
-        at, owned = 0, []
-        for _, _, _, m in keep:
-            owned.append(kept[at : at + m])
-            at += m
+        owned = list(kept.split([m for *_, m in keep]))
         self.keep_deferred([r for r, *_ in keep], [start for _, start, *_ in keep], owned)
         self.catch_up([r for r, *_ in keep if r.finished], draft=False)
 
