@@ -13,6 +13,7 @@ import itertools
 import time
 
 import pytest
+import torch
 from conftest import PROMPTS
 
 from srt_ascend import Engine
@@ -433,21 +434,121 @@ def plain_rounds(scenario):
     return run
 
 
-def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
+class ScriptedK(FixedDraftLength):
+    """Adaptive K scripted by round: the Ks of `first`, one per choice, then `then`."""
+
+    def __init__(self, max_k: int, first, then: int) -> None:
+        super().__init__(max_k, [1])
+        self.first, self.then = list(first), then
+
+    def choose(self, estimates):
+        return self.first.pop(0) if self.first else self.then
+
+
+def both_ways(engine: Engine, run, first=(), then: int = 0) -> list:
+    """`run()` with K scripted (`ScriptedK`) under overlap, then again with every round run
+    by `step` (as the serial loop runs them), the prefix cache flushed before each."""
+    decoder = engine.tokenizer_manager.scheduler.decoder
+    walk, outs = decoder.draft_length, []
+    try:
+        for serial in (False, True):
+            assert idle_problem(engine) is None and engine.flush_cache()
+            decoder.draft_length = ScriptedK(2, first, then)
+            if serial:
+                decoder.can_overlap = lambda reqs: False
+            outs.append(run())
+    finally:
+        decoder.draft_length = walk
+        decoder.__dict__.pop("can_overlap", None)
+    return outs
+
+
+def finished_in_plain_round(engine: Engine) -> tuple:
+    """A request finishing in an overlapped K = 0 round: the MTP passes its K = 0 rounds
+    deferred run before the prefix cache takes its slots (`MTPDecoder.finish`), as the
+    serial loop's K = 0 step that finishes it runs them (`MTPWorker.defer`). Returns the MTP
+    layer's KV over its cached positions both ways (a pass not run leaves what the slots
+    held before) and the K of each overlapped round that finished a request."""
+    scheduler = engine.tokenizer_manager.scheduler
+    decoder, runner = scheduler.decoder, scheduler.runner
+    prompt = engine.tokenizer_manager.tokenize(PROMPTS[2])
+    ended: list[int] = []
+    finish = decoder.finish
+
+    def noting(step):
+        out = finish(step)
+        ended.extend(step.k for r in out if r.finished)
+        return out
+
+    def run():
+        out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 9})
+        slots = scheduler.tree.match_prefix(prompt + out["output_ids"]).device_indices
+        assert len(slots) == len(prompt) + 8  # every position but the last token's
+        mtp_layer = runner.config.num_hidden_layers
+        return runner.kv_pool.get_key_buffer(mtp_layer)[slots].clone()
+
+    decoder.finish = noting
+    try:
+        return both_ways(engine, run), ended
+    finally:
+        del decoder.finish
+
+
+def seeded_plain_after_drafts(engine: Engine) -> tuple:
+    """A seeded sampled request whose K = 2 round is followed by K = 0 rounds: the K = 0
+    round launched after the drafting one is refused (its sampling stream is that of the
+    count the drafting round leaves, unknown at launch) and runs serially; the tokens are
+    those of serial rounds. Returns both runs' tokens and the K of each round whose
+    successor's launch was refused."""
+    decoder = engine.tokenizer_manager.scheduler.decoder
+    params = {"max_new_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True}
+    refused: list[int] = []
+    launch = decoder.launch
+
+    def noting(reqs, prev):
+        out = launch(reqs, prev)
+        if out is None and prev is not None:
+            refused.append(prev.k)
+        return out
+
+    def run():
+        return engine.generate(PROMPTS[0], params)["output_ids"]
+
+    decoder.launch = noting
+    try:
+        return both_ways(engine, run, first=[2]), refused
+    finally:
+        decoder.launch = launch
+
+
+ADAPTIVE_SCENARIOS = {
+    name: SCENARIOS[name]
+    for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
+}
+ADAPTIVE_SCENARIOS["seeded"] = plain_rounds(seeded)
+ADAPTIVE_SCENARIOS["finished_in_plain_round"] = finished_in_plain_round
+ADAPTIVE_SCENARIOS["seeded_plain_after_drafts"] = seeded_plain_after_drafts
+
+
+@pytest.fixture(scope="module")
+def adaptive(model_path) -> tuple[dict, list]:
+    """ADAPTIVE_SCENARIOS on one engine with the scripted walk of K, and the (prev K, K) of
+    every overlapped launch."""
+    launched: list = []
+    return run_all(model_path, ADAPTIVE_SCENARIOS, walk_rounds(launched), **ADAPTIVE), launched
+
+
+def test_adaptive_k_rounds_overlap_and_equal_plain(adaptive, overlapped):
     """--speculative-adaptive under overlap: each round's K is chosen at its launch (here
     scripted to change between rounds, K = 0 included), rounds overlap across changes of K,
     and tokens and logprobs equal plain decoding's, seeded samples too where every round
     runs K = 0 (the plain decoder's sampling, at the exact count); an abort mid-streak and
     arrivals that end a streak leave the KV invariant intact. Before adaptive K overlapped,
     every adaptive round ran serially."""
-    scenarios = {
-        name: SCENARIOS[name]
-        for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
-    }
-    scenarios["seeded"] = plain_rounds(seeded)
-    launched: list = []
-    on = run_all(model_path, scenarios, walk_rounds(launched), **ADAPTIVE)
-    for name in scenarios:
+    on, launched = adaptive
+    for name in ADAPTIVE_SCENARIOS:
+        if name not in overlapped and name != "seeded":
+            continue
         (out, cached), problem, n_on, _ = on[name]
         assert problem is None and n_on > 0, name
         plain = overlapped[name][0][0]
@@ -458,6 +559,26 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
     pairs = {(a, b) for a, b in launched if a is not None}
     assert {(2, 1), (1, 0), (0, 0)} <= pairs, pairs  # K changed under overlap
     assert (0, 2) not in pairs and (0, 1) not in pairs  # the catch-up ran serially
+
+
+def test_request_finished_in_plain_round_caches_its_mtp_kv(adaptive):
+    """A request that finishes in an overlapped K = 0 round leaves the prefix cache the MTP
+    KV the serial loop leaves (its deferred passes run before its slots are cached), not
+    what the slots held before: requests that continue its output draft from that KV."""
+    (((kv_on, kv_serial), ended), _), problem, n_on, _ = adaptive[0]["finished_in_plain_round"]
+    assert problem is None and n_on > 0
+    assert 0 in ended  # finished by an overlapped K = 0 round
+    assert torch.allclose(kv_on, kv_serial, atol=1e-5, rtol=0)
+
+
+def test_seeded_plain_round_after_drafts_runs_serially(adaptive):
+    """A K = 0 round after a drafting round over a seeded sampled request falls back to a
+    serial round (its stream's count is known on the host only once the drafting round is
+    read); its tokens equal serial rounds'."""
+    (((on, serial), refused), _), problem, n_on, _ = adaptive[0]["seeded_plain_after_drafts"]
+    assert problem is None and n_on > 0
+    assert on == serial
+    assert 2 in refused  # the K = 0 round after the K = 2 one was not launched overlapped
 
 
 def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
