@@ -177,6 +177,34 @@ def mixed_sampling(engine: Engine) -> list:
     return [o["output_ids"] for o, p in zip(outs, params) if "seed" in p or not p["temperature"]]
 
 
+def edge_requests(engine: Engine) -> list:
+    """Requests that end inside their first rounds (max_new_tokens 1 and 2, greedy and
+    seeded), one stopped by a stop token id met inside an accepted draft block, and a seeded
+    sampled one whose min_new_tokens runs out mid-run (its batch turns from serial rounds to
+    overlapped ones), all with input logprobs from logprob_start_len, top logprobs and
+    token_ids_logprob."""
+    ahead = engine.generate(PROMPTS[0], GREEDY)["output_ids"]
+    params = [
+        {**GREEDY, "max_new_tokens": 1},
+        {"max_new_tokens": 2, "temperature": 0.9, "seed": 4},
+        {**GREEDY, "ignore_eos": False, "stop_token_ids": [ahead[5]]},
+        {"max_new_tokens": 14, "temperature": 0.8, "seed": 5, "min_new_tokens": 6},
+        {**GREEDY, "max_new_tokens": 2},
+    ]
+    outs = engine.generate(
+        [PROMPTS[1], PROMPTS[2], PROMPTS[0], PROMPTS[3], PROMPTS[4]],
+        params,
+        return_logprob=True,
+        logprob_start_len=2,
+        top_logprobs_num=2,
+        token_ids_logprob=[5, 100],
+    )
+    assert outs[2]["meta_info"]["finish_reason"]["matched"] == ahead[5]
+    meta = [o["meta_info"] for o in outs]
+    keys = ("finish_reason", "input_token_logprobs", "output_token_ids_logprobs")
+    return [(*lp, *(m[k] for k in keys)) for lp, m in zip(with_logprobs(outs), meta)]
+
+
 def retraction(engine: Engine) -> list:
     prompts = PROMPTS + [p + " x" for p in PROMPTS]
     outs = engine.generate(prompts, {**GREEDY, "max_new_tokens": 12})
@@ -282,6 +310,7 @@ MTP_SCENARIOS = {
 }
 MTP_SCENARIOS["seeded_logprobs"] = seeded_logprobs
 MTP_SCENARIOS["mixed_sampling"] = mixed_sampling
+MTP_SCENARIOS["edge_requests"] = edge_requests
 
 
 def same_logprobs(a: list, b: list) -> bool:
@@ -314,7 +343,7 @@ def test_mtp_rounds_overlap_and_equal_serial_mtp_and_plain(model_path, overlappe
         assert problem_on is None and problem_off is None, name
         assert n_off == 0 and n_on > 0, name
         assert cached_on == cached_off, name
-        if name in ("logprobs", "seeded_logprobs"):
+        if name in ("logprobs", "seeded_logprobs", "edge_requests"):
             assert same_logprobs(out_on, out_off), name
         else:
             assert out_on == out_off, name
