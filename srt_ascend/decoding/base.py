@@ -153,6 +153,11 @@ class Decoder(ABC):
     ) -> None:
         """Called after every EXTEND forward, once the first tokens are committed."""
 
+    def leaving(self, reqs: list[StepRequest]) -> None:  # noqa: B027 - optional hook
+        """Called before running requests give their KV to the prefix cache unfinished
+        (aborted, retracted), on the device worker: a decoder that defers work over
+        committed positions finishes it here."""
+
     def calibrate(self) -> None:  # noqa: B027 - optional hook
         """Called once the graphs are captured, before the first request: a decoder that
         times its forwards does it here."""

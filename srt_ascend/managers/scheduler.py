@@ -660,6 +660,7 @@ class Scheduler:
             # Nothing else holds memory: it can never fit.
             self._finish(victim, FinishReason("abort", message="KV cache pool too small"))
             return
+        self.decoder.leaving([victim])  # on the device worker: in the step that retracts
         self.kv.release(victim)
         victim.retracted += 1
         self.num_retractions += 1
@@ -761,7 +762,10 @@ class Scheduler:
         for r in victims:
             r.finished_reason = FinishReason("abort", message=msg)
             self._roll_back(r)
+        holding = [r for r in victims if r.req_pool_idx is not None]
         try:
+            if holding:  # on the device worker, after the step in flight
+                self.worker.run(lambda: self.decoder.leaving(holding))
             for r in victims:
                 self.kv.release(r)
         finally:  # one emit for all: their clients must not wait, even if a release raised

@@ -283,6 +283,14 @@ class MTPDecoder(Decoder):
         draft = [d and not r.finished for r, d in zip(reqs, done)]
         self.worker.draft_extend(reqs, starts, lens, hidden, next_tokens, draft)
 
+    def leaving(self, reqs: list[StepRequest]) -> None:
+        """Requests leaving unfinished (aborted, retracted) while K = 0 steps have deferred
+        MTP passes: the passes run now, without drafting, so that the prefix cache takes
+        their slots with their MTP KV written (as `defer` and `finish` do for a request that
+        finishes), not with what the slots held before."""
+        held = [r for r in reqs if r.decoder_state is not None and r.req_pool_idx is not None]
+        self.worker.catch_up(held, draft=False)
+
     def idle_prefill(self) -> None:
         """The main model's EXTEND forward and the MTP pass over it, over no tokens."""
         self.runner.forward_idle()

@@ -492,14 +492,22 @@ def both_ways(engine: Engine, run, first=(), then: int = 0) -> list:
     return outs
 
 
+def mtp_kv_cached(engine: Engine, ids: list[int]) -> torch.Tensor:
+    """The MTP layer's KV over the cached prefix of `ids` (every position but the last)."""
+    scheduler = engine.tokenizer_manager.scheduler
+    runner = scheduler.runner
+    slots = scheduler.tree.match_prefix(ids).device_indices
+    assert len(slots) == len(ids) - 1
+    return runner.kv_pool.get_key_buffer(runner.config.num_hidden_layers)[slots].clone()
+
+
 def finished_in_plain_round(engine: Engine) -> tuple:
     """A request finishing in an overlapped K = 0 round: the MTP passes its K = 0 rounds
     deferred run before the prefix cache takes its slots (`MTPDecoder.finish`), as the
     serial loop's K = 0 step that finishes it runs them (`MTPWorker.defer`). Returns the MTP
     layer's KV over its cached positions both ways (a pass not run leaves what the slots
     held before) and the K of each overlapped round that finished a request."""
-    scheduler = engine.tokenizer_manager.scheduler
-    decoder, runner = scheduler.decoder, scheduler.runner
+    decoder = engine.tokenizer_manager.scheduler.decoder
     prompt = engine.tokenizer_manager.tokenize(PROMPTS[2])
     ended: list[int] = []
     finish = decoder.finish
@@ -511,16 +519,50 @@ def finished_in_plain_round(engine: Engine) -> tuple:
 
     def run():
         out = engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": 9})
-        slots = scheduler.tree.match_prefix(prompt + out["output_ids"]).device_indices
-        assert len(slots) == len(prompt) + 8  # every position but the last token's
-        mtp_layer = runner.config.num_hidden_layers
-        return runner.kv_pool.get_key_buffer(mtp_layer)[slots].clone()
+        return mtp_kv_cached(engine, prompt + out["output_ids"])
 
     decoder.finish = noting
     try:
         return both_ways(engine, run), ended
     finally:
         del decoder.finish
+
+
+def aborted_in_plain_rounds(engine: Engine) -> tuple:
+    """A streamed request closed while its K = 0 rounds overlap: the MTP passes they
+    deferred run before the prefix cache takes its slots (`Decoder.leaving`). Returns the
+    MTP layer's KV over its cached positions, and that of a request with the same tokens
+    that finishes in serial K = 0 steps (their passes run when it finishes)."""
+    tm = engine.tokenizer_manager
+    decoder = tm.scheduler.decoder
+    prompt = tm.tokenize(PROMPTS[3])
+    long = {**GREEDY, "max_new_tokens": 200}
+
+    async def cut():
+        agen = tm.generate_one(tm.make_request(prompt, long, stream=True))
+        async for out in agen:
+            if len(out["output_ids"]) >= 6:
+                break
+        await agen.aclose()
+        return out["output_ids"]
+
+    def run(serial: bool):
+        assert idle_problem(engine) is None and engine.flush_cache()
+        decoder.draft_length = ScriptedK(2, [], 0)
+        if serial:
+            decoder.can_overlap = lambda reqs: False
+            engine.generate(input_ids=prompt, sampling_params={**GREEDY, "max_new_tokens": n})
+        else:
+            ids[:] = asyncio.run_coroutine_threadsafe(cut(), engine.loop).result()
+            assert idle_problem(engine) is None
+        return mtp_kv_cached(engine, prompt + ids[:n])
+
+    walk, ids, n = decoder.draft_length, [], 6
+    try:
+        return run(False), run(True)
+    finally:
+        decoder.draft_length = walk
+        decoder.__dict__.pop("can_overlap", None)
 
 
 def seeded_plain_after_drafts(engine: Engine) -> tuple:
@@ -557,6 +599,7 @@ ADAPTIVE_SCENARIOS = {
 ADAPTIVE_SCENARIOS["seeded"] = plain_rounds(seeded)
 ADAPTIVE_SCENARIOS["finished_in_plain_round"] = finished_in_plain_round
 ADAPTIVE_SCENARIOS["seeded_plain_after_drafts"] = seeded_plain_after_drafts
+ADAPTIVE_SCENARIOS["aborted_in_plain_rounds"] = aborted_in_plain_rounds
 
 
 @pytest.fixture(scope="module")
@@ -624,3 +667,12 @@ def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
     assert retracted_on > 0 and n_on > 0
     assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
     assert on[0] == off[0]
+
+
+def test_request_aborted_in_plain_rounds_caches_its_mtp_kv(adaptive):
+    """A request aborted while its K = 0 rounds overlap leaves the prefix cache the MTP KV
+    of its cached positions (the deferred passes run as it leaves), as a request with the
+    same tokens that finishes does. Before, they kept what their slots held."""
+    ((kv_aborted, kv_finished), _), problem, n_on, _ = adaptive[0]["aborted_in_plain_rounds"]
+    assert problem is None and n_on > 0
+    assert torch.allclose(kv_aborted, kv_finished, atol=1e-5, rtol=0)
