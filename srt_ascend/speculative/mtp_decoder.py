@@ -29,10 +29,11 @@ K is --speculative-num-steps, or per step what `draft_length` chooses (--specula
 0..K). K = 0 is the plain decoder's step (the decode graph kind; tokens and logprobs sampled as
 without MTP), and step 5 is deferred (the MTP worker keeps the target hidden) until the
 request's next step with drafts, which first runs every deferred position in one MTP pass
-(`MTPWorker.catch_up`). Under overlap an adaptive round's K is chosen at its launch, from the
-estimates of the last round read (one round stale); rounds of any K follow each other
-overlapped, except a round with drafts after a K = 0 step (its catch-up reads committed
-tokens), which runs `step`.
+(`MTPWorker.catch_up`); a request leaving first (finished, aborted, retracted: `leaving`)
+runs it without drafting, so the prefix cache takes those positions with their MTP KV. Under
+overlap an adaptive round's K is chosen at its launch, from the estimates of the last round
+read (one round stale); rounds of any K follow each other overlapped, except a round with
+drafts after a K = 0 step (its catch-up reads committed tokens), which runs `step`.
 """
 
 from __future__ import annotations
