@@ -183,7 +183,7 @@ def edge_requests(engine: Engine) -> list:
     sampled one whose min_new_tokens runs out mid-run (its batch turns from serial rounds to
     overlapped ones), all with input logprobs from logprob_start_len, top logprobs and
     token_ids_logprob."""
-    ahead = engine.generate(PROMPTS[0], GREEDY)["output_ids"]
+    ahead = engine.generate(PROMPTS[0], {**GREEDY, "max_new_tokens": 6})["output_ids"]
     params = [
         {**GREEDY, "max_new_tokens": 1},
         {"max_new_tokens": 2, "temperature": 0.9, "seed": 4},
