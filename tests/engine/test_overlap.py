@@ -429,13 +429,13 @@ ADAPTIVE = {**ON, **MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
 WALK = (2, 1, 0, 0, 2, 2, 1, 0, 1)
 
 
-def walk_rounds(launched: list):
+def walk_rounds(launched: list, walk=WALK):
     """A setup that scripts the engine's K (`WalkDraftLength`) and notes each overlapped
     round's (prev K or None, K) in `launched`."""
 
     def setup(engine: Engine) -> None:
         decoder = engine.tokenizer_manager.scheduler.decoder
-        decoder.draft_length = WalkDraftLength(2, WALK)
+        decoder.draft_length = WalkDraftLength(2, walk)
         launch = decoder.launch
 
         def noting(reqs, prev):
@@ -653,20 +653,80 @@ def test_seeded_plain_round_after_drafts_runs_serially(adaptive):
     assert 2 in refused  # the K = 0 round after the K = 2 one was not launched overlapped
 
 
+# mostly K = 0: requests retracted with MTP passes deferred
+RETRACT_WALK = (0, 0, 0, 2, 1, 0, 0, 2, 1, 0)
+
+
+def noting_retractions(launched: list, retracted: list):
+    """`walk_rounds` with RETRACT_WALK, and a note in `retracted` of each request retracted
+    with deferred MTP passes: (its tokens, its prompt length, the MTP KV of its cached
+    positions right after the retraction)."""
+
+    def setup(engine: Engine) -> None:
+        walk_rounds(launched, RETRACT_WALK)(engine)
+        kv = engine.tokenizer_manager.scheduler.kv
+        retract = kv.retract
+
+        def noting(victim, staying):
+            deferred = victim.decoder_state is not None and victim.decoder_state.deferred
+            ids, prompt_len = list(victim.all_ids), len(victim.origin_input_ids)
+            retract(victim, staying)
+            if deferred and victim.retracted:
+                retracted.append((ids, prompt_len, mtp_kv_cached(engine, ids)))
+
+        kv.retract = noting
+
+    return setup
+
+
+def retracted_again(retracted: list):
+    """A scenario: the first request noted by `noting_retractions`, its tokens up to the
+    retraction run again to a finish in serial K = 0 steps; (its MTP KV as the retraction
+    cached it, as this finish caches it)."""
+
+    def run(engine: Engine) -> tuple:
+        ids, prompt_len, kv = retracted[0]
+        sp = {**GREEDY, "max_new_tokens": len(ids) - prompt_len}
+
+        def again():
+            out = engine.generate(input_ids=ids[:prompt_len], sampling_params=sp)
+            assert out["output_ids"] == ids[prompt_len:]
+            return mtp_kv_cached(engine, ids)
+
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        walk = decoder.draft_length
+        try:
+            assert engine.flush_cache()
+            decoder.draft_length = ScriptedK(2, [], 0)
+            decoder.can_overlap = lambda reqs: False
+            return kv, again()
+        finally:
+            decoder.draft_length = walk
+            del decoder.can_overlap
+
+    return run
+
+
 def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
     """Retractions from a small KV pool while adaptive rounds of varying K overlap: the
-    serial loop's tokens, the KV invariant intact."""
-    scenarios = {"retraction": retraction}
-    kw = {**ADAPTIVE, **SMALL_POOL}
+    serial loop's tokens, the KV invariant intact; a request retracted with MTP passes
+    deferred by its K = 0 rounds runs them as it leaves (`Decoder.leaving`): its cached
+    positions have the MTP KV a finished request with its tokens leaves, not what their
+    slots held before."""
     launched: list = []
-    (on, problem_on, n_on, retracted_on) = run_all(
-        model_path, scenarios, walk_rounds(launched), **kw
-    )["retraction"]
+    retracted: list = []
+    scenarios = {"retraction": retraction, "retracted_again": retracted_again(retracted)}
+    kw = {**ADAPTIVE, **SMALL_POOL}
+    results = run_all(model_path, scenarios, noting_retractions(launched, retracted), **kw)
+    (on, problem_on, n_on, retracted_on) = results["retraction"]
     (off, problem_off, _, _) = serial_retraction
     assert problem_on is None and problem_off is None
     assert retracted_on > 0 and n_on > 0
     assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
     assert on[0] == off[0]
+    ((kv_retracted, kv_finished), _), problem, _, _ = results["retracted_again"]
+    assert problem is None
+    assert torch.allclose(kv_retracted, kv_finished, atol=1e-5, rtol=0)
 
 
 def test_request_aborted_in_plain_rounds_caches_its_mtp_kv(adaptive):
