@@ -137,10 +137,10 @@ class TokenizerManager:
         """Whether a request with this id is in flight (ids must be unique while running)."""
         return rid in self.states
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def tokenize_async(self, text: str) -> list[int]:
+    async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`tokenize` in the tokenizer thread, so the event loop keeps serving (/health).
         A text too long to fit the context whatever its tokens is refused before tokenizing
         (RequestError, the same message as an over-long token input)."""
@@ -149,7 +149,7 @@ class TokenizerManager:
                 f"the input ({len(text)} characters) is longer than the model's context length "
                 f"({self.context_len} tokens)"
             )
-        return await self.off_loop(self.tokenize, text)
+        return await self.off_loop(self.tokenize, text, add_special_tokens)
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the tokenizer thread, so that the event loop keeps serving (/health,
