@@ -249,9 +249,21 @@ class DraftLength(ABC):
         self.acceptance = AcceptanceStats(max_k)
         self.chosen: Counter[int] = Counter()  # steps per K
 
-    @abstractmethod
     def choose(self, estimates: Sequence[list[float]]) -> int:
-        """K for a step over requests with these acceptance estimates (one per request)."""
+        """K for a step over requests with these acceptance estimates (one per request): the
+        step runs it (`peek`, then `advance`)."""
+        k = self.peek(estimates)
+        self.advance(len(estimates))
+        return k
+
+    @abstractmethod
+    def peek(self, estimates: Sequence[list[float]]) -> int:
+        """The K `choose` would give now, without counting a step: for a round that may yet
+        not run (`MTPDecoder.launch`, which calls `advance` once it runs)."""
+
+    def advance(self, batch: int) -> None:  # noqa: B027 - optional hook
+        """A step over `batch` requests runs the K `peek` gave (a policy that counts its
+        steps counts it)."""
 
     def record(
         self,
@@ -288,7 +300,7 @@ class DraftLength(ABC):
 
 @DRAFT_LENGTHS.register("fixed")
 class FixedDraftLength(DraftLength):
-    def choose(self, estimates):
+    def peek(self, estimates):
         return self.max_k
 
 
@@ -315,12 +327,11 @@ class AdaptiveDraftLength(DraftLength):
         best = max(rates, key=rates.__getitem__)
         return best if rates[best] >= SPEC_MARGIN * rates[0] else 0
 
-    def choose(self, estimates):
+    def peek(self, estimates):
         bucket = self.costs.bucket(len(estimates))
         rates = self._rates(bucket, estimates)
         best = self._best(rates)
-        self.steps[bucket] += 1
-        if self.steps[bucket] % EXPLORE_EVERY == 0:  # the runner-up, if it is a contender
+        if (self.steps[bucket] + 1) % EXPLORE_EVERY == 0:  # the runner-up, if a contender
             second = max(range(best), key=rates.__getitem__, default=None)
             if second is not None:
                 measured = self.costs.measured(bucket, second)
@@ -328,6 +339,9 @@ class AdaptiveDraftLength(DraftLength):
                 if rates[second] >= within * rates[best]:
                     return second
         return best
+
+    def advance(self, batch: int) -> None:
+        self.steps[self.costs.bucket(batch)] += 1
 
     def prefers_plain(self, batch: int) -> bool:
         estimates = [self.initial_estimate()] * batch
