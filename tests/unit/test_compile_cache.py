@@ -244,18 +244,15 @@ def capture_unpackaged(path: str) -> dict:
     return out
 
 
-def test_shapes_that_cannot_be_packaged_are_all_compiled(tiny_mtp_factory, tmp_path):
+def test_shapes_that_cannot_be_packaged_are_all_compiled(tiny_mtp_factory, tmp_path, monkeypatch):
     """A shape that cannot be packaged costs dynamo two compilations (its package's trace and
     its torch.compile fallback). The limit was raised by one per shape, so once more than
     half the shapes could not be packaged the fallbacks hit FailOnRecompileLimitHit and their
     shapes stayed uncompiled (here the second). Now each compilation raises the limit as it
     happens: every shape is compiled, its replay equal to the eager forward."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)  # inherited by the new process
-    try:
-        with multiprocessing.get_context("spawn").Pool(1) as pool:
-            out = pool.apply(capture_unpackaged, (tiny_mtp_factory().path,))
-    finally:
-        del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the new process's
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out = pool.apply(capture_unpackaged, (tiny_mtp_factory().path,))
     assert out["packages"] == {"unpackaged": 2}, out["packages"]
     assert sorted(out["shapes"]) == [("decode", 1, 57), ("decode", 2, 57)]
     for shape, (compiled, logits, eager) in out["shapes"].items():
