@@ -32,7 +32,10 @@ several interleaved runs and no entry may cost more than a step over more tokens
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
 before the round in flight is read: from estimates one round stale; its timing is the time
-from the previous round's read to its own (a streak's period: what a served round costs).
+from the previous round's read to its own (a streak's period: what a served round costs). A
+launch looks at the choice (`peek`) and counts the step (`advance`) only once the round runs:
+a refused launch, after which the scheduler runs `step` (which chooses), counts none, so one
+round counts one step towards EXPLORE_EVERY.
 """
 
 from __future__ import annotations
