@@ -46,6 +46,9 @@ from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long the start waits for the grammar compiler's child to import (GrammarBackend): a
+# child still importing when requests arrive takes cores from the first hundred or so steps.
+GRAMMAR_START_WAIT_S = 120.0
 
 
 class RequestError(ValueError):
@@ -109,6 +112,14 @@ class TokenizerManager:
             self.scheduler.stop_checker.eos_ids,
             GrammarOptions.from_args(self.args),
         )
+        # Ready (the Engine returned, the launcher's ready line, /health) only once that
+        # child has imported; one that cannot start only costs the bound (grammars retry).
+        if not self.grammars.wait_started(GRAMMAR_START_WAIT_S):
+            logger.warning(
+                "the grammar compiler did not start within %.0f s; serving on (it starts "
+                "again at the first grammar request)",
+                GRAMMAR_START_WAIT_S,
+            )
         self.draining = False  # set at shutdown: new requests are refused (503)
 
     def _build_scheduler(self) -> Scheduler:

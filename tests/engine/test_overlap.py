@@ -9,7 +9,7 @@ intact (every slot and request row free or owned by the prefix cache)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import time
 
 import pytest
@@ -382,14 +382,19 @@ def test_idle_once_the_last_request_finishes(model_path):
 
 class WalkDraftLength(FixedDraftLength):
     """Adaptive K made to vary: each round runs the next K of `walk`, over and over (0: the
-    plain decoder's step, its MTP pass deferred); learns like the real policies."""
+    plain decoder's step, its MTP pass deferred); learns like the real policies. `ran`
+    counts the rounds run while it was the decoder's policy (`walk_rounds`), `at` the
+    rounds it was advanced for."""
 
     def __init__(self, max_k: int, walk) -> None:
         super().__init__(max_k, [1])
-        self.walk = itertools.cycle(walk)
+        self.walk, self.at, self.ran = tuple(walk), 0, 0
 
-    def choose(self, estimates):
-        return next(self.walk)
+    def peek(self, estimates):
+        return self.walk[self.at % len(self.walk)]
+
+    def advance(self, batch):
+        self.at += 1
 
 
 # two graph buckets: the start profile of step costs (which the scripted K ignores) stays short
@@ -399,22 +404,39 @@ ADAPTIVE = {**ON, **MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
 WALK = (2, 1, 0, 0, 2, 2, 1, 0, 1)
 
 
-def walk_rounds(launched: list):
-    """A setup that scripts the engine's K (`WalkDraftLength`) and notes each overlapped
-    round's (prev K or None, K) in `launched`."""
+@dataclasses.dataclass
+class Rounds:
+    """What `walk_rounds` saw: each overlapped round's (prev K or None, K), the launches
+    refused (the scheduler then runs `step`), and the scripted policy."""
+
+    launched: list = dataclasses.field(default_factory=list)
+    refused: int = 0
+    walk: WalkDraftLength | None = None
+
+
+def walk_rounds(rounds: Rounds):
+    """A setup that scripts the engine's K (`WalkDraftLength`) and notes the rounds in
+    `rounds`: each launched or stepped round counted in the policy it ran under."""
 
     def setup(engine: Engine) -> None:
         decoder = engine.tokenizer_manager.scheduler.decoder
-        decoder.draft_length = WalkDraftLength(2, WALK)
-        launch = decoder.launch
+        decoder.draft_length = rounds.walk = WalkDraftLength(2, WALK)
+        launch, step = decoder.launch, decoder.step
 
         def noting(reqs, prev):
             out = launch(reqs, prev)
-            if out is not None:
-                launched.append((None if prev is None else prev.k, out.k))
+            if out is None:
+                rounds.refused += 1
+            else:
+                decoder.draft_length.ran += 1
+                rounds.launched.append((None if prev is None else prev.k, out.k))
             return out
 
-        decoder.launch = noting
+        def stepping(reqs):
+            decoder.draft_length.ran += 1
+            return step(reqs)
+
+        decoder.launch, decoder.step = noting, stepping
 
     return setup
 
@@ -445,8 +467,8 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
         for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
     }
     scenarios["seeded"] = plain_rounds(seeded)
-    launched: list = []
-    on = run_all(model_path, scenarios, walk_rounds(launched), **ADAPTIVE)
+    rounds = Rounds()
+    on = run_all(model_path, scenarios, walk_rounds(rounds), **ADAPTIVE)
     for name in scenarios:
         (out, cached), problem, n_on, _ = on[name]
         assert problem is None and n_on > 0, name
@@ -455,9 +477,13 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(model_path, overlapped):
             assert same_logprobs(out, plain)
         else:
             assert out == plain, name
-    pairs = {(a, b) for a, b in launched if a is not None}
+    pairs = {(a, b) for a, b in rounds.launched if a is not None}
     assert {(2, 1), (1, 0), (0, 0)} <= pairs, pairs  # K changed under overlap
     assert (0, 2) not in pairs and (0, 1) not in pairs  # the catch-up ran serially
+    # one round, one choice: a launch refused (K = 0 -> drafts) and the `step` run instead
+    # advanced the policy twice, so the walk (the adaptive policy's exploration) skipped a K
+    assert rounds.refused > 0
+    assert rounds.walk.at == rounds.walk.ran, (rounds.walk.at, rounds.walk.ran)
 
 
 def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
@@ -465,12 +491,13 @@ def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
     serial loop's tokens, the KV invariant intact."""
     scenarios = {"retraction": retraction}
     kw = {**ADAPTIVE, **SMALL_POOL}
-    launched: list = []
+    rounds = Rounds()
     (on, problem_on, n_on, retracted_on) = run_all(
-        model_path, scenarios, walk_rounds(launched), **kw
+        model_path, scenarios, walk_rounds(rounds), **kw
     )["retraction"]
     (off, problem_off, _, _) = serial_retraction
     assert problem_on is None and problem_off is None
     assert retracted_on > 0 and n_on > 0
-    assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
+    ks = {k for _, k in rounds.launched}
+    assert 0 in ks and len(ks) > 1, rounds.launched
     assert on[0] == off[0]
