@@ -142,19 +142,8 @@ class CompileLane:
         killed) if it exits or stays silent for START_TIMEOUT seconds first."""
         if self._child is None or self._child[0].poll() is not None:
             self._set_started(None)
-            to_child_r, to_child_w = os.pipe()
-            from_child_r, from_child_w = os.pipe()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", _CHILD, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": _import_path()},
-            )
-            os.close(to_child_r)
-            os.close(from_child_w)
-            send = Connection(to_child_w, readable=False)
-            recv = Connection(from_child_r, writable=False)
-            self._child = (proc, send, recv)
+            self._child = _take_spare() or _spawn()
+            _, send, recv = self._child
             try:
                 send.send((self._info_json, self._ws))  # read by the child once imported
                 started = recv.poll(START_TIMEOUT) and recv.recv() == "started"
@@ -211,6 +200,48 @@ class CompileLane:
         self._closed = True
         self._jobs.put(None)
         self._kill()
+
+
+Child = tuple[subprocess.Popen, Connection, Connection]  # the process, its jobs, its answers
+_spare: Child | None = None  # a child started ahead of the lane that takes it (`prespawn`)
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> Child:
+    """A new child; it imports xgrammar, then waits for its tokenizer info."""
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", _CHILD, str(to_child_r), str(from_child_w)],
+        pass_fds=(to_child_r, from_child_w),
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": _import_path()},
+    )
+    os.close(to_child_r)
+    os.close(from_child_w)
+    return proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+
+
+def prespawn() -> None:
+    """Starts a child now, before any lane needs one: the server calls this before it loads
+    the model, so that the child's imports (seconds of CPU) overlap the load instead of
+    delaying readiness; the first lane that starts a child takes it. At most one waits."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or _spare[0].poll() is not None:
+            _spare = _spawn()
+
+
+def _take_spare() -> Child | None:
+    """The child `prespawn` started, if it is still running."""
+    global _spare
+    with _spare_lock:
+        child, _spare = _spare, None
+    if child is None or child[0].poll() is None:
+        return child
+    child[1].close()
+    child[2].close()
+    return None
 
 
 def _import_path() -> str:

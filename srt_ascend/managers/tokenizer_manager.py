@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, compile_worker
 from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
@@ -97,6 +97,8 @@ class TokenizerManager:
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
         self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
+        # The grammar compiler's child imports while the model loads (GrammarBackend takes it).
+        compile_worker.prespawn()
         # A fault the scheduler cannot contain ends the process with one error line (exit 1),
         # whatever the parallelism: serving on without a scheduler would hang every request.
         self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler, fail_fast)

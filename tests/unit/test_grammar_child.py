@@ -13,6 +13,7 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
+from srt_ascend.constrained import compile_worker
 from srt_ascend.constrained.compile_worker import CompileLane, JsonWhitespace
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -97,6 +98,26 @@ def test_lane_says_started_once_its_child_has_imported(info_json):
     finally:
         lane.close()
     assert not lane.started
+
+
+def test_a_child_started_ahead_is_taken_by_the_first_lane(info_json):
+    """`prespawn` (the server's, before it loads the model) starts a child that imports while
+    nothing needs it yet; the first lane to start one takes it (the same process) instead of
+    waiting for a fresh child's imports, and compiles on it; no second child waits after."""
+    compile_worker.prespawn()
+    spare = compile_worker._spare[0]
+    compile_worker.prespawn()  # at most one waits
+    assert compile_worker._spare[0] is spare
+    lane = _lane(info_json)
+    try:
+        lane.start()
+        assert lane.wait_started(120)
+        assert lane._child[0] is spare
+        assert compile_worker._spare is None
+        assert lane.submit("regex", "[0-9]+").result(120) is not None
+    finally:
+        lane.close()
+    assert spare.poll() is not None  # closing the lane ended it
 
 
 def test_wait_started_is_bounded_when_the_child_cannot_start(info_json, monkeypatch):
