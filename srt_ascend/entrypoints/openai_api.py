@@ -241,6 +241,8 @@ class OpenAIServing:
         overrides that choice of a generation prompt (/v1/tokenize's add_generation_prompt)."""
         if not getattr(self.tm.tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template")
+        if "chat_template" in (template_kwargs or {}):  # every route refuses it before this
+            raise RequestError("chat_template_kwargs.chat_template is not supported by this server")
         cont = continue_final and messages[-1]["role"] == "assistant"
         prompt = not cont if generation_prompt is None else generation_prompt
 

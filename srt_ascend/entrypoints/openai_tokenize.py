@@ -33,6 +33,12 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
 
+    def unsupported(self) -> str | None:
+        if (self.chat_template_kwargs or {}).get("chat_template") is not None:
+            # a template from the request would run arbitrary Jinja on the server
+            return "chat_template_kwargs.chat_template"
+        return None
+
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")

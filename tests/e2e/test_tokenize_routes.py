@@ -57,6 +57,11 @@ def test_detokenize(server, tokenizer, path):
         ("/v1/tokenize", {"prompt": ["x"] * 5000}, "--max-prompts-per-request"),
         ("/v1/tokenize", {"messages": [USER] * 5000}, "5000 messages"),
         ("/v1/tokenize", {"prompt": "x", "tools": [{}]}, "tools is not supported"),
+        (
+            "/v1/tokenize",
+            {"messages": [USER], "chat_template_kwargs": {"chat_template": "{{ 7 * 7 }}"}},
+            "chat_template_kwargs.chat_template is not supported",
+        ),
         ("/v1/detokenize", {"tokens": [8192]}, "tokens must be integers in [0, 8192)"),
         ("/v1/detokenize", {"tokens": [[1], [-1]]}, "tokens must be integers"),
         ("/v1/detokenize", {"tokens": [1] * 5000}, "5000 tokens cannot fit"),
