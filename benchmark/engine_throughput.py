@@ -34,8 +34,8 @@ def engine_tps(model_path, dtype, prompts, output_len, **kw) -> tuple[float, flo
     engine = Engine(model_path=model_path, dtype=dtype, **kw)
     try:
         params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
-        # warm-up: one whole request (the first seconds after a start also pay the grammar
-        # compiler child's imports on the other core: benchmark/README.md, session 14)
+        # warm-up: one whole request (until session 15 the first seconds after a start also
+        # paid the grammar compiler child's imports on the other core: benchmark/README.md)
         engine.generate(input_ids=prompts[0], sampling_params=params)
         t0 = time.perf_counter()
         outs = engine.generate(input_ids=prompts, sampling_params=params)

@@ -4,6 +4,10 @@ minutes. A `CompileLane` owns one child (`python -m srt_ascend.constrained.compi
 compiles its jobs one at a time, first come first served; a compile that runs past the lane's
 timeout has its child killed (a fresh one starts for the next job) and fails its future.
 
+The child says "started" once it has imported xgrammar and built its compiler (seconds of CPU
+on a small machine): `wait_started` lets the server report ready only after that, so the
+import does not compete with the first requests' forwards for the cores.
+
 The child returns xgrammar's serialized CompiledGrammar (JSON), which the parent reads back
 with its own TokenizerInfo; a grammar that does not compile comes back as xgrammar's message.
 """
@@ -77,6 +81,10 @@ class CompileLane:
         self._child: tuple[subprocess.Popen, Connection, Connection] | None = None
         self._closed = False
         self._kill_lock = threading.Lock()
+        # whether the current child said "started": None while none is running or one is
+        # starting, False once a start failed (the next job tries a fresh child)
+        self._start_state: bool | None = None
+        self._start_cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"grammar-{name}")
         self._thread.start()
 
@@ -91,6 +99,24 @@ class CompileLane:
         """Starts the child now (it imports xgrammar: seconds) instead of at the first job."""
         self._jobs.put(None)
 
+    @property
+    def started(self) -> bool:
+        """Whether the lane's child is running and has said "started" (imports done)."""
+        child = self._child
+        return self._start_state is True and child is not None and child[0].poll() is None
+
+    def wait_started(self, timeout: float) -> bool:
+        """Waits at most `timeout` seconds for the child (see `start`) to say "started";
+        False if it did not by then, or its start failed (it exited first)."""
+        with self._start_cond:
+            self._start_cond.wait_for(lambda: self._start_state is not None, timeout)
+            return self._start_state is True
+
+    def _set_started(self, state: bool | None) -> None:
+        with self._start_cond:
+            self._start_state = state
+            self._start_cond.notify_all()
+
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
@@ -99,7 +125,10 @@ class CompileLane:
                     job[2].cancel()
                 continue
             if job is None:
-                self._ensure_child()
+                try:
+                    self._ensure_child()
+                except GrammarError:  # logged by wait_started's caller; a job retries
+                    pass
                 continue
             kind, source, fut = job
             if fut.set_running_or_notify_cancel():
@@ -109,21 +138,22 @@ class CompileLane:
                     fut.set_exception(e)
 
     def _ensure_child(self) -> tuple[subprocess.Popen, Connection, Connection]:
+        """The running child, or a new one once it said "started"; GrammarError (the child
+        killed) if it exits or stays silent for START_TIMEOUT seconds first."""
         if self._child is None or self._child[0].poll() is not None:
-            to_child_r, to_child_w = os.pipe()
-            from_child_r, from_child_w = os.pipe()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", _CHILD, str(to_child_r), str(from_child_w)],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONPATH": _import_path()},
-            )
-            os.close(to_child_r)
-            os.close(from_child_w)
-            send = Connection(to_child_w, readable=False)
-            recv = Connection(from_child_r, writable=False)
-            send.send((self._info_json, self._ws))
-            self._child = (proc, send, recv)
+            self._set_started(None)
+            self._child = _take_spare() or _spawn()
+            _, send, recv = self._child
+            try:
+                send.send((self._info_json, self._ws))  # read by the child once imported
+                started = recv.poll(START_TIMEOUT) and recv.recv() == "started"
+            except (EOFError, OSError):  # the child exited (it could not import or start)
+                started = False
+            if not started:
+                self._kill()
+                self._set_started(False)
+                raise GrammarError("the grammar compiler did not start")
+            self._set_started(True)
         return self._child
 
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
@@ -133,8 +163,6 @@ class CompileLane:
         except OSError:  # the child is gone (killed from outside): the next job starts one
             self._kill()
             raise GrammarError(f"the grammar compiler exited before compiling a {kind}") from None
-        # the child's start (its imports) is not the grammar's: it says "ready" on taking a job
-        self._answer(kind, recv, START_TIMEOUT, "the grammar compiler did not start")
         late = (
             f"{kind} did not compile within --grammar-compile-timeout {self._timeout} s; "
             "simplify it (e.g. fewer enum values)"
@@ -158,6 +186,8 @@ class CompileLane:
     def _kill(self) -> None:
         with self._kill_lock:  # the lane's thread and close() may both kill
             child, self._child = self._child, None
+        if self._start_state is True:
+            self._set_started(None)
         if child is not None:
             proc, send, recv = child
             proc.kill()
@@ -172,6 +202,48 @@ class CompileLane:
         self._kill()
 
 
+Child = tuple[subprocess.Popen, Connection, Connection]  # the process, its jobs, its answers
+_spare: Child | None = None  # a child started ahead of the lane that takes it (`prespawn`)
+_spare_lock = threading.Lock()
+
+
+def _spawn() -> Child:
+    """A new child; it imports xgrammar, then waits for its tokenizer info."""
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", _CHILD, str(to_child_r), str(from_child_w)],
+        pass_fds=(to_child_r, from_child_w),
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONPATH": _import_path()},
+    )
+    os.close(to_child_r)
+    os.close(from_child_w)
+    return proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+
+
+def prespawn() -> None:
+    """Starts a child now, before any lane needs one: the server calls this before it loads
+    the model, so that the child's imports (seconds of CPU) overlap the load instead of
+    delaying readiness; the first lane that starts a child takes it. At most one waits."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or _spare[0].poll() is not None:
+            _spare = _spawn()
+
+
+def _take_spare() -> Child | None:
+    """The child `prespawn` started, if it is still running."""
+    global _spare
+    with _spare_lock:
+        child, _spare = _spare, None
+    if child is None or child[0].poll() is None:
+        return child
+    child[1].close()
+    child[2].close()
+    return None
+
+
 def _import_path() -> str:
     """PYTHONPATH for the child: this package's root first (the same code as the parent)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -179,18 +251,19 @@ def _import_path() -> str:
 
 
 def serve(recv: Connection, send: Connection) -> None:
-    """The child: reads (kind, source) jobs, answers "ready" on taking one, then (True,
-    serialized grammar) or (False, message). It returns quietly when the parent goes away: its
-    pipe closed (EOFError), cut in the middle of a message (OSError: the parent was killed or
-    exited while sending), or closed while the child answers (BrokenPipeError)."""
+    """The child: reads the tokenizer info and says "started" once its compiler is built; then
+    reads (kind, source) jobs and answers each with (True, serialized grammar) or (False,
+    message). It returns quietly when the parent goes away: its pipe closed (EOFError), cut in
+    the middle of a message (OSError: the parent was killed or exited while sending), or
+    closed while the child answers (BrokenPipeError)."""
     try:
         info_json, ws = recv.recv()
         compiler = xgr.GrammarCompiler(
             xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
         )
+        send.send("started")
         while True:
             kind, source = recv.recv()
-            send.send("ready")
             try:
                 answer = (True, compile_grammar(compiler, kind, source, ws).serialize_json())
             except GrammarError as e:

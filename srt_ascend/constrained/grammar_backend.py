@@ -80,6 +80,11 @@ class GrammarBackend:
         self._bytes: dict[tuple[str, str], int] = {}  # compiled sizes of cached grammars
         self._lock = threading.RLock()  # RLock: a done future's callback runs at once
 
+    def wait_started(self, timeout: float) -> bool:
+        """Waits at most `timeout` seconds for the small lane's child, started with the
+        backend, to finish importing (CompileLane.wait_started); False if it did not."""
+        return self._small.wait_started(timeout)
+
     def compile(self, spec: tuple[str, str]) -> Future:
         """Future of the CompiledGrammar for (kind, source); GrammarError if it does not
         compile, is longer than `max_size` (at once) or compiles longer than the timeout."""

@@ -51,6 +51,11 @@ from srt_ascend.entrypoints.openai_responses import (
     ResponsesServing,
 )
 from srt_ascend.entrypoints.openai_score import ScoreRequest, ScoreServing
+from srt_ascend.entrypoints.openai_tokenize import (
+    DetokenizeRequest,
+    TokenizeRequest,
+    TokenizeServing,
+)
 from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
@@ -59,6 +64,8 @@ OPENAI_BODY_MODELS = [
     ChatCompletionRequest,
     ResponsesRequest,
     ScoreRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
     OpenAIError,
     ResponsesError,
 ]
@@ -226,19 +233,24 @@ class OpenAIServing:
         messages: list[dict],
         continue_final: bool = False,
         template_kwargs: dict | None = None,
+        generation_prompt: bool | None = None,
     ) -> list[int]:
         """The chat template over `messages`, tokenized: with a generation prompt for the
         assistant's turn, or (continue_final, last message the assistant's) open at the end
-        of that message so the output continues it."""
+        of that message so the output continues it; `generation_prompt` True / False
+        overrides that choice of a generation prompt (/v1/tokenize's add_generation_prompt)."""
         if not getattr(self.tm.tokenizer, "chat_template", None):
             raise RequestError("the model's tokenizer has no chat template")
+        if "chat_template" in (template_kwargs or {}):  # every route refuses it before this
+            raise RequestError("chat_template_kwargs.chat_template is not supported by this server")
         cont = continue_final and messages[-1]["role"] == "assistant"
+        prompt = not cont if generation_prompt is None else generation_prompt
 
         def render() -> str:
             return self.tm.tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
-                add_generation_prompt=not cont,
+                add_generation_prompt=prompt,
                 continue_final_message=cont,
                 **(template_kwargs or {}),
             )
@@ -478,6 +490,21 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         methods=["POST"],
         openapi_extra=json_body_spec(ScoreRequest, OpenAIError),
     )
+    tokenize = TokenizeServing(serving, api.chat_ids)
+    for path in ("/v1/tokenize", "/tokenize"):
+        app.add_api_route(
+            path,
+            tokenize.tokenize,
+            methods=["POST"],
+            openapi_extra=json_body_spec(TokenizeRequest, OpenAIError),
+        )
+    for path in ("/v1/detokenize", "/detokenize"):
+        app.add_api_route(
+            path,
+            tokenize.detokenize,
+            methods=["POST"],
+            openapi_extra=json_body_spec(DetokenizeRequest, OpenAIError),
+        )
 
 
 def num_prompts(prompt) -> int:

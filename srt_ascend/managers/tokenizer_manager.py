@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions
+from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, compile_worker
 from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
 from srt_ascend.managers.detokenizer import DecodeState, trim_stop
@@ -46,6 +46,9 @@ from srt_ascend.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+# How long the start waits for the grammar compiler's child to import (GrammarBackend): a
+# child still importing when requests arrive takes cores from the first hundred or so steps.
+GRAMMAR_START_WAIT_S = 120.0
 
 
 class RequestError(ValueError):
@@ -94,6 +97,8 @@ class TokenizerManager:
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
         self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
+        # The grammar compiler's child imports while the model loads (GrammarBackend takes it).
+        compile_worker.prespawn()
         # A fault the scheduler cannot contain ends the process with one error line (exit 1),
         # whatever the parallelism: serving on without a scheduler would hang every request.
         self.scheduler, self.thread = start_scheduler_thread(self._build_scheduler, fail_fast)
@@ -109,6 +114,14 @@ class TokenizerManager:
             self.scheduler.stop_checker.eos_ids,
             GrammarOptions.from_args(self.args),
         )
+        # Ready (the Engine returned, the launcher's ready line, /health) only once that
+        # child has imported; one that cannot start only costs the bound (grammars retry).
+        if not self.grammars.wait_started(GRAMMAR_START_WAIT_S):
+            logger.warning(
+                "the grammar compiler did not start within %.0f s; serving on (it starts "
+                "again at the first grammar request)",
+                GRAMMAR_START_WAIT_S,
+            )
         self.draining = False  # set at shutdown: new requests are refused (503)
 
     def _build_scheduler(self) -> Scheduler:
@@ -137,10 +150,10 @@ class TokenizerManager:
         """Whether a request with this id is in flight (ids must be unique while running)."""
         return rid in self.states
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
-    async def tokenize_async(self, text: str) -> list[int]:
+    async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`tokenize` in the tokenizer thread, so the event loop keeps serving (/health).
         A text too long to fit the context whatever its tokens is refused before tokenizing
         (RequestError, the same message as an over-long token input)."""
@@ -149,7 +162,7 @@ class TokenizerManager:
                 f"the input ({len(text)} characters) is longer than the model's context length "
                 f"({self.context_len} tokens)"
             )
-        return await self.off_loop(self.tokenize, text)
+        return await self.off_loop(self.tokenize, text, add_special_tokens)
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the tokenizer thread, so that the event loop keeps serving (/health,

@@ -280,8 +280,6 @@ class GraphRunner:
             for window in reversed(self.kind_windows(kind))
         ]
         to_compile = [s for s in shapes if s[1] <= self.compile_max_bs]
-        if to_compile:
-            allow_compiled_shapes(len(to_compile))
         self.compile_queue = CompileQueue(to_compile, list(self.kinds))
         for shape in shapes:
             if shape in to_compile and (loaded := self._load_compiled(shape)) is not None:
@@ -382,6 +380,7 @@ class GraphRunner:
         with torch.inference_mode(False), torch.no_grad():
             packaged = self.packages.load(path, roots)
             if packaged is None and not load_only:
+                allow_compiled_shapes(1)  # the package's recording backend traces `body`
                 packaged = self.packages.compile(body, path, roots)
         if packaged is None:
             return None
@@ -408,7 +407,9 @@ class GraphRunner:
                 fn = self._packaged(kind, bs, window, fb, hidden, body, load_only)
             if fn is None and load_only:
                 return None
-            fn = fn or CompiledForward(self.platform, body, self.eager_threads)
+            if fn is None:  # no packages here, or this shape cannot be packaged
+                allow_compiled_shapes(1)  # dynamo traces `body` at the first call below
+                fn = CompiledForward(self.platform, body, self.eager_threads)
         with self.platform.stream(self.stream):
             # a compiled forward runs at least once here: it compiles (or its package runs)
             # at capture, not at the first served replay (EagerReplayGraph runs nothing)

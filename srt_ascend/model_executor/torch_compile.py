@@ -75,15 +75,19 @@ def compile_max_bs(enabled: bool, max_bs: int, platform) -> int:
     return max_bs
 
 
-_compiled_shapes = 0  # compilations of the capture body asked for in this process so far
+_compiled_shapes = 0  # dynamo compilations of the capture body in this process so far
 
 
 def allow_compiled_shapes(n: int) -> None:
     """Every compiled shape is the same Python function (the graph runner's capture body)
     under other closures, and dynamo keeps at most `recompile_limit` compilations per function
-    before it falls back to eager (a hard error with fullgraph): raise the limit to the number
-    of shapes compiled in this process, counting earlier runners' (a second Engine, a test
-    session), whose entries stay in the function's cache."""
+    before it falls back to eager (a hard error with fullgraph): raise the limit by `n`
+    compilations about to happen, counting earlier ones in this process (earlier shapes,
+    earlier runners: a second Engine, a test session), whose entries stay in the function's
+    cache. Called right before each dynamo compilation of the body, in the thread that runs
+    it (dynamo's config is per thread): a shape compiled into a package is traced once (the
+    package's recording backend), one that then cannot be packaged once more by its
+    torch.compile fallback, and a loaded package not at all."""
     global _compiled_shapes
     _compiled_shapes += n
     cfg = torch._dynamo.config

@@ -32,7 +32,10 @@ several interleaved runs and no entry may cost more than a step over more tokens
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
 before the round in flight is read: from estimates one round stale; its timing is the time
-from the previous round's read to its own (a streak's period: what a served round costs).
+from the previous round's read to its own (a streak's period: what a served round costs). A
+launch looks at the choice (`peek`) and counts the step (`advance`) only once the round runs:
+a refused launch, after which the scheduler runs `step` (which chooses), counts none, so one
+round counts one step towards EXPLORE_EVERY.
 """
 
 from __future__ import annotations
@@ -249,9 +252,21 @@ class DraftLength(ABC):
         self.acceptance = AcceptanceStats(max_k)
         self.chosen: Counter[int] = Counter()  # steps per K
 
-    @abstractmethod
     def choose(self, estimates: Sequence[list[float]]) -> int:
-        """K for a step over requests with these acceptance estimates (one per request)."""
+        """K for a step over requests with these acceptance estimates (one per request): the
+        step runs it (`peek`, then `advance`)."""
+        k = self.peek(estimates)
+        self.advance(len(estimates))
+        return k
+
+    @abstractmethod
+    def peek(self, estimates: Sequence[list[float]]) -> int:
+        """The K `choose` would give now, without counting a step: for a round that may yet
+        not run (`MTPDecoder.launch`, which calls `advance` once it runs)."""
+
+    def advance(self, batch: int) -> None:  # noqa: B027 - optional hook
+        """A step over `batch` requests runs the K `peek` gave (a policy that counts its
+        steps counts it)."""
 
     def record(
         self,
@@ -288,7 +303,7 @@ class DraftLength(ABC):
 
 @DRAFT_LENGTHS.register("fixed")
 class FixedDraftLength(DraftLength):
-    def choose(self, estimates):
+    def peek(self, estimates):
         return self.max_k
 
 
@@ -315,12 +330,11 @@ class AdaptiveDraftLength(DraftLength):
         best = max(rates, key=rates.__getitem__)
         return best if rates[best] >= SPEC_MARGIN * rates[0] else 0
 
-    def choose(self, estimates):
+    def peek(self, estimates):
         bucket = self.costs.bucket(len(estimates))
         rates = self._rates(bucket, estimates)
         best = self._best(rates)
-        self.steps[bucket] += 1
-        if self.steps[bucket] % EXPLORE_EVERY == 0:  # the runner-up, if it is a contender
+        if (self.steps[bucket] + 1) % EXPLORE_EVERY == 0:  # the runner-up, if a contender
             second = max(range(best), key=rates.__getitem__, default=None)
             if second is not None:
                 measured = self.costs.measured(bucket, second)
@@ -328,6 +342,9 @@ class AdaptiveDraftLength(DraftLength):
                 if rates[second] >= within * rates[best]:
                     return second
         return best
+
+    def advance(self, batch: int) -> None:
+        self.steps[self.costs.bucket(batch)] += 1
 
     def prefers_plain(self, batch: int) -> bool:
         estimates = [self.initial_estimate()] * batch

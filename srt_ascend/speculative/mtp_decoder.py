@@ -410,16 +410,18 @@ class MTPDecoder(Decoder):
         furthest prev may commit (positions up to prev's start + (K_prev + 1) + K), allocated
         ahead; `kv_len` then counts them all, until the finish that follows the last round.
 
-        K is chosen here (--speculative-adaptive: `draft_length.choose`) from the acceptance
-        estimates as the last round read left them: with prev in flight that is the round
-        before prev, so the choice is one round stale. K = 0 is the plain decoder's step over
-        the device inputs, its MTP pass deferred at its finish (`MTPWorker.keep_deferred`);
-        K = 0 rounds overlap one after another. Not launched (None; the scheduler finishes prev
-        and runs `step`, which chooses again): a round with drafts after a K = 0 step (it
-        first runs the deferred passes from committed tokens, `MTPWorker.catch_up`), and a
-        K = 0 round after one with drafts over a seeded sampled request (its sampling draws
-        from the host stream of its count, which prev's accept lengths leave open)."""
-        k = self.draft_length.choose([self._estimate(r) for r in reqs])
+        K is chosen here (--speculative-adaptive: `draft_length.peek`, counted by `advance`
+        once the round launches) from the acceptance estimates as the last round read left
+        them: with prev in flight that is the round before prev, so the choice is one round
+        stale. K = 0 is the plain decoder's step over the device inputs, its MTP pass deferred
+        at its finish (`MTPWorker.keep_deferred`); K = 0 rounds overlap one after another. Not
+        launched (None; the scheduler finishes prev and runs `step`, which chooses from the
+        estimates prev leaves, the policy counting one step for the round that runs): a round
+        with drafts after a K = 0 step (it first runs the deferred passes from committed
+        tokens, `MTPWorker.catch_up`), and a K = 0 round after one with drafts over a seeded
+        sampled request (its sampling draws from the host stream of its count, which prev's
+        accept lengths leave open)."""
+        k = self.draft_length.peek([self._estimate(r) for r in reqs])
         k1, device = k + 1, self.runner.device
         if prev is None:
             states = [state_of(r) for r in reqs]
@@ -446,6 +448,7 @@ class MTPDecoder(Decoder):
             return None
         if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
             return None
+        self.draft_length.advance(len(reqs))  # the round runs: the policy counts it once
         for r, e in zip(reqs, ends):
             r.kv_len = e
         rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none

@@ -46,11 +46,14 @@ class ScriptedDraftLength(FixedDraftLength):
 
     def __init__(self, max_k: int, walk) -> None:
         super().__init__(max_k, [1])
-        self.walk = itertools.cycle(walk)
+        self.walk, self.at = tuple(walk), 0
         self.defer = itertools.cycle((True, False))
 
-    def choose(self, estimates):
-        return next(self.walk)
+    def peek(self, estimates):
+        return self.walk[self.at % len(self.walk)]
+
+    def advance(self, batch):
+        self.at += 1
 
     def prefers_plain(self, batch):
         return next(self.defer)

@@ -10,7 +10,6 @@ retraction under a small KV pool, both verify layouts and K = 1..3.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import shutil
@@ -201,10 +200,13 @@ class WalkingDraftLength(FixedDraftLength):
 
     def __init__(self, max_k: int, walk) -> None:
         super().__init__(max_k, [1])
-        self.walk = itertools.cycle(walk)
+        self.walk, self.at = tuple(walk), 0
 
-    def choose(self, estimates):
-        return next(self.walk)
+    def peek(self, estimates):
+        return self.walk[self.at % len(self.walk)]
+
+    def advance(self, batch):
+        self.at += 1
 
 
 def test_drafts_after_overlapped_plain_rounds_equal_dense_mtp(model_path, dense, monkeypatch):

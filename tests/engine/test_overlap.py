@@ -9,7 +9,7 @@ intact (every slot and request row free or owned by the prefix cache)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
+import dataclasses
 import time
 
 import pytest
@@ -412,14 +412,19 @@ def test_idle_once_the_last_request_finishes(model_path):
 
 class WalkDraftLength(FixedDraftLength):
     """Adaptive K made to vary: each round runs the next K of `walk`, over and over (0: the
-    plain decoder's step, its MTP pass deferred); learns like the real policies."""
+    plain decoder's step, its MTP pass deferred); learns like the real policies. `ran`
+    counts the rounds run while it was the decoder's policy (`walk_rounds`), `at` the
+    rounds it was advanced for."""
 
     def __init__(self, max_k: int, walk) -> None:
         super().__init__(max_k, [1])
-        self.walk = itertools.cycle(walk)
+        self.walk, self.at, self.ran = tuple(walk), 0, 0
 
-    def choose(self, estimates):
-        return next(self.walk)
+    def peek(self, estimates):
+        return self.walk[self.at % len(self.walk)]
+
+    def advance(self, batch):
+        self.at += 1
 
 
 # two graph buckets: the start profile of step costs (which the scripted K ignores) stays short
@@ -429,22 +434,39 @@ ADAPTIVE = {**ON, **MTP, "speculative_adaptive": True, "cuda_graph_bs": (1, 16)}
 WALK = (2, 1, 0, 0, 2, 2, 1, 0, 1)
 
 
-def walk_rounds(launched: list, walk=WALK):
-    """A setup that scripts the engine's K (`WalkDraftLength`) and notes each overlapped
-    round's (prev K or None, K) in `launched`."""
+@dataclasses.dataclass
+class Rounds:
+    """What `walk_rounds` saw: each overlapped round's (prev K or None, K), the launches
+    refused (the scheduler then runs `step`), and the scripted policy."""
+
+    launched: list = dataclasses.field(default_factory=list)
+    refused: int = 0
+    walk: WalkDraftLength | None = None
+
+
+def walk_rounds(rounds: Rounds, walk=WALK):
+    """A setup that scripts the engine's K (`WalkDraftLength` over `walk`) and notes the
+    rounds in `rounds`: each launched or stepped round counted in the policy it ran under."""
 
     def setup(engine: Engine) -> None:
         decoder = engine.tokenizer_manager.scheduler.decoder
-        decoder.draft_length = WalkDraftLength(2, walk)
-        launch = decoder.launch
+        decoder.draft_length = rounds.walk = WalkDraftLength(2, walk)
+        launch, step = decoder.launch, decoder.step
 
         def noting(reqs, prev):
             out = launch(reqs, prev)
-            if out is not None:
-                launched.append((None if prev is None else prev.k, out.k))
+            if out is None:
+                rounds.refused += 1
+            else:
+                decoder.draft_length.ran += 1
+                rounds.launched.append((None if prev is None else prev.k, out.k))
             return out
 
-        decoder.launch = noting
+        def stepping(reqs):
+            decoder.draft_length.ran += 1
+            return step(reqs)
+
+        decoder.launch, decoder.step = noting, stepping
 
     return setup
 
@@ -464,14 +486,18 @@ def plain_rounds(scenario):
 
 
 class ScriptedK(FixedDraftLength):
-    """Adaptive K scripted by round: the Ks of `first`, one per choice, then `then`."""
+    """Adaptive K scripted by round: the Ks of `first`, one per round run, then `then`
+    (`ran` as `WalkDraftLength`'s)."""
 
     def __init__(self, max_k: int, first, then: int) -> None:
         super().__init__(max_k, [1])
-        self.first, self.then = list(first), then
+        self.first, self.then, self.ran = list(first), then, 0
 
-    def choose(self, estimates):
-        return self.first.pop(0) if self.first else self.then
+    def peek(self, estimates):
+        return self.first[0] if self.first else self.then
+
+    def advance(self, batch):
+        self.first = self.first[1:]
 
 
 def both_ways(engine: Engine, run, first=(), then: int = 0) -> list:
@@ -603,11 +629,10 @@ ADAPTIVE_SCENARIOS["aborted_in_plain_rounds"] = aborted_in_plain_rounds
 
 
 @pytest.fixture(scope="module")
-def adaptive(model_path) -> tuple[dict, list]:
-    """ADAPTIVE_SCENARIOS on one engine with the scripted walk of K, and the (prev K, K) of
-    every overlapped launch."""
-    launched: list = []
-    return run_all(model_path, ADAPTIVE_SCENARIOS, walk_rounds(launched), **ADAPTIVE), launched
+def adaptive(model_path) -> tuple[dict, Rounds]:
+    """ADAPTIVE_SCENARIOS on one engine with the scripted walk of K, and its rounds."""
+    rounds = Rounds()
+    return run_all(model_path, ADAPTIVE_SCENARIOS, walk_rounds(rounds), **ADAPTIVE), rounds
 
 
 def test_adaptive_k_rounds_overlap_and_equal_plain(adaptive, overlapped):
@@ -617,7 +642,7 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(adaptive, overlapped):
     runs K = 0 (the plain decoder's sampling, at the exact count); an abort mid-streak and
     arrivals that end a streak leave the KV invariant intact. Before adaptive K overlapped,
     every adaptive round ran serially."""
-    on, launched = adaptive
+    on, rounds = adaptive
     for name in ADAPTIVE_SCENARIOS:
         if name not in overlapped and name != "seeded":
             continue
@@ -628,9 +653,13 @@ def test_adaptive_k_rounds_overlap_and_equal_plain(adaptive, overlapped):
             assert same_logprobs(out, plain)
         else:
             assert out == plain, name
-    pairs = {(a, b) for a, b in launched if a is not None}
+    pairs = {(a, b) for a, b in rounds.launched if a is not None}
     assert {(2, 1), (1, 0), (0, 0)} <= pairs, pairs  # K changed under overlap
     assert (0, 2) not in pairs and (0, 1) not in pairs  # the catch-up ran serially
+    # one round, one choice: a launch refused (K = 0 -> drafts) and the `step` run instead
+    # advanced the policy twice, so the walk (the adaptive policy's exploration) skipped a K
+    assert rounds.refused > 0
+    assert rounds.walk.at == rounds.walk.ran, (rounds.walk.at, rounds.walk.ran)
 
 
 def test_request_finished_in_plain_round_caches_its_mtp_kv(adaptive):
@@ -657,13 +686,13 @@ def test_seeded_plain_round_after_drafts_runs_serially(adaptive):
 RETRACT_WALK = (0, 0, 0, 2, 1, 0, 0, 2, 1, 0)
 
 
-def noting_retractions(launched: list, retracted: list):
+def noting_retractions(rounds: Rounds, retracted: list):
     """`walk_rounds` with RETRACT_WALK, and a note in `retracted` of each request retracted
     with deferred MTP passes: (its tokens, its prompt length, the MTP KV of its cached
     positions right after the retraction)."""
 
     def setup(engine: Engine) -> None:
-        walk_rounds(launched, RETRACT_WALK)(engine)
+        walk_rounds(rounds, RETRACT_WALK)(engine)
         kv = engine.tokenizer_manager.scheduler.kv
         retract = kv.retract
 
@@ -713,16 +742,16 @@ def test_adaptive_k_retractions_under_overlap(model_path, serial_retraction):
     deferred by its K = 0 rounds runs them as it leaves (`Decoder.leaving`): its cached
     positions have the MTP KV a finished request with its tokens leaves, not what their
     slots held before."""
-    launched: list = []
-    retracted: list = []
+    rounds, retracted = Rounds(), []
     scenarios = {"retraction": retraction, "retracted_again": retracted_again(retracted)}
     kw = {**ADAPTIVE, **SMALL_POOL}
-    results = run_all(model_path, scenarios, noting_retractions(launched, retracted), **kw)
+    results = run_all(model_path, scenarios, noting_retractions(rounds, retracted), **kw)
     (on, problem_on, n_on, retracted_on) = results["retraction"]
     (off, problem_off, _, _) = serial_retraction
     assert problem_on is None and problem_off is None
     assert retracted_on > 0 and n_on > 0
-    assert 0 in {k for _, k in launched} and len({k for _, k in launched}) > 1, launched
+    ks = {k for _, k in rounds.launched}
+    assert 0 in ks and len(ks) > 1, rounds.launched
     assert on[0] == off[0]
     ((kv_retracted, kv_finished), _), problem, _, _ = results["retracted_again"]
     assert problem is None

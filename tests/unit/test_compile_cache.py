@@ -179,3 +179,82 @@ def test_partial_packages_of_killed_compiles_are_removed(tmp_path):
         os.utime(tmp_path / name, (long_ago, long_ago))
     assert remove_abandoned_partials(str(tmp_path)) == 1
     assert sorted(os.listdir(tmp_path)) == sorted(names[1:])
+
+
+class TracingCpu(CpuPlatform):
+    """The CPU platform (its packages included) whose compiled forwards run dynamo's graph
+    as traced, without autograd's checks as inductor's code runs (in inference mode here):
+    dynamo traces each shape as with inductor, and counts it against its recompile limit
+    alike, in seconds instead of a minute a shape on 2 cores."""
+
+    def compile(self, fn):
+        def backend(gm, example_inputs):
+            def run(*args):
+                with torch.inference_mode():
+                    return gm(*args)
+
+            return run
+
+        return torch.compile(fn, fullgraph=True, dynamic=False, backend=backend)
+
+
+def capture_unpackaged(path: str) -> dict:
+    """A runner built under inference mode (every package then refuses: "Inplace update to
+    inference tensor") compiling two decode shapes at start, each traced for its package and
+    again by its torch.compile fallback; dynamo's recompile limit first set to 2 (its default,
+    8, hides the miscount up to 4 such shapes; the server captures dozens). In a new process:
+    the limit and the count of compilations are per process. Returns the cache's stats and
+    per shape whether it was compiled, its replay's logits and the eager forward's."""
+    import torch._dynamo
+
+    from srt_ascend.model_executor import compile_packages
+
+    torch._dynamo.config.recompile_limit = 2
+    args = ServerArgs(
+        model_path=path,
+        dtype="float32",
+        context_length=40,  # a 57-wide row: one KV window
+        max_running_requests=2,
+        max_total_tokens=256,
+        cuda_graph_bs=(1, 2),
+        enable_torch_compile=True,
+        torch_compile_max_bs=2,
+        torch_compile_at_start=True,
+    )
+    with torch.inference_mode():
+        runner = ModelRunner(args, TracingCpu())
+    decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
+    runner.capture_graphs(decoder.graph_kinds())
+    gr = runner.graph_runner
+    out = {"packages": dict(compile_packages.stats), "shapes": {}}
+    with torch.inference_mode():
+        g = torch.Generator().manual_seed(0)
+        for layer in runner.kv_pool._joint:
+            layer.copy_(torch.randn(layer.shape, generator=g))
+        for row in (1, 2):
+            gr.req_to_token_pool.req_to_token[row, :9] = torch.arange(1, 10) + 10 * (row - 1)
+        gr.buf.req_pool_indices[:2] = torch.tensor([1, 2])
+        gr.buf.seq_lens[:2], gr.buf.positions[:2] = 9, 8
+        gr.buf.out_cache_loc[:2] = torch.tensor([9, 19])
+        gr.buf.input_ids[:2] = torch.tensor([5, 6])
+        for shape, captured in gr.graphs.items():
+            _, logits = captured.graph.replay()
+            _, eager = gr.eager_forward(captured.fb, gr.kinds[shape[0]], None)
+            out["shapes"][shape] = (captured.compiled, logits.clone(), eager.clone())
+    return out
+
+
+def test_shapes_that_cannot_be_packaged_are_all_compiled(tiny_mtp_factory, tmp_path, monkeypatch):
+    """A shape that cannot be packaged costs dynamo two compilations (its package's trace and
+    its torch.compile fallback). The limit was raised by one per shape, so once more than
+    half the shapes could not be packaged the fallbacks hit FailOnRecompileLimitHit and their
+    shapes stayed uncompiled (here the second). Now each compilation raises the limit as it
+    happens: every shape is compiled, its replay equal to the eager forward."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # the new process's
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        out = pool.apply(capture_unpackaged, (tiny_mtp_factory().path,))
+    assert out["packages"] == {"unpackaged": 2}, out["packages"]
+    assert sorted(out["shapes"]) == [("decode", 1, 57), ("decode", 2, 57)]
+    for shape, (compiled, logits, eager) in out["shapes"].items():
+        assert compiled, shape
+        torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)

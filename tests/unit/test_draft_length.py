@@ -276,3 +276,15 @@ def test_flags_parse_and_reject_what_cannot_run() -> None:
         ServerArgs(speculative_algorithm="MTP", speculative_adaptive=True, tp_size=2)
     with pytest.raises(ValueError, match="--speculative-accept-method must be token or block"):
         ServerArgs(speculative_algorithm="MTP", speculative_accept_method="tree")
+
+
+def test_peek_gives_the_next_choice_without_counting_a_step() -> None:
+    """`peek` (an overlapped launch that may yet be refused) is what `choose` would give, and
+    spends no step: the exploring step still comes once every EXPLORE_EVERY rounds run."""
+    close = profiled(1, lambda b, k: (1.0, 1.9 / 1.2)[k])  # K = 1: 1.2x K = 0's rate
+    for _ in range(EXPLORE_EVERY - 1):
+        assert close.choose([[0.9]]) == 1
+    assert [close.peek([[0.9]]) for _ in range(3)] == [0, 0, 0]  # the runner-up's turn
+    assert close.choose([[0.9]]) == 0
+    assert close.peek([[0.9]]) == 1
+    assert FixedDraftLength(2, BUCKETS).peek([[0.9]]) == 2

@@ -13,7 +13,8 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from srt_ascend.constrained.compile_worker import JsonWhitespace
+from srt_ascend.constrained import compile_worker
+from srt_ascend.constrained.compile_worker import CompileLane, JsonWhitespace
 from srt_ascend.server_args import SHIPPED_MODEL
 
 
@@ -74,3 +75,64 @@ def test_child_exits_quietly_when_its_answer_meets_a_closed_pipe(info_json):
     done = _run_child(payload, read_answers=False)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""
+
+
+def _lane(info_json: str) -> CompileLane:
+    return CompileLane(xgr.TokenizerInfo.deserialize_json(info_json), JsonWhitespace(), 60, "t")
+
+
+def test_lane_says_started_once_its_child_has_imported(info_json):
+    """`start` then `wait_started`: the child is running, has imported xgrammar (its native
+    library is mapped) and said so; a job then compiles on that same child."""
+    lane = _lane(info_json)
+    try:
+        assert not lane.started
+        lane.start()
+        assert lane.wait_started(120)
+        assert lane.started
+        pid = lane._child[0].pid
+        with open(f"/proc/{pid}/maps") as f:
+            assert "xgrammar" in f.read()
+        assert lane.submit("regex", "[a-z]+").result(120) is not None
+        assert lane._child[0].pid == pid
+    finally:
+        lane.close()
+    assert not lane.started
+
+
+def test_a_child_started_ahead_is_taken_by_the_first_lane(info_json):
+    """`prespawn` (the server's, before it loads the model) starts a child that imports while
+    nothing needs it yet; the first lane to start one takes it (the same process) instead of
+    waiting for a fresh child's imports, and compiles on it; no second child waits after."""
+    compile_worker.prespawn()
+    spare = compile_worker._spare[0]
+    compile_worker.prespawn()  # at most one waits
+    assert compile_worker._spare[0] is spare
+    lane = _lane(info_json)
+    try:
+        lane.start()
+        assert lane.wait_started(120)
+        assert lane._child[0] is spare
+        assert compile_worker._spare is None
+        assert lane.submit("regex", "[0-9]+").result(120) is not None
+    finally:
+        lane.close()
+    assert spare.poll() is not None  # closing the lane ended it
+
+
+def test_wait_started_is_bounded_when_the_child_cannot_start(info_json, monkeypatch):
+    """A lane never started waits only its bound; a child that cannot start (its Python
+    cannot find its standard library) answers False instead of hanging, and the next job
+    starts a fresh child that compiles."""
+    lane = _lane(info_json)
+    try:
+        assert lane.wait_started(0.2) is False
+        monkeypatch.setenv("PYTHONHOME", "/nonexistent")
+        lane.start()
+        assert lane.wait_started(120) is False
+        assert not lane.started
+        monkeypatch.delenv("PYTHONHOME")
+        assert lane.submit("regex", "[a-z]+").result(120) is not None
+        assert lane.started
+    finally:
+        lane.close()
