@@ -10,7 +10,9 @@
    time (greedy, min_new_tokens = max_new_tokens), `hf-requests` requests; tokens/s.
 3. Shared prefix: 32 requests = one long common prompt + a short unique suffix, radix cache on
    vs off (each engine warmed with one request of the prefix first).
-Ratios are printed side by side (this machine is noisy: compare within one run).
+Ratios are printed side by side (this machine is noisy: compare within one run). The engines
+run with their default threads (a CPU rank leaves a core: `engine_threads`); transformers runs
+with torch's default count in this thread (`threads`), its best on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ def main() -> None:
         "threads": torch.get_num_threads(),
     }
     vocab = 8000
+    probe = Engine(model_path=a.model_path, dtype=a.dtype)
+    res["engine_threads"] = probe.get_internal_state()["intra_op_threads"]
+    probe.shutdown()
     for b in a.batch_sizes:
         tps, wall = engine_tps(
             a.model_path, a.dtype, random_prompts(b, a.input_len, vocab, b), a.output_len
@@ -108,6 +113,7 @@ def main() -> None:
     )
     # transformers last: it runs in this (main) thread, and OpenMP teams in two threads slow
     # each other on 2 cores; the engines above keep all their work in the scheduler thread.
+    torch.set_num_threads(res["threads"])  # an engine's count may have become this thread's
     hf = hf_tps(
         a.model_path, a.dtype, random_prompts(a.hf_requests, a.input_len, vocab, 99), a.output_len
     )

@@ -12,7 +12,9 @@ held-out stdlib snippets written as a local ShareGPT-format file) and the shippe
 speed drifts by 20-40% over minutes: interleaving keeps the ratios fair). Reported per
 run: request and output throughput, median TTFT and TPOT, and (MTP) the server's mean accept
 length from /server_info. A configuration name ending in `@onednn` adds `--cpu-small-gemm off`,
-one ending in `@serial` adds `--disable-overlap-schedule`.
+one ending in `@serial` adds `--disable-overlap-schedule`, one ending in `@t1` / `@t2`
+`--num-threads 1` / `2` (the default leaves a core: benchmark/README.md "Eager OpenMP
+threads").
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ CONFIGS.update(
 # "<config>@serial": the same server with --disable-overlap-schedule (the serial step loop).
 CONFIGS.update(
     {f"{name}@serial": [*args, "--disable-overlap-schedule"] for name, args in CONFIGS.items()}
+)
+# "<config>@t<N>": the same server with --num-threads N.
+CONFIGS.update(
+    {
+        f"{name}@t{n}": [*args, "--num-threads", str(n)]
+        for name, args in list(CONFIGS.items())
+        for n in (1, 2)
+    }
 )
 
 

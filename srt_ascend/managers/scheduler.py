@@ -812,6 +812,7 @@ class Scheduler:
             "num_queue_reqs": len(self.waiting),
             "num_retractions": self.num_retractions,
             "num_overlapped_steps": self.num_overlapped_steps,
+            "intra_op_threads": self.runner.eager_threads,  # --num-threads or the platform's
             "cache_hit_rate": self.total_cached_tokens / max(1, self.total_prompt_tokens),
             "graph_batch_sizes": list(graphs.buckets) if graphs else [],
             "graph_replays": dict(graphs.replays) if graphs else {},

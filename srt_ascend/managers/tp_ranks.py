@@ -73,8 +73,8 @@ def build_scheduler(
     import torch
 
     threads = args.num_threads
-    if threads is None and tp.size > 1:  # ranks of a node share its cores
-        threads = max(1, (os.cpu_count() or 1) // (tp.size // args.nnodes))
+    if threads is None:
+        threads = platform.default_threads(tp.size // args.nnodes)
     if threads:
         torch.set_num_threads(threads)
     torch.manual_seed(args.random_seed)

@@ -153,6 +153,14 @@ class Platform(ABC):
         """Why forwards cannot be compiled here (one line for a warning), or None."""
         return None
 
+    def default_threads(self, ranks_on_node: int) -> int | None:
+        """Intra-op (OpenMP) threads of a rank when `--num-threads` is not given, with
+        `ranks_on_node` ranks of the server on this node; None: torch's default. Ranks of a
+        node share its cores."""
+        if ranks_on_node > 1:
+            return max(1, (os.cpu_count() or 1) // ranks_on_node)
+        return None
+
     def compiled_forward_threads(self, eager_threads: int) -> int | None:
         """Intra-op (OpenMP) threads a compiled forward runs with when eager ops run with
         `eager_threads`; None: the same (devices whose kernels do not run on host threads)."""

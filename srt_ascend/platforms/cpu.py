@@ -56,6 +56,17 @@ class CpuPlatform(Platform):
         """No asynchronous device: step closures run on one thread beside the scheduler's."""
         return ThreadWorker()
 
+    def default_threads(self, ranks_on_node: int) -> int:
+        """One rank leaves one of this process's cores to its other threads (HTTP, tokenizer,
+        detokenizer, clients on the same machine), as vLLM's CPU backend reserves one: a
+        forward's OpenMP team whose barriers wait for a thread that lost its core stalls the
+        whole step (eager served TPOT 8-20x worse on 2 busy vCPUs; benchmark/README.md
+        "Eager OpenMP threads"). Several ranks share the cores."""
+        cores = usable_cores()
+        if ranks_on_node > 1:
+            return max(1, cores // ranks_on_node)
+        return threads_leaving_a_core(cores, cores)
+
     def compiled_forward_threads(self, eager_threads: int) -> int:
         """A compiled forward's OpenMP team leaves one of this process's cores to its other
         threads (`threads_leaving_a_core`): see `model_executor/torch_compile.py`."""

@@ -5,6 +5,7 @@ finish reason's `matched` is the pattern)."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -81,8 +82,12 @@ def test_engine_parallel_samples_share_the_prompt(model_path):
         outs = engine.generate(prompts, sample)
         again = engine.generate(prompts, sample)
         alone = [engine.generate(prompts[1], {**sample, "n": 1, "seed": 3 + j}) for j in (0, 2)]
+        threads = engine.get_internal_state()["intra_op_threads"]
     finally:
         engine.shutdown()
+    # no --num-threads: a rank leaves a core to the process's other threads (CpuPlatform)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert threads == max(1, cores - 1)
     assert len(outs) == 6
     for o in outs:
         assert o["meta_info"]["cached_tokens"] > 0

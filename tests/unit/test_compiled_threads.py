@@ -50,6 +50,22 @@ def test_threads_leaving_a_core():
     assert threads_leaving_a_core(4, 16) == 4  # --num-threads 4 on a bigger host: kept
 
 
+def test_a_rank_leaves_a_core_by_default():
+    """Without --num-threads a rank's forwards run on all but one of its cores (the serving
+    process's other threads and its clients take that one); ranks of a node share them."""
+    platform = CpuPlatform()
+    n = cores()
+    assert platform.default_threads(1) == max(1, n - 1)
+    assert platform.default_threads(2) == max(1, n // 2)
+    if hasattr(os, "sched_setaffinity") and n >= 2:
+        mask = os.sched_getaffinity(0)
+        try:
+            os.sched_setaffinity(0, {min(mask)})  # a process given one core keeps it
+            assert platform.default_threads(1) == 1
+        finally:
+            os.sched_setaffinity(0, mask)
+
+
 @pytest.mark.skipif(cores() < 2, reason="one core: nothing to leave")
 def test_a_compiled_forward_leaves_a_core_and_keeps_that_count_for_the_work_after_it():
     n = cores()
