@@ -48,6 +48,13 @@ class FlushCacheReq:
 
 
 @dataclass
+class ServingStarted:
+    """The server reports ready: from now on the idle scheduler may compile its queued graphs
+    (a compile holds the loop for a while; before this nothing should, so the first requests
+    after the ready line do not wait for one)."""
+
+
+@dataclass
 class GetInternalStateReq:
     reply: Future = field(default_factory=Future)  # -> dict
 

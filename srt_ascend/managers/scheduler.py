@@ -51,6 +51,7 @@ from srt_ascend.managers.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     ReqOutput,
+    ServingStarted,
     TokenizedGenerateReq,
 )
 from srt_ascend.managers.kv_book import KVBook
@@ -124,6 +125,7 @@ class Scheduler:
         runner.capture_graphs(self.decoder.graph_kinds())
         self.decoder.calibrate()
         self._graphs_to_compile = True  # until compile_next_graph says none is left
+        self._serving = False  # idle compiles wait for ServingStarted (the server is ready)
         self.num_retractions = 0
         self.total_cached_tokens = 0
         self.total_prompt_tokens = 0
@@ -168,13 +170,18 @@ class Scheduler:
         """Runs until `stop` (on the leader; the other ranks stop when it broadcasts so).
         Under tensor parallelism a failed step raises: the ranks would no longer agree.
         Once it has had no request for IDLE_ROUNDS_BEFORE_COMPILE rounds of the loop, it
-        compiles the queued graphs (--enable-torch-compile), one per round, so messages are
+        compiles the queued graphs (--enable-torch-compile; once the server is ready:
+        `ServingStarted`, broadcast to the other ranks), one per round, so messages are
         read between two; counting rounds, not seconds, keeps tensor-parallel ranks in step."""
         idle_rounds = 0
         while self._receive(block=not self.has_work()):
             self._poll_disaggregation()
             idle_rounds = 0 if self.has_work() else idle_rounds + 1
-            if idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE and self._graphs_to_compile:
+            if (
+                self._serving
+                and idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE
+                and self._graphs_to_compile
+            ):
                 self._compile_one_graph()
             if not self.has_work():
                 continue
@@ -330,6 +337,8 @@ class Scheduler:
                 msg.reply.set_result(flushed)
         elif isinstance(msg, GetInternalStateReq):
             msg.reply.set_result(self.internal_state())
+        elif isinstance(msg, ServingStarted):
+            self._serving = True
         elif (
             isinstance(msg, (DestinationArrived, RoomCancelled, RoomExpired, TransferDone))
             and self.prefill_side

@@ -29,6 +29,7 @@ from srt_ascend.managers.io_struct import (
     FlushCacheReq,
     GetInternalStateReq,
     ReqOutput,
+    ServingStarted,
     TokenizedGenerateReq,
 )
 from srt_ascend.managers.scheduler import Scheduler, start_scheduler_thread
@@ -123,6 +124,7 @@ class TokenizerManager:
                 GRAMMAR_START_WAIT_S,
             )
         self.draining = False  # set at shutdown: new requests are refused (503)
+        self.scheduler.submit(ServingStarted())  # idle compiles may start now
 
     def _build_scheduler(self) -> Scheduler:
         """Runs in the scheduler thread: joins the tensor-parallel group as rank 0 (when

@@ -18,6 +18,7 @@ import pytest
 import torch
 from test_graph_runner import Requests, make_runner
 
+from srt_ascend.managers.io_struct import ServingStarted
 from srt_ascend.managers.scheduler import start_scheduler_thread
 from srt_ascend.managers.tp_ranks import build_scheduler
 from srt_ascend.model_executor.model_runner import ModelRunner
@@ -275,6 +276,7 @@ def test_idle_scheduler_compiles_and_stops_between_shapes(tiny_mtp_factory):
         lambda: build_scheduler(args, platform, NO_TOKENIZER, lambda outputs: None)
     )
     try:
+        scheduler.submit(ServingStarted())  # the server's ready: idle compiles may start
         assert platform.compiling.wait(60), "the idle scheduler did not start compiling"
         scheduler.stop()  # while a shape compiles
     finally:
