@@ -176,12 +176,9 @@ class Scheduler:
         idle_rounds = 0
         while self._receive(block=not self.has_work()):
             self._poll_disaggregation()
-            idle_rounds = 0 if self.has_work() else idle_rounds + 1
-            if (
-                self._serving
-                and idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE
-                and self._graphs_to_compile
-            ):
+            # idle rounds count from the server's ready (ServingStarted) on
+            idle_rounds = 0 if self.has_work() or not self._serving else idle_rounds + 1
+            if idle_rounds >= IDLE_ROUNDS_BEFORE_COMPILE and self._graphs_to_compile:
                 self._compile_one_graph()
             if not self.has_work():
                 continue
