@@ -491,20 +491,13 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         openapi_extra=json_body_spec(ScoreRequest, OpenAIError),
     )
     tokenize = TokenizeServing(serving, api.chat_ids)
-    for path in ("/v1/tokenize", "/tokenize"):
-        app.add_api_route(
-            path,
-            tokenize.tokenize,
-            methods=["POST"],
-            openapi_extra=json_body_spec(TokenizeRequest, OpenAIError),
-        )
-    for path in ("/v1/detokenize", "/detokenize"):
-        app.add_api_route(
-            path,
-            tokenize.detokenize,
-            methods=["POST"],
-            openapi_extra=json_body_spec(DetokenizeRequest, OpenAIError),
-        )
+    for name, handler, body in (
+        ("tokenize", tokenize.tokenize, TokenizeRequest),
+        ("detokenize", tokenize.detokenize, DetokenizeRequest),
+    ):
+        for path in (f"/v1/{name}", f"/{name}"):
+            spec = json_body_spec(body, OpenAIError)
+            app.add_api_route(path, handler, methods=["POST"], openapi_extra=spec)
 
 
 def num_prompts(prompt) -> int:
