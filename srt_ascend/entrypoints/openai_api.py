@@ -490,7 +490,7 @@ def add_openai_routes(app: FastAPI, serving: Serving) -> None:
         methods=["POST"],
         openapi_extra=json_body_spec(ScoreRequest, OpenAIError),
     )
-    tokenize = TokenizeServing(serving, api.chat_ids)
+    tokenize = TokenizeServing(serving, api)
     for name, handler, body in (
         ("tokenize", tokenize.tokenize, TokenizeRequest),
         ("detokenize", tokenize.detokenize, DetokenizeRequest),

@@ -49,22 +49,17 @@ class DetokenizeRequest(BaseModel):
 
 
 class TokenizeServing:
-    def __init__(self, serving: Serving, chat_ids) -> None:
-        """`chat_ids`: OpenAIServing.chat_ids (the chat template, rendered and tokenized)."""
-        self.tm, self.chat_ids = serving.tm, chat_ids
+    def __init__(self, serving: Serving, api) -> None:
+        """`api`: the OpenAIServing whose chat template rendering (`chat_ids`) and body checks
+        (`refuse_oversized`) chat completions use."""
+        self.tm, self.api = serving.tm, api
 
     async def tokenize(self, request: Request) -> ORJSONResponse:
         body = await read_json(request)
-        for field in ("prompt", "messages"):
-            value = body.get(field) if isinstance(body, dict) else None
-            if isinstance(value, list):  # before pydantic walks the list
-                if field == "prompt":
-                    self._check_count("prompt", len(value), "texts")
-                elif len(value) > self.tm.context_len:
-                    raise RequestError(
-                        f"messages: {len(value)} messages cannot fit the model's context "
-                        f"length ({self.tm.context_len} tokens)"
-                    )
+        self.api.refuse_oversized(body, "messages")  # before pydantic walks the lists
+        prompts = body.get("prompt") if isinstance(body, dict) else None
+        if isinstance(prompts, list):
+            self._check_count("prompt", len(prompts), "texts")
         obj = parse_body(TokenizeRequest, body)
         if (obj.prompt is None) == (obj.messages is None):
             raise RequestError("exactly one of 'prompt' or 'messages' must be given")
@@ -72,7 +67,7 @@ class TokenizeServing:
             if not obj.messages:
                 raise RequestError("messages must not be empty")
             messages = [{"role": m.role, "content": m.text()} for m in obj.messages]
-            ids = await self.chat_ids(
+            ids = await self.api.chat_ids(
                 messages,
                 obj.continue_final_message,
                 obj.chat_template_kwargs,
