@@ -68,6 +68,9 @@ def compile_grammar(
         raise GrammarError(f"invalid {kind}: {_XGR_PREFIX.sub('', str(e)).strip()}") from e
 
 
+_CLOSE = object()  # `CompileLane.close`'s last item: its thread returns
+
+
 class CompileLane:
     """One child process compiling jobs in order, each bounded by `timeout` seconds (None: no
     bound). Thread-safe; `submit` never blocks."""
@@ -78,6 +81,7 @@ class CompileLane:
         self._info, self._ws, self._timeout = info, ws, timeout
         self._info_json = info.serialize_json()
         self._jobs: queue.Queue = queue.Queue()
+        self._closing = threading.Lock()  # `close` and `submit`: no job queued after the end
         self._child: tuple[subprocess.Popen, Connection, Connection] | None = None
         self._closed = False
         self._kill_lock = threading.Lock()
@@ -92,7 +96,11 @@ class CompileLane:
         """Future of the CompiledGrammar; GrammarError if it does not compile, or does not
         within the timeout."""
         fut: Future = Future()
-        self._jobs.put((kind, source, fut))
+        with self._closing:
+            if self._closed:
+                fut.set_exception(GrammarError("the grammar compiler has shut down"))
+            else:
+                self._jobs.put((kind, source, fut))
         return fut
 
     def start(self) -> None:
@@ -120,6 +128,9 @@ class CompileLane:
     def _run(self) -> None:
         while True:
             job = self._jobs.get()
+            if job is _CLOSE:  # the last item: `close` queues nothing after it
+                self._kill()  # a child this thread started while `close` ran
+                return
             if self._closed:
                 if job is not None:
                     job[2].cancel()
@@ -197,8 +208,9 @@ class CompileLane:
 
     def close(self) -> None:
         """Stops the child (a compile in progress is abandoned); queued jobs are cancelled."""
-        self._closed = True
-        self._jobs.put(None)
+        with self._closing:
+            self._closed = True
+            self._jobs.put(_CLOSE)  # the lane's thread cancels what is queued, then returns
         self._kill()
 
 

@@ -108,6 +108,8 @@ class Engine:
         self.tokenizer_manager.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._loop_thread.join(timeout=5)
+        if not self._loop_thread.is_alive():
+            self.loop.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import threading
+import time
 
 import pytest
 
@@ -116,3 +118,31 @@ def test_abort_by_rid_and_the_shutdown_message(engine):
     assert meta["completion_tokens"] < 500
     meta = _run(engine, abort_while_running(SERVER_SHUTTING_DOWN))
     assert meta["finish_reason"]["message"] == SERVER_SHUTTING_DOWN
+
+
+def test_a_shut_down_engine_leaves_no_thread_or_child(model_path):
+    """Engines started and shut down one after another in a process (notebooks, test suites)
+    must not pile up: every thread an Engine started has ended after `shutdown` (the grammar
+    lanes' threads outlived it, two per Engine), and its grammar child is gone."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    children_before = set(_grammar_children())
+    e = Engine(
+        model_path=model_path, dtype="float32", max_total_tokens=1024, disable_cuda_graph=True
+    )
+    e.generate("def f(", {"max_new_tokens": 2, "temperature": 0})
+    assert set(_grammar_children()) - children_before
+    e.shutdown()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        # tqdm's monitor thread belongs to tqdm (started by the first progress bar, shared)
+        left = [
+            t.name
+            for t in threading.enumerate()
+            if t.ident not in threads_before and t.name != "tqdm_monitor"
+        ]
+        if not left and not set(_grammar_children()) - children_before:
+            break
+        time.sleep(0.1)
+    assert not left, left
+    assert not set(_grammar_children()) - children_before
+    assert e.loop.is_closed()

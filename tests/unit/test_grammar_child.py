@@ -14,7 +14,7 @@ import xgrammar as xgr
 from transformers import AutoTokenizer
 
 from srt_ascend.constrained import compile_worker
-from srt_ascend.constrained.compile_worker import CompileLane, JsonWhitespace
+from srt_ascend.constrained.compile_worker import CompileLane, GrammarError, JsonWhitespace
 from srt_ascend.server_args import SHIPPED_MODEL
 
 
@@ -136,3 +136,22 @@ def test_wait_started_is_bounded_when_the_child_cannot_start(info_json, monkeypa
         assert lane.started
     finally:
         lane.close()
+
+
+def test_a_closed_lane_ends_its_thread_and_refuses_jobs(info_json):
+    """An Engine shut down must leave nothing running: `close` ends the lane's thread (it
+    cancels the jobs still queued) and its child; a job submitted afterwards fails at once
+    instead of waiting forever."""
+    lane = _lane(info_json)
+    lane.start()
+    assert lane.wait_started(120)
+    child = lane._child[0]
+    queued = [lane.submit("regex", f"[a-z]{{{n}}}") for n in range(1, 40)]
+    lane.close()
+    lane._thread.join(30)
+    assert not lane._thread.is_alive()
+    assert child.poll() is not None
+    assert all(f.done() for f in queued)
+    late = lane.submit("regex", "[a-z]+")
+    with pytest.raises(GrammarError, match="shut down"):
+        late.result(1)
