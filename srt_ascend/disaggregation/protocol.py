@@ -41,6 +41,49 @@ class BootstrapInfo:
             raise BootstrapError(f"bootstrap_room must be >= 0, got {room}")
         return cls(host, port, room)
 
+    @classmethod
+    def per_generation(
+        cls, host: Any, port: Any, room: Any, prompts: int, n: int
+    ) -> list[BootstrapInfo] | None:
+        """One BootstrapInfo per generation of a request with `prompts` prompts and `n`
+        samples each (prompt-major), from the fields as sglang-router sends them; None when
+        all are absent. Each field is one value or a list: sglang-router sends one room for a
+        prompt with `n` > 1 on /generate and /v1/completions (generation i gets room + i, as
+        SGLang's GenerateReqInput spreads it), one per prompt for a batch, and one per
+        choice for chat with `n` > 1; a list with one entry per prompt gives sample j of
+        prompt i room[i] + j. Both servers spread the fields alike, so each generation pairs
+        with the same one on the other server. BootstrapError for a malformed field, a list
+        of another length or rooms that collide."""
+        if host is None and port is None and room is None:
+            return None
+        count = prompts * n
+
+        def spread(name: str, value: Any, offset: bool) -> list:
+            if not isinstance(value, list):
+                step = offset and isinstance(value, int) and not isinstance(value, bool)
+                return [value + i if step else value for i in range(count)]
+            if len(value) == count:
+                return list(value)
+            if len(value) == prompts:
+                step = offset and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+                return [v + j if step else v for v in value for j in range(n)]
+            raise BootstrapError(
+                f"{name} has {len(value)} entries; the request has {prompts} prompt(s) with "
+                f"n = {n} each"
+            )
+
+        fields = zip(
+            spread("bootstrap_host", host, False),
+            spread("bootstrap_port", port, False),
+            spread("bootstrap_room", room, True),
+        )
+        infos = [cls.from_fields(h, p, r) for h, p, r in fields]
+        if any(i is None for i in infos):
+            raise BootstrapError("bootstrap_room must be an integer, got None")
+        if len({i.room for i in infos}) != count:
+            raise BootstrapError("the request's generations must have distinct bootstrap_rooms")
+        return infos
+
 
 def prompt_digest(ids: list[int]) -> str:
     """A short digest of a prompt's token ids: both servers must have tokenized alike."""

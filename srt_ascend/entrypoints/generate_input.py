@@ -147,7 +147,7 @@ class GenerateReqInput:
     stream: bool
     return_text_in_logprobs: bool
     n: int = 1  # samples per prompt
-    bootstrap: BootstrapInfo | None = None
+    bootstrap: list[BootstrapInfo] | None = None  # one per generation (prompt-major)
 
     @classmethod
     def from_json(
@@ -205,7 +205,7 @@ class GenerateReqInput:
             stream=stream,
             return_text_in_logprobs=text_lp,
             n=samples,
-            bootstrap=bootstrap_of(body),
+            bootstrap=bootstraps_of(body, len(prompts), samples),
         )
 
     async def items(self, tokenize: Callable[[str], Awaitable[list[int]]]) -> list[GenerateItem]:
@@ -224,18 +224,19 @@ class GenerateReqInput:
                 top_logprobs_num=self.top_logprobs_num[i],
                 extra_key=self.extra_key[i],
                 token_ids_logprob=self.token_ids_logprob[i],
-                bootstrap=self.bootstrap,
+                bootstrap=None if self.bootstrap is None else self.bootstrap[i * self.n + j],
             )
             for i in range(len(self.prompts))
             for j in range(self.n)
         ]
 
 
-def bootstrap_of(body: dict) -> BootstrapInfo | None:
-    """sglang-router's bootstrap_host / bootstrap_port / bootstrap_room (None when absent);
-    RequestError when they are partial or malformed."""
+def bootstraps_of(body: dict, prompts: int, n: int) -> list[BootstrapInfo] | None:
+    """sglang-router's bootstrap_host / bootstrap_port / bootstrap_room, one BootstrapInfo
+    per generation (`prompts` x `n`, prompt-major; None when absent); RequestError when they
+    are partial or malformed (BootstrapInfo.per_generation)."""
     try:
-        return BootstrapInfo.from_fields(*(body.get(k) for k in BOOTSTRAP_KEYS))
+        return BootstrapInfo.per_generation(*(body.get(k) for k in BOOTSTRAP_KEYS), prompts, n)
     except BootstrapError as e:
         raise RequestError(str(e)) from None
 
@@ -354,9 +355,9 @@ class GenerateRequest(BaseModel):
     return_text_in_logprobs: bool = False
     # sglang-router --pd-disaggregation's: the prefill server's bootstrap endpoint, the room
     # that pairs the request's prefill and decode halves
-    bootstrap_host: str | None = None
-    bootstrap_port: int | None = None
-    bootstrap_room: int | None = None
+    bootstrap_host: _one_or_list(str) = None
+    bootstrap_port: _one_or_list(int) = None
+    bootstrap_room: _one_or_list(int) = None
 
 
 class AbortRequest(BaseModel):

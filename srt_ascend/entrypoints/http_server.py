@@ -142,9 +142,10 @@ async def generate(request: Request):
     items = await obj.items(serving.tm.tokenize_async)
     reqs = await serving.tm.off_loop(_make_requests, serving, items)
     serving.check_unique_rids(reqs)
-    serving.check_disaggregated(reqs)
     await serving.attach_grammars(reqs)
-    if obj.n > 1:  # the samples of a prompt share its prefill through the radix cache
+    # the samples of a prompt share its prefill through the radix cache (a disaggregated
+    # server's samples are each paired with one on the other server: no extra prefill)
+    if obj.n > 1 and serving.args.disaggregation_mode == "null":
         await until_disconnected(request, serving.cache_prompts(reqs, obj.n))
     if obj.stream:
         return StreamingResponse(

@@ -24,7 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from srt_ascend.entrypoints.generate_input import (
     BOOTSTRAP_KEYS,
-    bootstrap_of,
+    bootstraps_of,
     clean_sampling_params,
     extra_key,
     parallel_samples,
@@ -176,7 +176,8 @@ class OpenAIServing:
         refuse_unsupported_fields(obj.request_fields())
         sp = clean_sampling_params(obj.sampling_params(max_tokens), prefix="")
         key = extra_key(obj.cache_salt, obj.extra_key)
-        bootstrap = bootstrap_of(obj.model_dump(include=set(BOOTSTRAP_KEYS)))
+        fields = obj.model_dump(include=set(BOOTSTRAP_KEYS))
+        bootstraps = bootstraps_of(fields, len(prompts), obj.n)
         total = len(prompts) * obj.n
         reqs = []
         for ids in prompts:
@@ -193,11 +194,10 @@ class OpenAIServing:
                         logprob_start_len=0 if prompt_logprobs else None,
                         top_logprobs_num=logprobs or 0,
                         extra_key=key,
-                        bootstrap=bootstrap,
+                        bootstrap=None if bootstraps is None else bootstraps[len(reqs)],
                     )
                 )
         self.serving.check_unique_rids(reqs)
-        self.serving.check_disaggregated(reqs)
         return reqs
 
     async def _completion_prompts(

@@ -60,9 +60,10 @@ class _SamplingFields(BaseModel):
     cache_salt: str | None = None
     extra_key: str | None = None
     # sglang-router --pd-disaggregation's (see /generate)
-    bootstrap_host: str | None = None
-    bootstrap_port: StrictInt | None = None
-    bootstrap_room: StrictInt | None = None
+    # (one value, or a list: one per prompt or per choice)
+    bootstrap_host: str | list[str] | None = None
+    bootstrap_port: StrictInt | list[StrictInt] | None = None
+    bootstrap_room: StrictInt | list[StrictInt] | None = None
     # SGLang request fields, checked as /generate checks them (generate_input.UNSUPPORTED_FIELDS)
     lora_path: str | list[str | None] | None = None
     custom_logit_processor: str | None = None

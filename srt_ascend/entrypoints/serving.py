@@ -72,15 +72,6 @@ class Serving:
             self.metrics.observe_rejected()
             raise
 
-    def check_disaggregated(self, reqs: list[TokenizedGenerateReq]) -> None:
-        """With --disaggregation-mode, one generation per HTTP request: its bootstrap_room
-        pairs it with one generation on the other server."""
-        if self.args.disaggregation_mode != "null" and len(reqs) > 1:
-            raise RequestError(
-                "with --disaggregation-mode, a request carries one prompt and n = 1 (its "
-                f"bootstrap_room pairs it with one generation on the other server); got {len(reqs)}"
-            )
-
     def check_unique_rids(self, reqs: list[TokenizedGenerateReq]) -> None:
         rids = [r.rid for r in reqs]
         if len(set(rids)) != len(rids):

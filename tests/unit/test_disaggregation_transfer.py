@@ -53,6 +53,27 @@ def test_bootstrap_fields():
             BootstrapInfo.from_fields(*fields)
 
 
+def test_bootstrap_fields_per_generation():
+    """One room per generation, spread as sglang-router sends them: one room for n samples
+    (room + i, SGLang's rule), one per prompt (room[i] + j), one per generation."""
+    per = BootstrapInfo.per_generation
+    assert per(None, None, None, 2, 3) is None
+    assert [b.room for b in per("h", 1, 10, 1, 3)] == [10, 11, 12]
+    assert [b.room for b in per(["h", "h"], [1, 1], [10, 20], 2, 2)] == [10, 11, 20, 21]
+    infos = per(["h", "g"], [1, 2], [10, 20], 1, 2)  # chat with n = 2: one per choice
+    assert infos == [BootstrapInfo("h", 1, 10), BootstrapInfo("g", 2, 20)]
+    assert per("h", 1, 7, 1, 1) == [BootstrapInfo("h", 1, 7)]
+    for fields, message in (
+        (("h", 1, [1, 2, 3], 1, 2), "bootstrap_room has 3 entries"),
+        (("h", 1, [5, 5], 1, 2), "distinct bootstrap_rooms"),
+        (("h", 1, [5, 6], 2, 2), "distinct bootstrap_rooms"),  # 5, 6, 6, 7
+        (("h", 1, "x", 1, 2), "bootstrap_room must be an integer"),
+        (("h", None, 3, 1, 2), "bootstrap_port must be an integer"),
+    ):
+        with pytest.raises(BootstrapError, match=message):
+            per(*fields)
+
+
 def test_destination_checks_its_fields():
     good = dict(
         room=1, session="h:1", prompt_len=2, digest="d", slots=[3, 4], buffers=[10],
