@@ -246,6 +246,51 @@ def test_one_token_and_chunked_prompts_match_colocated(server, pair):
     _wait_settled(pair.prefill, pair.decode)
 
 
+def test_parallel_samples_and_batches_match_colocated(server, pair):
+    """n > 1 and batches through the router: it sends one room for a prompt's n samples
+    (/generate, /v1/completions), one per prompt for a batch, one per choice for chat with
+    n > 1; both servers give each generation its own room alike (room + i, as SGLang spreads
+    it), so each is one KV transfer: greedy and seeded answers as one server's."""
+    greedy = {"temperature": 0, "max_new_tokens": 8}
+    for body, stream in (
+        ({"text": PROMPTS[0], "sampling_params": {**greedy, "n": 2}}, False),
+        ({"text": PROMPTS[1], "sampling_params": {**greedy, "n": 2}}, True),
+        ({"input_ids": [[5, 6, 7], [8, 9, 10, 11]], "sampling_params": greedy}, False),
+    ):
+        got, want = (
+            _generate_all(pair.router, body, stream),
+            _generate_all(server.url, body, stream),
+        )
+        assert [o["output_ids"] for o in got] == [o["output_ids"] for o in want] and len(got) == 2
+    # seeded sampling as the colocated server's (MTP off; with MTP only greedy repeats it)
+    temperature = 0 if "MTP" in pair.prefill_cmd else 0.8
+    seeded = {"model": "tiny-mtp", "max_tokens": 8, "temperature": temperature, "seed": 11, "n": 3}
+    chat = {**seeded, "n": 2, "messages": [{"role": "user", "content": PROMPTS[2]}]}
+    for route, body in (
+        ("/v1/completions", {**seeded, "prompt": PROMPTS[0]}),
+        ("/v1/chat/completions", chat),
+    ):
+        got = requests.post(pair.router + route, json=body, timeout=120)
+        assert got.status_code == 200, got.text
+        want = requests.post(server.url + route, json=body, timeout=120).json()
+        assert got.json()["choices"] == want["choices"]
+    _wait_settled(pair.prefill, pair.decode)
+
+
+def _generate_all(url: str, body: dict, stream: bool) -> list[dict]:
+    """A /generate answer with several generations (the last event of each when streaming)."""
+    r = requests.post(url + "/generate", json={**body, "stream": stream}, timeout=120)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    last = {}
+    for line in r.text.splitlines():
+        if line.startswith("data: {"):
+            event = json.loads(line[6:])
+            last[event["index"]] = event
+    return [last[i] for i in sorted(last)]
+
+
 def test_prefill_radix_hits_reach_the_client(plain_pair):
     """The prefill server's radix cache serves a repeated prompt; the decode server reports
     its hit as the request's cached_tokens."""
@@ -369,8 +414,9 @@ def test_bootstrap_fields_missing_or_wrong_get_400(plain_pair, role):
     r = s.post("/v1/completions", json={"model": "tiny-mtp", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 400 and "bootstrap_room" in r.text
     two = {**body, "text": ["a", "b"], "bootstrap_host": "127.0.0.1"}
-    two.update(bootstrap_port=1, bootstrap_room=7)
-    assert s.post("/generate", json=two).status_code == 400
+    two.update(bootstrap_port=1, bootstrap_room=[7, 8, 9])  # one room per prompt, or none
+    r = s.post("/generate", json=two)
+    assert r.status_code == 400 and "bootstrap_room has 3 entries" in r.text
 
 
 def test_client_abort_frees_both_servers(server, pair):
