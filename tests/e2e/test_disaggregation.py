@@ -299,6 +299,15 @@ def test_prefill_radix_hits_reach_the_client(plain_pair):
     second = _generate(plain_pair.router, body)
     assert second["output_ids"] == first["output_ids"]
     assert second["meta_info"]["cached_tokens"] >= second["meta_info"]["prompt_tokens"] - 1
+    # tenants: another extra_key (/generate) or cache_salt (/v1/completions; the router drops
+    # cache_salt from /generate) does not hit that cache, its own does
+    other = _generate(plain_pair.router, {**body, "extra_key": "tenant-b"})["meta_info"]
+    assert other["cached_tokens"] <= 1
+    salted = {"model": "tiny-mtp", "prompt": body["text"], "max_tokens": 2, "cache_salt": "c"}
+    for want_hit in (False, True):
+        r = requests.post(plain_pair.router + "/v1/completions", json=salted, timeout=60)
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert (cached > 1) == want_hit, r.text
 
 
 def test_openai_routes_match_colocated(server, pair):
