@@ -209,6 +209,17 @@ def _wait_settled(*servers: Server, timeout: float = 30.0) -> None:
         assert s.proc.poll() is None, s.log()
 
 
+def _same_history(*servers: Server) -> None:
+    """Empties the servers' prefix caches (each settled first), for the seeded comparisons:
+    sampling repeats bit for bit only over logits computed alike, and float32 logits after a
+    prefix hit differ in their last bits from a whole prompt's on some CPUs (the BLAS
+    rounds a row by the GEMM's shape: AVX2 OpenBLAS/oneDNN), while the shared servers'
+    caches hold whatever earlier tests sent. Greedy outputs do not depend on it."""
+    _wait_settled(*servers)
+    for s in servers:
+        assert s.post("/flush_cache").status_code == 200, s.url
+
+
 # ---- outputs ---------------------------------------------------------------------------------
 
 
@@ -266,13 +277,17 @@ def test_parallel_samples_and_batches_match_colocated(server, pair):
     temperature = 0 if "MTP" in pair.prefill_cmd else 0.8
     seeded = {"model": "tiny-mtp", "max_tokens": 8, "temperature": temperature, "seed": 11, "n": 3}
     chat = {**seeded, "n": 2, "messages": [{"role": "user", "content": PROMPTS[2]}]}
+    # each body twice, compared the second time: the first computes the prompt whole on both
+    # sides (one server prefills an n > 1 prompt once for its samples, the pair per sample)
+    _same_history(server, pair.prefill, pair.decode)
     for route, body in (
         ("/v1/completions", {**seeded, "prompt": PROMPTS[0]}),
         ("/v1/chat/completions", chat),
     ):
-        got = requests.post(pair.router + route, json=body, timeout=120)
-        assert got.status_code == 200, got.text
-        want = requests.post(server.url + route, json=body, timeout=120).json()
+        for _ in range(2):
+            got = requests.post(pair.router + route, json=body, timeout=120)
+            assert got.status_code == 200, got.text
+            want = requests.post(server.url + route, json=body, timeout=120).json()
         assert got.json()["choices"] == want["choices"]
     _wait_settled(pair.prefill, pair.decode)
 
@@ -373,6 +388,7 @@ def test_seeded_sampling_matches_colocated(server, plain_pair):
     """The first token is drawn on the prefill server, the rest on the decode server, each
     from the request's seeded stream at its output length, as on one server."""
     sp = {"temperature": 0.9, "top_p": 0.95, "sampling_seed": 1234, "max_new_tokens": 20}
+    _same_history(server, plain_pair.prefill, plain_pair.decode)
     for prompt in PROMPTS[:2]:
         body = {"text": prompt, "sampling_params": sp}
         got = _generate(plain_pair.router, body)["output_ids"]
@@ -386,6 +402,7 @@ def test_mtp_seeded_sampling_matches_colocated_mtp(mtp_server, mtp_pair):
     # hot enough that a draft's own probability is far from 1: read as one-hot (its
     # distribution lost on the way), the first step's acceptance would differ
     sp = {"temperature": 1.5, "sampling_seed": 77, "max_new_tokens": 16}
+    _same_history(mtp_server, mtp_pair.prefill, mtp_pair.decode)
     for prompt in PROMPTS + [p + "\n" for p in PROMPTS]:
         body = {"text": prompt, "sampling_params": sp}
         got = _generate(mtp_pair.router, body)["output_ids"]

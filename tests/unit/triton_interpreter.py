@@ -1,7 +1,15 @@
 """Imports the Triton kernel modules under Triton's interpreter, for the CPU tests.
 
 `triton.jit` reads TRITON_INTERPRET when a kernel module is imported, so the variable is set
-for those imports only and restored afterwards (nothing else in the test process sees it)."""
+for those imports only and restored afterwards (nothing else in the test process sees it).
+
+The interpreter's `tl.dot` is numpy's matmul, whose BLAS (OpenBLAS's AVX2 kernels, seen on an
+AMD EPYC) rounds an output row differently by the row's position inside the block: row r of
+a [64, 32] @ [32, 64] product differed in its last bits from the same row at position 0 of
+another. A GPU's dot computes every element of a tile alike, so the batch-invariance tests
+would fail here for the BLAS, not the kernels: `exact_order_dot` replaces the interpreter's
+dot with one summing each element's products in k order (`_interpreted_dot`).
+"""
 
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ def import_interpreted():
         else:
             os.environ["TRITON_INTERPRET"] = old
     assert sys.modules[KERNEL_MODULES[0]].INTERPRETED
+    exact_order_dot()
     # triton.language's own helpers (tl.cdiv, ...) are interpreted only if triton itself was
     # first imported here: a test module that imports torch._dynamo (or triton) at collection,
     # before the kernel tests, makes every kernel fail with "Cannot call @triton.jit'd ..."
@@ -41,3 +50,24 @@ def import_interpreted():
         "or triton inside test functions, not at a test module's top level"
     )
     return mods
+
+
+def _interpreted_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+    """The interpreter's `create_dot`, each output element its products summed in k order
+    (a [..., M, K] @ b [..., K, N] + d): the same bits wherever its row or column sits.
+    Float8 operands are not used by these kernels."""
+    from triton.runtime.interpreter import TensorHandle
+
+    dtype = d.data.dtype
+    prods = a.data.astype(dtype)[..., :, :, None] * b.data.astype(dtype)[..., None, :, :]
+    out = d.data.copy()
+    for k in range(prods.shape[-2]):  # sequential: no pairwise or blocked summation
+        out += prods[..., k, :]
+    return TensorHandle(out, d.dtype.scalar)
+
+
+def exact_order_dot() -> None:
+    """Installs `_interpreted_dot` as the interpreter's dot (idempotent)."""
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    InterpreterBuilder.create_dot = _interpreted_dot
