@@ -12,7 +12,7 @@ import asyncio
 import threading
 from typing import Any
 
-from srt_ascend.entrypoints.generate_input import parallel_samples, pop_n
+from srt_ascend.entrypoints.generate_input import clean_sampling_params, parallel_samples, pop_n
 from srt_ascend.managers.tokenizer_manager import TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -58,8 +58,8 @@ class Engine:
             ids_list = [tm.tokenize(p) for p in prompts]
         else:
             ids_list = [input_ids] if single else list(input_ids)
-        params = [
-            dict(sp or {})
+        params = [  # SGLang's spelling, as /generate takes it (sampling_seed, nulls dropped)
+            clean_sampling_params(sp)
             for sp in (
                 sampling_params
                 if isinstance(sampling_params, list)

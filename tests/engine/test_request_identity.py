@@ -1,7 +1,8 @@
 """Request identity in the TokenizerManager: a rid reused right after its request was
 abandoned (the client disconnected) gets its own outputs, never the abandoned request's abort;
 a shutdown's aborts say so; an unknown rid aborts nothing. Also: the Engine is returned (the
-server ready) only once the grammar compiler's child has imported."""
+server ready) only once the grammar compiler's child has imported; it takes SGLang's spelling
+of the sampling parameters; shut down, it leaves no thread or child behind."""
 
 from __future__ import annotations
 
@@ -146,3 +147,14 @@ def test_a_shut_down_engine_leaves_no_thread_or_child(model_path):
     assert not left, left
     assert not set(_grammar_children()) - children_before
     assert e.loop.is_closed()
+
+
+def test_engine_takes_sglang_sampling_parameter_names(engine):
+    """sglang.Engine's callers pass `sampling_seed` (SGLang's name for the seed) and nulls
+    for unset fields; /generate took them, Engine.generate refused them."""
+    sp = {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True, "top_k": None}
+    seeded = engine.generate("def f(", {**sp, "seed": 1234})["output_ids"]
+    assert engine.generate("def f(", {**sp, "sampling_seed": 1234})["output_ids"] == seeded
+    assert engine.generate("def f(", {**sp, "seed": 4321})["output_ids"] != seeded
+    with pytest.raises(ValueError, match="beam_width"):
+        engine.generate("def f(", {**sp, "beam_width": 2})
