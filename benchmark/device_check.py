@@ -322,7 +322,7 @@ def check_deterministic(rep: Report, device: str, size: dict) -> None:
         else:
             outs = eng.generate(prompts, params, return_logprob=True)
         return [
-            (o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]])
+            (o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
             for o in outs
         ]
 

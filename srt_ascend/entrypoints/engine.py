@@ -9,10 +9,18 @@ engine.shutdown()
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from srt_ascend.entrypoints.generate_input import clean_sampling_params, parallel_samples, pop_n
+from srt_ascend.entrypoints.generate_input import (
+    clean_sampling_params,
+    parallel_samples,
+    pop_n,
+)
+from srt_ascend.entrypoints.generate_input import extra_key as extra_key_of
+from srt_ascend.entrypoints.serving import merge_streams
 from srt_ascend.managers.tokenizer_manager import TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -43,10 +51,75 @@ class Engine:
         logprob_start_len: int | None = None,
         top_logprobs_num: int | None = None,
         token_ids_logprob: list[int] | None = None,
-    ) -> dict | list[dict]:
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        *,
+        cache_salt: str | None = None,
+        extra_key: str | None = None,
+    ) -> dict | list[dict] | Iterator[dict]:
         """One prompt -> one dict; a list -> a list of dicts, in order, run concurrently.
         `sampling_params` "n" > 1 (the same for every prompt) -> n samples of each prompt, a
-        list in prompt-major order, as /generate answers (a seed becomes one per sample)."""
+        list in prompt-major order, as /generate answers (a seed becomes one per sample).
+        `stream=True` -> an iterator of every step's dict (cumulative text; with several
+        generations each carries its "index"), as sglang.Engine; leaving it early aborts
+        them. Logprob entries are SGLang's [logprob, token_id, None]."""
+        reqs, prefills, single = self._requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, token_ids_logprob, rid, extra_key_of(cache_salt, extra_key), stream,
+        )  # fmt: skip
+        if stream:
+            return self._stream(reqs, prefills, single)
+        if prefills:
+            self._run(self._gather(prefills))
+        outs = [_sglang_entries(o) for o in self._run(self._gather(reqs))]
+        return outs[0] if single else outs
+
+    async def async_generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+        logprob_start_len: int | None = None,
+        top_logprobs_num: int | None = None,
+        token_ids_logprob: list[int] | None = None,
+        stream: bool = False,
+        rid: str | list[str] | None = None,
+        *,
+        cache_salt: str | None = None,
+        extra_key: str | None = None,
+    ) -> dict | list[dict] | AsyncIterator[dict]:
+        """`generate` for asyncio callers (any event loop: the work runs on the Engine's):
+        the outputs, or with `stream=True` an async iterator of them."""
+        reqs, prefills, single = self._requests(
+            prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+            top_logprobs_num, token_ids_logprob, rid, extra_key_of(cache_salt, extra_key), stream,
+        )  # fmt: skip
+        if stream:
+            return self._async_stream(reqs, prefills, single)
+        on_engine = lambda coro: asyncio.wrap_future(  # noqa: E731
+            asyncio.run_coroutine_threadsafe(coro, self.loop)
+        )
+        if prefills:
+            await on_engine(self._gather(prefills))
+        outs = [_sglang_entries(o) for o in await on_engine(self._gather(reqs))]
+        return outs[0] if single else outs
+
+    def _requests(
+        self,
+        prompt,
+        sampling_params,
+        input_ids,
+        return_logprob,
+        logprob_start_len,
+        top_logprobs_num,
+        token_ids_logprob,
+        rid,
+        key,
+        stream,
+    ) -> tuple[list, list, bool]:
+        """The requests of a `generate` call, the prefill requests their parallel samples
+        share (n > 1), and whether it was one prompt (one dict back)."""
         if (prompt is None) == (input_ids is None):
             raise ValueError("pass exactly one of prompt or input_ids")
         tm = self.tokenizer_manager
@@ -66,28 +139,33 @@ class Engine:
                 else [sampling_params] * len(ids_list)
             )
         ]
+        rids = [None] * len(ids_list) if rid is None else [rid] if isinstance(rid, str) else rid
+        if len(rids) != len(ids_list):
+            raise ValueError(f"{len(rids)} rids for {len(ids_list)} prompts")
         n = pop_n(params)
         if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
             ids_list = [ids for ids in ids_list for _ in range(n)]
             params = [s for sp in params for s in parallel_samples(sp, n)]
+            rids = [None if r is None else f"{r}-{j}" for r in rids for j in range(n)]
             single = False
         reqs = [
             tm.make_request(
                 ids,
                 sp,
-                None,
+                r,
                 return_logprob,
                 logprob_start_len,
                 top_logprobs_num,
+                stream,
+                extra_key=key,
                 token_ids_logprob=token_ids_logprob,
             )
-            for ids, sp in zip(ids_list, params)
+            for ids, sp, r in zip(ids_list, params, rids)
         ]
+        prefills = []
         if n > 1:
             prefills = [tm.prefill_request(reqs[i : i + n]) for i in range(0, len(reqs), n)]
-            self._run(self._gather(prefills))
-        outs = self._run(self._gather(reqs))
-        return outs[0] if single else outs
+        return reqs, prefills, single
 
     async def _gather(self, reqs):
         async def one(r):
@@ -97,6 +175,43 @@ class Engine:
             return last
 
         return await asyncio.gather(*(one(r) for r in reqs))
+
+    async def _steps(self, reqs, prefills, single) -> AsyncIterator[dict]:
+        """Every step's output of `reqs` (on the Engine's loop), "index" added unless one."""
+        if prefills:
+            await self._gather(prefills)
+        streams = [self.tokenizer_manager.generate_one(r) for r in reqs]
+        async with contextlib.aclosing(merge_streams(streams)) as merged:
+            async for i, out in merged:
+                out = _sglang_entries(out)
+                if not single:
+                    out["index"] = i
+                yield out
+
+    def _stream(self, reqs, prefills, single) -> Iterator[dict]:
+        steps = self._steps(reqs, prefills, single)
+        try:
+            while True:
+                try:
+                    yield self._run(steps.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:  # left early: the requests still running are aborted
+            self._run(steps.aclose())
+
+    async def _async_stream(self, reqs, prefills, single) -> AsyncIterator[dict]:
+        steps = self._steps(reqs, prefills, single)
+        on_engine = lambda coro: asyncio.wrap_future(  # noqa: E731
+            asyncio.run_coroutine_threadsafe(coro, self.loop)
+        )
+        try:
+            while True:
+                try:
+                    yield await on_engine(steps.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            await on_engine(steps.aclose())
 
     def get_internal_state(self) -> dict:
         return self._run(self.tokenizer_manager.internal_state())
@@ -116,3 +231,26 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+# meta_info keys holding a logprob entry per position, and those holding a list of them
+_ENTRY_LISTS = ("input_token_logprobs", "output_token_logprobs")
+_PER_POSITION = (
+    "input_top_logprobs",
+    "output_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_ids_logprobs",
+)
+
+
+def _sglang_entries(out: dict) -> dict:
+    """sglang.Engine's logprob entries: [logprob, token_id, None] (its text is None unless
+    return_text_in_logprobs, which sglang.Engine.generate does not take)."""
+    meta = out["meta_info"]
+    for key in _ENTRY_LISTS:
+        if meta.get(key) is not None:
+            meta[key] = [[e[0], e[1], None] for e in meta[key]]
+    for key in _PER_POSITION:
+        if meta.get(key) is not None:
+            meta[key] = [None if x is None else [[e[0], e[1], None] for e in x] for x in meta[key]]
+    return out

@@ -168,43 +168,10 @@ class Serving:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
-        """(index, output) for every step of every request, in arrival order. One request
-        (the usual body) is iterated directly: no task per step. Several: one task per
-        request feeds a shared queue, so each output costs the same whatever the batch size
-        (waiting on every request's next output at once would cost the batch size per
-        output). Leaving early cancels every task, which aborts its request."""
-        if len(reqs) == 1:
-            async with contextlib.aclosing(self.run(reqs[0])) as gen:
-                async for out in gen:
-                    yield 0, out
-            return
-        outputs: asyncio.Queue = asyncio.Queue()
-        done = object()  # a request's end marker
-
-        async def feed(i: int, req: TokenizedGenerateReq) -> None:
-            try:
-                async with contextlib.aclosing(self.run(req)) as gen:
-                    async for out in gen:
-                        outputs.put_nowait((i, out))
-                outputs.put_nowait((i, done))
-            except Exception as e:  # noqa: BLE001 - raised to the consumer, in order
-                outputs.put_nowait((i, e))
-
-        tasks = [asyncio.ensure_future(feed(i, r)) for i, r in enumerate(reqs)]
-        left = len(tasks)
-        try:
-            while left:
-                i, out = await outputs.get()
-                if out is done:
-                    left -= 1
-                elif isinstance(out, Exception):
-                    raise out
-                else:
-                    yield i, out
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        """(index, output) for every step of every request, in arrival order
+        (`merge_streams`); leaving early aborts every request."""
+        async for item in merge_streams([self.run(r) for r in reqs]):
+            yield item
 
     # ---- server state -------------------------------------------------------------------------
 
@@ -246,3 +213,43 @@ async def until_disconnected(request: Request, work: Awaitable):
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+
+
+async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, output) for every output of every stream, in arrival order. One stream (the
+    usual request) is iterated directly: no task per step. Several: one task per stream
+    feeds a shared queue, so each output costs the same whatever their number (waiting on
+    every stream's next output at once would cost their number per output). A stream's
+    exception is raised in order; leaving early closes every stream (a request's aborts)."""
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    outputs: asyncio.Queue = asyncio.Queue()
+    done = object()  # a stream's end marker
+
+    async def feed(i: int, stream: AsyncIterator[dict]) -> None:
+        try:
+            async with contextlib.aclosing(stream) as gen:
+                async for out in gen:
+                    outputs.put_nowait((i, out))
+            outputs.put_nowait((i, done))
+        except Exception as e:  # noqa: BLE001 - raised to the consumer, in order
+            outputs.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(feed(i, s)) for i, s in enumerate(streams)]
+    left = len(tasks)
+    try:
+        while left:
+            i, out = await outputs.get()
+            if out is done:
+                left -= 1
+            elif isinstance(out, Exception):
+                raise out
+            else:
+                yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -51,7 +51,7 @@ def assert_same_greedy(name, outs, baseline):
     mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
     assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
     for o, b in zip(outs, baseline):
-        got = [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
-        want = [lp for lp, _ in b["meta_info"]["output_token_logprobs"]]
+        got = [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
         assert len(got) == MAX_NEW
         assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3

@@ -79,7 +79,7 @@ def differing(outs: list[dict], base: list[dict]) -> list[int]:
     """Prompts whose tokens or emitted-token logprobs are not bit-identical to the base's."""
 
     def key(o):
-        return o["output_ids"], [lp for lp, _ in o["meta_info"]["output_token_logprobs"]]
+        return o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]
 
     return [i for i, (o, b) in enumerate(zip(outs, base)) if key(o) != key(b)]
 

@@ -158,3 +158,49 @@ def test_engine_takes_sglang_sampling_parameter_names(engine):
     assert engine.generate("def f(", {**sp, "seed": 4321})["output_ids"] != seeded
     with pytest.raises(ValueError, match="beam_width"):
         engine.generate("def f(", {**sp, "beam_width": 2})
+
+
+def test_engine_streams_and_awaits_as_sglang_engine(engine):
+    """sglang.Engine's calls: `stream=True` yields every step (cumulative text, the last
+    one the whole answer), `async_generate` from the caller's own event loop, `rid` and
+    `cache_salt`, and logprob entries as [logprob, token_id, None]."""
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    whole = engine.generate("def f(", sp, return_logprob=True, top_logprobs_num=2)
+    meta = whole["meta_info"]
+    assert [e[1] for e in meta["output_token_logprobs"]] == whole["output_ids"]
+    assert all(len(e) == 3 and e[2] is None for e in meta["output_token_logprobs"])
+    assert all(len(top) == 2 and len(top[0]) == 3 for top in meta["output_top_logprobs"])
+    steps = list(engine.generate("def f(", sp, stream=True, rid="streamed"))
+    assert len(steps) > 1 and steps[-1]["output_ids"] == whole["output_ids"]
+    assert steps[-1]["text"] == whole["text"] and steps[-1]["meta_info"]["id"] == "streamed"
+    assert all(a["text"] == b["text"][: len(a["text"])] for a, b in zip(steps, steps[1:]))
+    batch = list(engine.generate(["def f(", "x ="], sp, stream=True))
+    assert {s["index"] for s in batch} == {0, 1}
+    last = {s["index"]: s for s in batch}
+    assert last[0]["output_ids"] == whole["output_ids"]
+
+    async def main():
+        out = await engine.async_generate("def f(", sp, cache_salt="tenant-a")
+        chunks = [c async for c in await engine.async_generate("def f(", sp, stream=True)]
+        return out, chunks
+
+    out, chunks = asyncio.run(main())
+    assert out["output_ids"] == chunks[-1]["output_ids"] == whole["output_ids"]
+    assert out["meta_info"]["cached_tokens"] == 0  # another tenant's prefix is not shared
+
+
+def test_engine_stream_left_early_aborts_its_request(engine):
+    """Leaving a streamed generation early aborts it: it stops within a few steps of 400
+    (the prefix cache takes what it had: far fewer tokens than the whole answer)."""
+    sp = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    prompt = "def left_early("
+    before = engine.get_internal_state()["cached_tokens_in_tree"]
+    stream = engine.generate(prompt, sp, stream=True)
+    next(stream)
+    stream.close()
+    deadline = time.monotonic() + 60
+    while engine.get_internal_state()["num_running_reqs"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    state = engine.get_internal_state()
+    assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0, state
+    assert state["cached_tokens_in_tree"] - before < 200, (before, state)
