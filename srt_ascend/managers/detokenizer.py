@@ -28,12 +28,19 @@ class DecodeState:
     surr_offset: int = 0
     read_offset: int = 0
 
-    def update(self, tokenizer, new_ids: list[int], final: bool) -> str:
-        """Appends `new_ids` and returns the cumulative text (also kept in `self.text`)."""
+    def update(self, tokenizer, new_ids: list[int], final: bool, drop_last: bool = False) -> str:
+        """Appends `new_ids` and returns the cumulative text (also kept in `self.text`).
+        `drop_last` (final steps only): the text leaves out the last token, a matched stop
+        token that is trimmed as SGLang's detokenizer trims it (`output_ids` keep it)."""
         self.output_ids.extend(new_ids)
-        window = self.output_ids[self.surr_offset :]
-        context_len = self.read_offset - self.surr_offset
         skip = self.skip_special_tokens
+        end = len(self.output_ids) - 1 if final and drop_last else len(self.output_ids)
+        if end < self.read_offset:
+            # the dropped token was committed by an earlier step: decode the whole output
+            self.text = tokenizer.decode(self.output_ids[:end], skip_special_tokens=skip)
+            return self.text
+        window = self.output_ids[self.surr_offset : end]
+        context_len = self.read_offset - self.surr_offset
         surr_text = tokenizer.decode(window[:context_len], skip_special_tokens=skip)
         new_text = tokenizer.decode(window, skip_special_tokens=skip)[len(surr_text) :]
         if final:
@@ -49,7 +56,8 @@ class DecodeState:
 
 def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
     """The text a stop string or stop_regex matched (`stop_text`, None when the request did
-    not stop on one) and whatever follows it are removed from the returned text."""
+    not stop on one) and whatever follows it are removed from the returned text (a matched
+    stop token is left out by `DecodeState.update`'s `drop_last`)."""
     if no_stop_trim or not stop_text:
         return text
     idx = text.find(stop_text)

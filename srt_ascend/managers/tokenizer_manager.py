@@ -341,7 +341,10 @@ class TokenizerManager:
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = time.monotonic()
         state.finished = out.finish_reason is not None
-        state.decode.update(self.tokenizer, out.new_token_ids, state.finished)
+        # SGLang's trim: a matched stop token (EOS, stop_token_ids) is not in the text
+        matched = (out.finish_reason or {}).get("matched")
+        drop_last = isinstance(matched, int) and not state.params.no_stop_trim
+        state.decode.update(self.tokenizer, out.new_token_ids, state.finished, drop_last)
         state.out_logprobs.extend(out.output_token_logprobs)
         state.out_top_logprobs.extend(out.output_top_logprobs)
         state.out_ids_logprobs.extend(out.output_token_ids_logprobs)

@@ -355,6 +355,31 @@ def test_echo_with_logprobs_streams_the_prompt_first(server):
     assert tokens == usage["prompt_tokens"] + usage["completion_tokens"]
 
 
+def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
+    """SGLang's detokenizer leaves a matched stop token out of the text unless no_stop_trim
+    (output_ids and completion_tokens keep it), streamed or not, on every route."""
+    prompt = _unique("def f(")
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
+    stop_id = ids[2]
+    k = ids.index(stop_id)
+    trimmed, kept = tokenizer.decode(ids[:k]), tokenizer.decode(ids[: k + 1])
+    assert trimmed != kept
+    sp["stop_token_ids"] = [stop_id]
+    out = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
+    assert (out["text"], out["output_ids"]) == (trimmed, ids[: k + 1])
+    sp["no_stop_trim"] = True
+    out = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
+    assert out["text"] == kept
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    body["stop_token_ids"] = [stop_id]
+    out = srv.post("/v1/completions", json=body).json()
+    assert out["choices"][0]["text"] == trimmed and out["usage"]["completion_tokens"] == k + 1
+    r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == trimmed
+
+
 def test_out_of_vocab_stop_token_ids_are_accepted(server):
     for path, body in [
         (

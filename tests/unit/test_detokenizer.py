@@ -82,3 +82,25 @@ def test_each_step_decodes_a_bounded_window(tokenizer):
     assert len(ids) > 300
     assert max(calls) <= 8
     assert state.text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_matched_stop_token_is_left_out_of_the_final_text(tokenizer, skip):
+    """SGLang's trim: the final text of an output that ended on a stop token (EOS, or an
+    ordinary token from stop_token_ids) is the decode of the output without it (output_ids
+    keep it), also when the token came in an earlier, unfinished step."""
+    rng = random.Random(2)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for stop in (tokenizer.eos_token_id, ids[3]):
+            out = ids + [stop]
+            for head in (out[:-1], out):  # the stop token in the final step, or before it
+                state = DecodeState(skip_special_tokens=skip)
+                pos = 0
+                while pos < len(head):
+                    size = min(len(head) - pos, rng.randint(1, 4))
+                    state.update(tokenizer, head[pos : pos + size], final=False)
+                    pos += size
+                final = state.update(tokenizer, out[pos:], final=True, drop_last=True)
+                assert final == tokenizer.decode(ids, skip_special_tokens=skip)
+                assert state.output_ids == out
