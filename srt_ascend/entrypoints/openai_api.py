@@ -135,13 +135,22 @@ class OpenAIServing:
 
     def completion_logprobs(self, meta: dict, start: int, offset: int, prompt: bool) -> dict:
         """OpenAI's completion logprobs of the output tokens from `start`, after the prompt's
-        tokens when `prompt` (echo)."""
-        items = self._logprob_items(meta, 0, "input") if prompt else []
-        items += self._logprob_items(meta, start)
-        offsets = []
-        for text, _, _ in items:
+        tokens when `prompt` (echo). `text_offset` is each token's position in the choice's
+        text: the output tokens from `start` begin at `offset`, the prompt's at 0, a special
+        token the echoed text leaves out (BOS) taking no width."""
+        items, offsets = [], []
+        if prompt:
+            items = self._logprob_items(meta, 0, "input")
+            special = set(self.tm.tokenizer.all_special_ids)
+            pos = 0
+            for (text, _, _), entry in zip(items, meta.get("input_token_logprobs", [])):
+                offsets.append(pos)
+                pos += 0 if entry[1] in special else len(text)
+        outputs = self._logprob_items(meta, start)
+        for text, _, _ in outputs:
             offsets.append(offset)
             offset += len(text)
+        items += outputs
         return {
             "tokens": [t for t, _, _ in items],
             "token_logprobs": [lp for _, lp, _ in items],
@@ -282,7 +291,7 @@ class OpenAIServing:
             if obj.logprobs is not None:
                 first = with_prompt_lp and not c.started
                 offset = len(echo[c.index // obj.n]) + len(c.sent_text) - len(delta)
-                lp = self.completion_logprobs(meta, lp_start, 0 if first else offset, first)
+                lp = self.completion_logprobs(meta, lp_start, offset, first)
             return {
                 "index": c.index,
                 "text": prefix + delta,

@@ -342,10 +342,20 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs(srv):
     expect = [e[0] for e in native["input_token_logprobs"] + native["output_token_logprobs"]]
     assert lp["token_logprobs"][1:] == pytest.approx(expect[1:], abs=1e-5)
     assert choice["text"].startswith("def f(x):")
+    _assert_offsets_point_at_tokens(choice["text"], lp)
+
+
+def _assert_offsets_point_at_tokens(text: str, lp: dict) -> None:
+    """OpenAI's text_offset: each token's position in the choice's text (the BOS, which the
+    echoed text leaves out, at 0)."""
+    assert lp["tokens"][0] == "<|bos|>" and lp["text_offset"][0] == 0
+    for tok, off in zip(lp["tokens"][1:], lp["text_offset"][1:]):
+        assert text[off : off + len(tok)] == tok, (text, lp["tokens"], lp["text_offset"])
 
 
 def test_echo_with_logprobs_streams_the_prompt_first(server):
     body = {"model": "m", "prompt": "x = ", "max_tokens": 3, "echo": True, "logprobs": 0}
+    body["temperature"] = 0
     r = server.post("/v1/completions", json={**body, "stream": True}, stream=True)
     chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
     first = chunks[0]["choices"][0]
@@ -353,6 +363,11 @@ def test_echo_with_logprobs_streams_the_prompt_first(server):
     tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks)
     usage = server.post("/v1/completions", json=body).json()["usage"]
     assert tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+    streamed = {
+        key: [x for c in chunks for x in c["choices"][0]["logprobs"][key]]
+        for key in ("tokens", "text_offset")
+    }
+    _assert_offsets_point_at_tokens("".join(c["choices"][0]["text"] for c in chunks), streamed)
 
 
 def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
