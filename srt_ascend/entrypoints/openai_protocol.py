@@ -41,6 +41,18 @@ class ResponseFormat(BaseModel):
     type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_schema(cls, values):
+        """SGLang also takes {"type": "json_schema", "schema": {...}} (no json_schema)."""
+        if isinstance(values, dict) and values.get("type") == "json_schema":
+            schema = values.get("schema")
+            if not values.get("json_schema") and isinstance(schema, dict):
+                name = schema.get("title", "Schema")
+                rest = {k: v for k, v in values.items() if k != "schema"}
+                return {**rest, "json_schema": {"name": name, "schema": schema}}
+        return values
+
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and (

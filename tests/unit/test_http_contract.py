@@ -142,6 +142,7 @@ def test_openai_extension_fields_map_to_generate_sampling_params(name):
             {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}},
             {"type": "string"},
         ),
+        ({"type": "json_schema", "schema": {"type": "integer"}}, {"type": "integer"}),  # SGLang's
         ({"type": "text"}, None),
     ],
 )
