@@ -79,9 +79,12 @@ def map_finish(meta: dict) -> tuple[str | None, Any]:
     return fr["type"], fr.get("matched")
 
 
-def usage(prompt_tokens: int, outs: list[dict]) -> dict:
+def usage(prompt_tokens: int, outs: list[dict], n: int = 1) -> dict:
+    """OpenAI's usage of `outs` (prompt-major, `n` samples per prompt): completion tokens of
+    every sample; cached tokens, like the prompt's, once per prompt (its first sample's, as
+    SGLang counts them), so they never exceed prompt_tokens."""
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs[::n])
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
@@ -314,7 +317,7 @@ class OpenAIServing:
                 **head,
                 "created": int(time.time()),
                 "choices": choices,
-                "usage": usage(prompt_tokens, outs),
+                "usage": usage(prompt_tokens, outs, obj.n),
             }
         )
 
@@ -400,7 +403,7 @@ class OpenAIServing:
                 **head,
                 "created": int(time.time()),
                 "choices": choices,
-                "usage": usage(len(ids), outs),
+                "usage": usage(len(ids), outs, obj.n),
             }
         )
 
@@ -440,7 +443,7 @@ class OpenAIServing:
                             **head,
                             "created": created,
                             "choices": [],
-                            "usage": usage(prompt_tokens, outs),
+                            "usage": usage(prompt_tokens, outs, obj.n),
                         }
                     )
             yield SSE_DONE

@@ -395,6 +395,22 @@ def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
     assert "".join(c["choices"][0]["text"] for c in chunks) == trimmed
 
 
+def test_cached_tokens_count_each_prompt_once(server):
+    """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
+    many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""
+    body = {"model": "m", "prompt": [_unique("x ="), _unique("y =")], "max_tokens": 1, "n": 3}
+    server.post("/v1/completions", json=body)  # caches both prompts
+    used = server.post("/v1/completions", json=body).json()["usage"]
+    assert used["prompt_tokens_details"]["cached_tokens"] == used["prompt_tokens"] - 2
+    r = server.post(
+        "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        stream=True,
+    )
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert chunks[-1]["usage"] == used
+
+
 def test_out_of_vocab_stop_token_ids_are_accepted(server):
     for path, body in [
         (
