@@ -62,3 +62,21 @@ def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
         return text
     idx = text.find(stop_text)
     return text[:idx] if idx != -1 else text
+
+
+def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
+    """A streamed text without its longest tail that begins a stop string: that text is
+    trimmed if the stop string completes, so it is sent only once it cannot (streamed chunks
+    then add up to the final text). Checks only tails ending in a character the stop string
+    has, so a step costs little for ordinary stop strings."""
+    if not text:
+        return text
+    keep = len(text)
+    for stop in stops:
+        k = stop.rfind(text[-1], 0, len(stop) - 1)  # candidate tail lengths k + 1, longest first
+        while k >= 0:
+            if k + 1 <= len(text) and text.endswith(stop[: k + 1]):
+                keep = min(keep, len(text) - (k + 1))
+                break
+            k = stop.rfind(text[-1], 0, k)
+    return text[:keep]

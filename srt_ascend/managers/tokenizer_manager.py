@@ -21,7 +21,7 @@ from typing import TypeVar
 from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, compile_worker
 from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
-from srt_ascend.managers.detokenizer import DecodeState, trim_stop
+from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix, trim_stop
 from srt_ascend.managers.io_struct import (
     ABORTED_BY_CLIENT,
     MAX_TOP_LOGPROBS,
@@ -355,6 +355,8 @@ class TokenizerManager:
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
         text = trim_stop(state.decode.text, out.stop_text, state.params.no_stop_trim)
+        if not state.finished and state.params.stop and not state.params.no_stop_trim:
+            text = hold_back_stop_prefix(text, state.params.stop)
         meta = {
             "id": state.rid,
             "finish_reason": out.finish_reason,

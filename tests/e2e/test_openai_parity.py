@@ -395,6 +395,24 @@ def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
     assert "".join(c["choices"][0]["text"] for c in chunks) == trimmed
 
 
+def test_streamed_chunks_add_up_to_the_text_a_stop_string_trims(srv, tokenizer):
+    """The start of a stop string is held back until it cannot complete, so a stream never
+    sends text the final (trimmed) output leaves out."""
+    prompt = _unique("def f(")
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
+    stop = tokenizer.decode(ids[1:3])  # spans two tokens: its first arrives a step early
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    whole = srv.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    native = {"text": prompt, "sampling_params": {**sp, "stop": stop}, "stream": True}
+    r = srv.post("/generate", json=native, stream=True)
+    texts = [json.loads(x[6:])["text"] for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert all(whole.startswith(t) for t in texts) and texts[-1] == whole
+
+
 def test_cached_tokens_count_each_prompt_once(server):
     """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
     many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""

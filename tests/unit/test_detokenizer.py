@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from srt_ascend.managers.detokenizer import DecodeState
+from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix
 from srt_ascend.server_args import SHIPPED_MODEL
 
 TEXTS = [
@@ -104,3 +104,16 @@ def test_a_matched_stop_token_is_left_out_of_the_final_text(tokenizer, skip):
                 final = state.update(tokenizer, out[pos:], final=True, drop_last=True)
                 assert final == tokenizer.decode(ids, skip_special_tokens=skip)
                 assert state.output_ids == out
+
+
+def test_a_stream_holds_back_the_start_of_a_stop_string():
+    """The longest tail that begins a stop string is held back (it is trimmed if the stop
+    string completes); a held text only grows as the output does."""
+    assert hold_back_stop_prefix("f, f,", [", f!"]) == "f, f"
+    assert hold_back_stop_prefix("xabcab", ["abcabd", "b!"]) == "x"
+    assert hold_back_stop_prefix("hello", ["lo!", "o"]) == "hel"
+    assert hold_back_stop_prefix("hello", ["xyz"]) == "hello"
+    out, stop, held = "say: a, b, c, END", "C, END!", []
+    for n in range(len(out) + 1):
+        held.append(hold_back_stop_prefix(out[:n], [stop, "END"]))
+    assert all(b.startswith(a) for a, b in zip(held, held[1:]))
