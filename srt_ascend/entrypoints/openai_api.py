@@ -93,6 +93,13 @@ def usage(prompt_tokens: int, outs: list[dict], n: int = 1) -> dict:
     }
 
 
+@dataclass(frozen=True)
+class LogprobToken:
+    id: int
+    text: str  # decoded on its own (U+FFFD for a part of a character)
+    logprob: float | None  # None: the first prompt token
+
+
 @dataclass
 class Choice:
     """Streaming progress of one choice."""
@@ -123,52 +130,60 @@ class OpenAIServing:
 
     def _logprob_items(
         self, meta: dict, start: int, kind: str = "output"
-    ) -> list[tuple[str, float | None, list]]:
-        """(token text, logprob, [(text, logprob)] top list) of the output tokens from
-        `start`, or of the prompt tokens (kind "input"; the first prompt token has None)."""
+    ) -> list[tuple[LogprobToken, list[LogprobToken]]]:
+        """(token, its top list) of the output tokens from `start`, or of the prompt tokens
+        (kind "input"; the first prompt token's logprob is None)."""
         toks = meta.get(f"{kind}_token_logprobs", [])[start:]
         tops = meta.get(f"{kind}_top_logprobs", [])[start:] or [[] for _ in toks]
         texts = self.serving.token_texts([t[1] for t in toks])
         items = []
-        for (lp, _), text, top in zip(toks, texts, tops):
+        for (lp, tid), text, top in zip(toks, texts, tops):
             top = top or []
             top_texts = self.serving.token_texts([t[1] for t in top])
-            items.append((text, lp, [(tt, t[0]) for tt, t in zip(top_texts, top)]))
+            entries = [LogprobToken(t[1], tt, t[0]) for tt, t in zip(top_texts, top)]
+            items.append((LogprobToken(tid, text, lp), entries))
         return items
 
     def completion_logprobs(self, meta: dict, start: int, offset: int, prompt: bool) -> dict:
         """OpenAI's completion logprobs of the output tokens from `start`, after the prompt's
-        tokens when `prompt` (echo). `text_offset` is each token's position in the choice's
-        text: the output tokens from `start` begin at `offset`, the prompt's at 0, a special
-        token the echoed text leaves out (BOS) taking no width."""
+        tokens when `prompt` (echo). A token that is part of a character is named by its
+        bytes, one latin-1 character each (SGLang's). `text_offset` is each token's position
+        in the choice's text: the output tokens from `start` begin at `offset`, the prompt's
+        at 0, a special token the echoed text leaves out (BOS) taking no width."""
         items, offsets = [], []
         if prompt:
             items = self._logprob_items(meta, 0, "input")
             special = set(self.tm.tokenizer.all_special_ids)
             pos = 0
-            for (text, _, _), entry in zip(items, meta.get("input_token_logprobs", [])):
+            for tok, _ in items:
                 offsets.append(pos)
-                pos += 0 if entry[1] in special else len(text)
+                pos += 0 if tok.id in special else len(tok.text)
         outputs = self._logprob_items(meta, start)
-        for text, _, _ in outputs:
+        for tok, _ in outputs:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(tok.text)
         items += outputs
+        name = self.serving.token_bytes.text_of
         return {
-            "tokens": [t for t, _, _ in items],
-            "token_logprobs": [lp for _, lp, _ in items],
-            "top_logprobs": [dict(top) for _, _, top in items],
+            "tokens": [name(tok.id, tok.text) for tok, _ in items],
+            "token_logprobs": [tok.logprob for tok, _ in items],
+            "top_logprobs": [{name(t.id, t.text): t.logprob for t in top} for _, top in items],
             "text_offset": offsets,
         }
 
     def chat_logprobs(self, meta: dict, start: int) -> dict:
-        def entry(text: str, lp: float) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        """OpenAI's chat logprobs; `bytes` are each token's own (a character split over
+        tokens joins from them), as SGLang reports them."""
+        token_bytes = self.serving.token_bytes
+
+        def entry(tok: LogprobToken) -> dict:
+            raw = token_bytes.bytes_of(tok.id, tok.text)
+            return {"token": tok.text, "logprob": tok.logprob, "bytes": raw}
 
         return {
             "content": [
-                {**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                for text, lp, top in self._logprob_items(meta, start)
+                {**entry(tok), "top_logprobs": [entry(t) for t in top]}
+                for tok, top in self._logprob_items(meta, start)
             ]
         }
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
 
+from srt_ascend.entrypoints.token_bytes import TokenBytes
 from srt_ascend.managers.io_struct import TokenizedGenerateReq
 from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.metrics import RequestStats, ServerMetrics
@@ -117,6 +119,10 @@ class Serving:
             [bos if bos is not None else 0], {"max_new_tokens": 1, "temperature": 0}
         )
         await _drain(self.tm.generate_one(req))
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tm.tokenizer)
 
     def token_texts(self, ids: list[int]) -> list[str]:
         """Each token decoded on its own (SGLang's text in logprob entries)."""
