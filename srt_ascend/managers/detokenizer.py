@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+HOLD_BACK_MAX_CHARS = 256  # the longest start of a stop string a stream holds back
 
 
 @dataclass
@@ -67,16 +69,19 @@ def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
 def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
     """A streamed text without its longest tail that begins a stop string: that text is
     trimmed if the stop string completes, so it is sent only once it cannot (streamed chunks
-    then add up to the final text). Checks only tails ending in a character the stop string
-    has, so a step costs little for ordinary stop strings."""
-    if not text:
-        return text
-    keep = len(text)
-    for stop in stops:
-        k = stop.rfind(text[-1], 0, len(stop) - 1)  # candidate tail lengths k + 1, longest first
-        while k >= 0:
-            if k + 1 <= len(text) and text.endswith(stop[: k + 1]):
-                keep = min(keep, len(text) - (k + 1))
-                break
-            k = stop.rfind(text[-1], 0, k)
-    return text[:keep]
+    then add up to the final text). Tails up to HOLD_BACK_MAX_CHARS characters are checked,
+    each by a binary search of the sorted stop strings, so a step costs the same however many
+    and however long the stop strings are."""
+    tail = text[-HOLD_BACK_MAX_CHARS:]
+    ordered = sorted(set(stops))
+    firsts = {stop[0] for stop in ordered}
+    for i, ch in enumerate(tail):
+        if ch not in firsts:
+            continue
+        rest = tail[i:]
+        j = bisect.bisect_left(ordered, rest)
+        # the stop strings that begin with `rest` sort from j on (`rest` itself first if it
+        # is one: complete, it would have ended the output, so only a longer one counts)
+        if any(len(s) > len(rest) and s.startswith(rest) for s in ordered[j : j + 2]):
+            return text[: len(text) - len(rest)]
+    return text

@@ -113,6 +113,9 @@ def test_a_stream_holds_back_the_start_of_a_stop_string():
     assert hold_back_stop_prefix("xabcab", ["abcabd", "b!"]) == "x"
     assert hold_back_stop_prefix("hello", ["lo!", "o"]) == "hel"
     assert hold_back_stop_prefix("hello", ["xyz"]) == "hello"
+    assert hold_back_stop_prefix("xab", ["ab", "abd", "abc"]) == "x"  # a longer stop too
+    many = [f"{i:04d}" + "x" * 10**5 for i in range(300)]  # a step stays cheap: one search
+    assert hold_back_stop_prefix("id 0299xx", many) == "id "
     out, stop, held = "say: a, b, c, END", "C, END!", []
     for n in range(len(out) + 1):
         held.append(hold_back_stop_prefix(out[:n], [stop, "END"]))
