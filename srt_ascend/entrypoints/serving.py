@@ -125,8 +125,18 @@ class Serving:
         return TokenBytes(self.tm.tokenizer)
 
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token decoded on its own (SGLang's text in logprob entries)."""
-        return [self.tm.tokenizer.decode([i]) for i in ids]
+        """Each token decoded on its own (SGLang's text in logprob entries), through a cache
+        of the vocabulary's texts (responses with top logprobs name many tokens, on the
+        event loop)."""
+        cache = self._token_text_cache
+        for i in ids:
+            if i not in cache:
+                cache[i] = self.tm.tokenizer.decode([i])
+        return [cache[i] for i in ids]
+
+    @functools.cached_property
+    def _token_text_cache(self) -> dict[int, str]:
+        return {}  # at most one entry per vocabulary id
 
     # ---- running requests ---------------------------------------------------------------------
 
