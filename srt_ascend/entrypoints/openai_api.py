@@ -79,15 +79,25 @@ def map_finish(meta: dict) -> tuple[str | None, Any]:
     return fr["type"], fr.get("matched")
 
 
-def usage(prompt_tokens: int, outs: list[dict]) -> dict:
+def usage(prompt_tokens: int, outs: list[dict], n: int = 1) -> dict:
+    """OpenAI's usage of `outs` (prompt-major, `n` samples per prompt): completion tokens of
+    every sample; cached tokens, like the prompt's, once per prompt (its first sample's, as
+    SGLang counts them), so they never exceed prompt_tokens."""
     completion = sum(o["meta_info"]["completion_tokens"] for o in outs)
-    cached = sum(o["meta_info"]["cached_tokens"] for o in outs)
+    cached = sum(o["meta_info"]["cached_tokens"] for o in outs[::n])
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion,
         "total_tokens": prompt_tokens + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+
+
+@dataclass(frozen=True)
+class LogprobToken:
+    id: int
+    text: str  # decoded on its own (U+FFFD for a part of a character)
+    logprob: float | None  # None: the first prompt token
 
 
 @dataclass
@@ -120,43 +130,60 @@ class OpenAIServing:
 
     def _logprob_items(
         self, meta: dict, start: int, kind: str = "output"
-    ) -> list[tuple[str, float | None, list]]:
-        """(token text, logprob, [(text, logprob)] top list) of the output tokens from
-        `start`, or of the prompt tokens (kind "input"; the first prompt token has None)."""
+    ) -> list[tuple[LogprobToken, list[LogprobToken]]]:
+        """(token, its top list) of the output tokens from `start`, or of the prompt tokens
+        (kind "input"; the first prompt token's logprob is None)."""
         toks = meta.get(f"{kind}_token_logprobs", [])[start:]
         tops = meta.get(f"{kind}_top_logprobs", [])[start:] or [[] for _ in toks]
         texts = self.serving.token_texts([t[1] for t in toks])
         items = []
-        for (lp, _), text, top in zip(toks, texts, tops):
+        for (lp, tid), text, top in zip(toks, texts, tops):
             top = top or []
             top_texts = self.serving.token_texts([t[1] for t in top])
-            items.append((text, lp, [(tt, t[0]) for tt, t in zip(top_texts, top)]))
+            entries = [LogprobToken(t[1], tt, t[0]) for tt, t in zip(top_texts, top)]
+            items.append((LogprobToken(tid, text, lp), entries))
         return items
 
     def completion_logprobs(self, meta: dict, start: int, offset: int, prompt: bool) -> dict:
         """OpenAI's completion logprobs of the output tokens from `start`, after the prompt's
-        tokens when `prompt` (echo)."""
-        items = self._logprob_items(meta, 0, "input") if prompt else []
-        items += self._logprob_items(meta, start)
-        offsets = []
-        for text, _, _ in items:
+        tokens when `prompt` (echo). A token that is part of a character is named by its
+        bytes, one latin-1 character each (SGLang's). `text_offset` is each token's position
+        in the choice's text: the output tokens from `start` begin at `offset`, the prompt's
+        at 0, a special token the echoed text leaves out (BOS) taking no width."""
+        items, offsets = [], []
+        if prompt:
+            items = self._logprob_items(meta, 0, "input")
+            special = set(self.tm.tokenizer.all_special_ids)
+            pos = 0
+            for tok, _ in items:
+                offsets.append(pos)
+                pos += 0 if tok.id in special else len(tok.text)
+        outputs = self._logprob_items(meta, start)
+        for tok, _ in outputs:
             offsets.append(offset)
-            offset += len(text)
+            offset += len(tok.text)
+        items += outputs
+        name = self.serving.token_bytes.text_of
         return {
-            "tokens": [t for t, _, _ in items],
-            "token_logprobs": [lp for _, lp, _ in items],
-            "top_logprobs": [dict(top) for _, _, top in items],
+            "tokens": [name(tok.id, tok.text) for tok, _ in items],
+            "token_logprobs": [tok.logprob for tok, _ in items],
+            "top_logprobs": [{name(t.id, t.text): t.logprob for t in top} for _, top in items],
             "text_offset": offsets,
         }
 
     def chat_logprobs(self, meta: dict, start: int) -> dict:
-        def entry(text: str, lp: float) -> dict:
-            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        """OpenAI's chat logprobs; `bytes` are each token's own (a character split over
+        tokens joins from them), as SGLang reports them."""
+        token_bytes = self.serving.token_bytes
+
+        def entry(tok: LogprobToken) -> dict:
+            raw = token_bytes.bytes_of(tok.id, tok.text)
+            return {"token": tok.text, "logprob": tok.logprob, "bytes": raw}
 
         return {
             "content": [
-                {**entry(text, lp), "top_logprobs": [entry(t, v) for t, v in top]}
-                for text, lp, top in self._logprob_items(meta, start)
+                {**entry(tok), "top_logprobs": [entry(t) for t in top]}
+                for tok, top in self._logprob_items(meta, start)
             ]
         }
 
@@ -282,7 +309,7 @@ class OpenAIServing:
             if obj.logprobs is not None:
                 first = with_prompt_lp and not c.started
                 offset = len(echo[c.index // obj.n]) + len(c.sent_text) - len(delta)
-                lp = self.completion_logprobs(meta, lp_start, 0 if first else offset, first)
+                lp = self.completion_logprobs(meta, lp_start, offset, first)
             return {
                 "index": c.index,
                 "text": prefix + delta,
@@ -305,7 +332,7 @@ class OpenAIServing:
                 **head,
                 "created": int(time.time()),
                 "choices": choices,
-                "usage": usage(prompt_tokens, outs),
+                "usage": usage(prompt_tokens, outs, obj.n),
             }
         )
 
@@ -391,7 +418,7 @@ class OpenAIServing:
                 **head,
                 "created": int(time.time()),
                 "choices": choices,
-                "usage": usage(len(ids), outs),
+                "usage": usage(len(ids), outs, obj.n),
             }
         )
 
@@ -431,7 +458,7 @@ class OpenAIServing:
                             **head,
                             "created": created,
                             "choices": [],
-                            "usage": usage(prompt_tokens, outs),
+                            "usage": usage(prompt_tokens, outs, obj.n),
                         }
                     )
             yield SSE_DONE

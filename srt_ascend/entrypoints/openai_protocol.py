@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 
@@ -23,6 +23,54 @@ from srt_ascend.managers.io_struct import MAX_TOP_LOGPROBS
 class StreamOptions(BaseModel):
     include_usage: bool = False  # a last chunk with the usage of the whole request
     continuous_usage_stats: bool = False  # every choice chunk carries its choice's usage so far
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format; SGLang turns it into a grammar sampling parameter."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _top_level_schema(cls, values):
+        """SGLang also takes {"type": "json_schema", "schema": {...}} (no json_schema)."""
+        if isinstance(values, dict) and values.get("type") == "json_schema":
+            schema = values.get("schema")
+            if not values.get("json_schema") and isinstance(schema, dict):
+                name = schema.get("title", "Schema")
+                rest = {k: v for k, v in values.items() if k != "schema"}
+                return {**rest, "json_schema": {"name": name, "schema": schema}}
+        return values
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise ValueError("schema_ is required for json_schema response format request.")
+        return self
+
+    def sampling_params(self) -> dict:
+        """SGLang's mapping: json_object is any JSON object, json_schema its schema, a
+        structural tag the format itself (as JSON strings)."""
+        if self.type == "json_object":
+            return {"json_schema": '{"type": "object"}'}
+        if self.type == "json_schema":
+            return {"json_schema": json.dumps(self.json_schema.schema_)}
+        if self.type == "structural_tag":
+            return {"structural_tag": json.dumps(self.model_dump(exclude_none=True))}
+        return {}
 
 
 class _SamplingFields(BaseModel):
@@ -42,6 +90,7 @@ class _SamplingFields(BaseModel):
     seed: int | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None  # SGLang's on completions too
     # SGLang extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -102,6 +151,8 @@ class _SamplingFields(BaseModel):
             "stop_regex": self.stop_regex,
             "logit_bias": self.logit_bias,
         }
+        if self.response_format is not None:
+            sp.update(self.response_format.sampling_params())
         return {k: v for k, v in sp.items() if v is not None}
 
     @property
@@ -141,41 +192,18 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @model_validator(mode="after")
+    def _user_content_given(self) -> ChatMessage:
+        if self.role == "user" and self.content is None:  # SGLang's and OpenAI's schema
+            raise ValueError("a user message needs content")
+        return self
+
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
-
-
-class JsonSchemaFormat(BaseModel):
-    model_config = ConfigDict(populate_by_name=True)
-
-    name: str | None = None
-    schema_: dict | None = Field(None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format; SGLang turns it into a grammar sampling parameter."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text", "json_object", "json_schema", "structural_tag"]
-    json_schema: JsonSchemaFormat | None = None
-
-    def sampling_params(self) -> dict:
-        """SGLang's mapping: json_object is any JSON object, json_schema its schema, a
-        structural tag the format itself (as JSON strings)."""
-        if self.type == "json_object":
-            return {"json_schema": '{"type": "object"}'}
-        if self.type == "json_schema":
-            schema = self.json_schema.schema_ if self.json_schema else None
-            return {"json_schema": json.dumps(schema if schema is not None else {})}
-        if self.type == "structural_tag":
-            return {"structural_tag": json.dumps(self.model_dump(exclude_none=True))}
-        return {}
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -187,17 +215,10 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict] | None = None
     tool_choice: Literal["none", "auto"] | None = None  # "auto" with no tools is "none"
     parallel_tool_calls: StrictBool | None = None  # meaningful only with tools
-    response_format: ResponseFormat | None = None
     continue_final_message: StrictBool = False  # extend the last (assistant) message, no new turn
     separate_reasoning: StrictBool = True  # no reasoning parser here: the content is all of it
     stream_reasoning: StrictBool = True  # (sglang-router sends both, at SGLang's defaults)
     chat_template_kwargs: dict | None = None
-
-    def sampling_params(self, max_new_tokens: int | None) -> dict:
-        sp = super().sampling_params(max_new_tokens)
-        if self.response_format is not None:
-            sp.update(self.response_format.sampling_params())
-        return sp
 
     @property
     def max_new_tokens(self) -> int | None:

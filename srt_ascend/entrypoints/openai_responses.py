@@ -21,7 +21,7 @@ from typing import Annotated, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from srt_ascend.entrypoints.generate_input import clean_sampling_params, extra_key
 from srt_ascend.entrypoints.http_utils import (
@@ -64,6 +64,12 @@ class TextFormat(BaseModel):
 
     type: Literal["text", "json_object", "json_schema"] = "text"
     schema_: dict | None = Field(None, alias="schema")
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> TextFormat:
+        if self.type == "json_schema" and self.schema_ is None:  # OpenAI's: schema is required
+            raise ValueError("a json_schema format needs its schema")
+        return self
 
 
 class TextConfig(BaseModel):
@@ -134,7 +140,7 @@ class ResponsesRequest(BaseModel):
         if fmt.type == "json_object":
             sp["json_schema"] = '{"type": "object"}'
         elif fmt.type == "json_schema":
-            sp["json_schema"] = json.dumps(fmt.schema_ or {})
+            sp["json_schema"] = json.dumps(fmt.schema_)
         return {k: v for k, v in sp.items() if v is not None}
 
 

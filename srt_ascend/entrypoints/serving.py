@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import Request
 
+from srt_ascend.entrypoints.token_bytes import TokenBytes
 from srt_ascend.managers.io_struct import TokenizedGenerateReq
 from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.metrics import RequestStats, ServerMetrics
@@ -109,9 +111,23 @@ class Serving:
         )
         await _drain(self.tm.generate_one(req))
 
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        return TokenBytes(self.tm.tokenizer)
+
     def token_texts(self, ids: list[int]) -> list[str]:
-        """Each token decoded on its own (SGLang's text in logprob entries)."""
-        return [self.tm.tokenizer.decode([i]) for i in ids]
+        """Each token decoded on its own (SGLang's text in logprob entries), through a cache
+        of the vocabulary's texts (responses with top logprobs name many tokens, on the
+        event loop)."""
+        cache = self._token_text_cache
+        for i in ids:
+            if i not in cache:
+                cache[i] = self.tm.tokenizer.decode([i])
+        return [cache[i] for i in ids]
+
+    @functools.cached_property
+    def _token_text_cache(self) -> dict[int, str]:
+        return {}  # at most one entry per vocabulary id
 
     # ---- running requests ---------------------------------------------------------------------
 

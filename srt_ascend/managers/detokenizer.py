@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 REPLACEMENT = "\ufffd"  # what a decoder emits for an incomplete UTF-8 sequence
+HOLD_BACK_MAX_CHARS = 256  # the longest start of a stop string a stream holds back
 
 
 @dataclass
@@ -28,12 +30,19 @@ class DecodeState:
     surr_offset: int = 0
     read_offset: int = 0
 
-    def update(self, tokenizer, new_ids: list[int], final: bool) -> str:
-        """Appends `new_ids` and returns the cumulative text (also kept in `self.text`)."""
+    def update(self, tokenizer, new_ids: list[int], final: bool, drop_last: bool = False) -> str:
+        """Appends `new_ids` and returns the cumulative text (also kept in `self.text`).
+        `drop_last` (final steps only): the text leaves out the last token, a matched stop
+        token that is trimmed as SGLang's detokenizer trims it (`output_ids` keep it)."""
         self.output_ids.extend(new_ids)
-        window = self.output_ids[self.surr_offset :]
-        context_len = self.read_offset - self.surr_offset
         skip = self.skip_special_tokens
+        end = len(self.output_ids) - 1 if final and drop_last else len(self.output_ids)
+        if end < self.read_offset:
+            # the dropped token was committed by an earlier step: decode the whole output
+            self.text = tokenizer.decode(self.output_ids[:end], skip_special_tokens=skip)
+            return self.text
+        window = self.output_ids[self.surr_offset : end]
+        context_len = self.read_offset - self.surr_offset
         surr_text = tokenizer.decode(window[:context_len], skip_special_tokens=skip)
         new_text = tokenizer.decode(window, skip_special_tokens=skip)[len(surr_text) :]
         if final:
@@ -49,8 +58,30 @@ class DecodeState:
 
 def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
     """The text a stop string or stop_regex matched (`stop_text`, None when the request did
-    not stop on one) and whatever follows it are removed from the returned text."""
+    not stop on one) and whatever follows it are removed from the returned text (a matched
+    stop token is left out by `DecodeState.update`'s `drop_last`)."""
     if no_stop_trim or not stop_text:
         return text
     idx = text.find(stop_text)
     return text[:idx] if idx != -1 else text
+
+
+def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
+    """A streamed text without its longest tail that begins a stop string: that text is
+    trimmed if the stop string completes, so it is sent only once it cannot (streamed chunks
+    then add up to the final text). Tails up to HOLD_BACK_MAX_CHARS characters are checked,
+    each by a binary search of the sorted stop strings, so a step costs the same however many
+    and however long the stop strings are."""
+    tail = text[-HOLD_BACK_MAX_CHARS:]
+    ordered = sorted(set(stops))
+    firsts = {stop[0] for stop in ordered}
+    for i, ch in enumerate(tail):
+        if ch not in firsts:
+            continue
+        rest = tail[i:]
+        j = bisect.bisect_left(ordered, rest)
+        # the stop strings that begin with `rest` sort from j on (`rest` itself first if it
+        # is one: complete, it would have ended the output, so only a longer one counts)
+        if any(len(s) > len(rest) and s.startswith(rest) for s in ordered[j : j + 2]):
+            return text[: len(text) - len(rest)]
+    return text

@@ -21,7 +21,7 @@ from typing import TypeVar
 from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, compile_worker
 from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
-from srt_ascend.managers.detokenizer import DecodeState, trim_stop
+from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix, trim_stop
 from srt_ascend.managers.io_struct import (
     ABORTED_BY_CLIENT,
     MAX_TOP_LOGPROBS,
@@ -341,17 +341,24 @@ class TokenizerManager:
         if out.new_token_ids and state.first_token_time is None:
             state.first_token_time = time.monotonic()
         state.finished = out.finish_reason is not None
-        state.decode.update(self.tokenizer, out.new_token_ids, state.finished)
-        state.out_logprobs.extend(out.output_token_logprobs)
-        state.out_top_logprobs.extend(out.output_top_logprobs)
-        state.out_ids_logprobs.extend(out.output_token_ids_logprobs)
+        # SGLang's trim: a matched stop token (EOS, stop_token_ids) is not in the text
+        matched = (out.finish_reason or {}).get("matched")
+        drop_last = isinstance(matched, int) and not state.params.no_stop_trim
+        state.decode.update(self.tokenizer, out.new_token_ids, state.finished, drop_last)
+        # entries take their response form once, here: a response then copies only the
+        # outer lists (a step costs O(new tokens) in Python, not O(output so far))
+        state.out_logprobs.extend(list(x) for x in out.output_token_logprobs)
+        state.out_top_logprobs.extend(_entry_lists(out.output_top_logprobs, prompt=False))
+        state.out_ids_logprobs.extend(_entry_lists(out.output_token_ids_logprobs, prompt=False))
         if out.input_token_logprobs is not None:
-            state.in_logprobs = out.input_token_logprobs
-            state.in_top_logprobs = out.input_top_logprobs
-            state.in_ids_logprobs = out.input_token_ids_logprobs
+            state.in_logprobs = [list(x) for x in out.input_token_logprobs]
+            state.in_top_logprobs = _entry_lists(out.input_top_logprobs or [])
+            state.in_ids_logprobs = _entry_lists(out.input_token_ids_logprobs or [])
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
         text = trim_stop(state.decode.text, out.stop_text, state.params.no_stop_trim)
+        if not state.finished and state.params.stop and not state.params.no_stop_trim:
+            text = hold_back_stop_prefix(text, state.params.stop)
         meta = {
             "id": state.rid,
             "finish_reason": out.finish_reason,
@@ -365,21 +372,15 @@ class TokenizerManager:
             meta["spec_accept_length"] = (
                 out.completion_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
             )
-        if req.return_logprob:
-            meta["input_token_logprobs"] = [list(x) for x in (state.in_logprobs or [])]
-            meta["output_token_logprobs"] = [list(x) for x in state.out_logprobs]
+        if req.return_logprob:  # the entries are shared between a request's responses
+            meta["input_token_logprobs"] = list(state.in_logprobs or [])
+            meta["output_token_logprobs"] = list(state.out_logprobs)
             if req.top_logprobs_num:
-                meta["input_top_logprobs"] = [
-                    [list(t) for t in x] if x else None for x in (state.in_top_logprobs or [])
-                ]
-                meta["output_top_logprobs"] = [[list(t) for t in x] for x in state.out_top_logprobs]
+                meta["input_top_logprobs"] = list(state.in_top_logprobs or [])
+                meta["output_top_logprobs"] = list(state.out_top_logprobs)
             if req.token_ids_logprob:
-                meta["input_token_ids_logprobs"] = [
-                    [list(t) for t in x] if x else None for x in (state.in_ids_logprobs or [])
-                ]
-                meta["output_token_ids_logprobs"] = [
-                    [list(t) for t in x] for x in state.out_ids_logprobs
-                ]
+                meta["input_token_ids_logprobs"] = list(state.in_ids_logprobs or [])
+                meta["output_token_ids_logprobs"] = list(state.out_ids_logprobs)
         return {"text": text, "output_ids": list(state.decode.output_ids), "meta_info": meta}
 
     # ---- control ------------------------------------------------------------------------------
@@ -412,6 +413,14 @@ class TokenizerManager:
             self.runner.tp.destroy()
         self._tokenize_pool.shutdown(wait=False, cancel_futures=True)
         self.grammars.shutdown()
+
+
+def _entry_lists(positions: list, prompt: bool = True) -> list:
+    """Per position, its logprob entries as lists ([logprob, token_id]); a prompt position
+    without entries is None (SGLang's), an output one [] (None where none were asked)."""
+    return [
+        [list(t) for t in x] if x or (x is not None and not prompt) else None for x in positions
+    ]
 
 
 def _max_token_chars(tokenizer) -> int:

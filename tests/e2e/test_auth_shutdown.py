@@ -107,6 +107,7 @@ def test_sigterm_drains_then_aborts_and_exits(tmp_path):
         time.sleep(0.3)
         # Draining: no new work, and probes say so.
         assert s.get("/health").status_code == 503
+        assert s.get("/ready", headers=_auth(KEY)).status_code == 503
         r = s.post("/generate", json=GEN, headers=_auth(KEY))
         assert r.status_code == 503 and "shutting down" in r.json()["error"]["message"]
         for t in threads:

@@ -301,6 +301,7 @@ def test_flush_cache_frees_the_tree(server):
 
 def test_health(server):
     assert server.get("/health").status_code == 200
+    assert server.get("/ready").status_code == 200  # SGLang's readiness probe
     before = server.metric("sglang:num_requests_total")
     assert server.get("/health_generate").status_code == 200
     assert server.metric("sglang:num_requests_total") == before  # not a user request

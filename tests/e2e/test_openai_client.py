@@ -170,6 +170,33 @@ def test_chat_n_and_logit_bias(client, server, tokenizer):
     assert favoured != top_id
 
 
+def test_logprobs_of_a_split_character_keep_its_bytes(client, tokenizer):
+    """A token that holds part of a character (it decodes to U+FFFD): chat logprobs give its
+    own bytes (joined, they make the character), completion logprobs name it by its bytes as
+    latin-1 characters, so two such tokens stay two top_logprobs entries (SGLang's)."""
+    ids = tokenizer.encode("漢", add_special_tokens=False)
+    assert len(ids) > 1 and tokenizer.decode(ids[:1]) == "\ufffd"
+    bias = {str(ids[0]): 100.0, str(ids[1]): 60.0}
+    raw = [list("漢".encode()[:1]), list("漢".encode()[1:2])]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=1,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        logit_bias=bias,
+    )
+    entry = chat.choices[0].logprobs.content[0]
+    assert entry.bytes == raw[0] and [t.bytes for t in entry.top_logprobs] == raw
+    comp = client.completions.create(
+        model=MODEL, prompt="a", max_tokens=1, temperature=0, logprobs=2, logit_bias=bias
+    )
+    lp = comp.choices[0].logprobs
+    names = [bytes(b).decode("latin-1") for b in raw]
+    assert lp.tokens == names[:1] and list(lp.top_logprobs[0]) == names
+
+
 def test_openai_errors_raise_bad_request(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="a", max_tokens=-1)

@@ -342,10 +342,20 @@ def test_echo_with_logprobs_returns_the_prompt_logprobs(srv):
     expect = [e[0] for e in native["input_token_logprobs"] + native["output_token_logprobs"]]
     assert lp["token_logprobs"][1:] == pytest.approx(expect[1:], abs=1e-5)
     assert choice["text"].startswith("def f(x):")
+    _assert_offsets_point_at_tokens(choice["text"], lp)
+
+
+def _assert_offsets_point_at_tokens(text: str, lp: dict) -> None:
+    """OpenAI's text_offset: each token's position in the choice's text (the BOS, which the
+    echoed text leaves out, at 0)."""
+    assert lp["tokens"][0] == "<|bos|>" and lp["text_offset"][0] == 0
+    for tok, off in zip(lp["tokens"][1:], lp["text_offset"][1:]):
+        assert text[off : off + len(tok)] == tok, (text, lp["tokens"], lp["text_offset"])
 
 
 def test_echo_with_logprobs_streams_the_prompt_first(server):
     body = {"model": "m", "prompt": "x = ", "max_tokens": 3, "echo": True, "logprobs": 0}
+    body["temperature"] = 0
     r = server.post("/v1/completions", json={**body, "stream": True}, stream=True)
     chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
     first = chunks[0]["choices"][0]
@@ -353,6 +363,85 @@ def test_echo_with_logprobs_streams_the_prompt_first(server):
     tokens = sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks)
     usage = server.post("/v1/completions", json=body).json()["usage"]
     assert tokens == usage["prompt_tokens"] + usage["completion_tokens"]
+    streamed = {
+        key: [x for c in chunks for x in c["choices"][0]["logprobs"][key]]
+        for key in ("tokens", "text_offset")
+    }
+    _assert_offsets_point_at_tokens("".join(c["choices"][0]["text"] for c in chunks), streamed)
+
+
+def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
+    """SGLang's detokenizer leaves a matched stop token out of the text unless no_stop_trim
+    (output_ids and completion_tokens keep it), streamed or not, on every route."""
+    prompt = _unique("def f(")
+    sp = {"max_new_tokens": 6, "temperature": 0}
+    ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
+    stop_id = ids[2]
+    k = ids.index(stop_id)
+    trimmed, kept = tokenizer.decode(ids[:k]), tokenizer.decode(ids[: k + 1])
+    assert trimmed != kept
+    sp["stop_token_ids"] = [stop_id]
+    out = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
+    assert (out["text"], out["output_ids"]) == (trimmed, ids[: k + 1])
+    sp["no_stop_trim"] = True
+    out = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
+    assert out["text"] == kept
+    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    body["stop_token_ids"] = [stop_id]
+    out = srv.post("/v1/completions", json=body).json()
+    assert out["choices"][0]["text"] == trimmed and out["usage"]["completion_tokens"] == k + 1
+    r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == trimmed
+
+
+def test_streamed_chunks_add_up_to_the_text_a_stop_string_trims(srv, tokenizer):
+    """The start of a stop string is held back until it cannot complete, so a stream never
+    sends text the final (trimmed) output leaves out."""
+    prompt = _unique("def f(")
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
+    stop = tokenizer.decode(ids[1:3])  # spans two tokens: its first arrives a step early
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    whole = srv.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole
+    native = {"text": prompt, "sampling_params": {**sp, "stop": stop}, "stream": True}
+    r = srv.post("/generate", json=native, stream=True)
+    texts = [json.loads(x[6:])["text"] for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert all(whole.startswith(t) for t in texts) and texts[-1] == whole
+
+
+def test_cached_tokens_count_each_prompt_once(server):
+    """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
+    many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""
+    body = {"model": "m", "prompt": [_unique("x ="), _unique("y =")], "max_tokens": 1, "n": 3}
+    server.post("/v1/completions", json=body)  # caches both prompts
+    used = server.post("/v1/completions", json=body).json()["usage"]
+    assert used["prompt_tokens_details"]["cached_tokens"] == used["prompt_tokens"] - 2
+    r = server.post(
+        "/v1/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        stream=True,
+    )
+    chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert chunks[-1]["usage"] == used
+
+
+def test_top_logprobs_cost_about_what_the_tokens_do(server):
+    """A step's response costs the new tokens' logprobs, not all of them so far again: 8
+    samples of 160 tokens with 20 top logprobs each take about as long as without (was 3-4x,
+    with the event loop, and so every other request, held for the difference)."""
+    body = {"model": "m", "prompt": "a", "max_tokens": 160, "n": 8, "ignore_eos": True}
+    start = time.monotonic()
+    assert server.post("/v1/completions", json=body).status_code == 200
+    plain = time.monotonic() - start
+    start = time.monotonic()
+    out = server.post("/v1/completions", json={**body, "logprobs": 20}).json()
+    with_logprobs = time.monotonic() - start
+    assert all(len(c["logprobs"]["top_logprobs"]) == 160 for c in out["choices"])
+    assert with_logprobs < 2 * plain, (with_logprobs, plain)
 
 
 def test_out_of_vocab_stop_token_ids_are_accepted(server):

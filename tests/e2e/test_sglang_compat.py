@@ -63,6 +63,9 @@ def test_responses_errors_have_the_responses_shape(server):
     with pytest.raises(openai.BadRequestError) as bad:
         _client(server).responses.create(model="m", input="a", truncation="sometimes")
     assert (bad.value.type, bad.value.param) == ("invalid_request_error", "truncation")
+    no_schema = {"format": {"type": "json_schema", "name": "x"}}
+    r = server.post("/v1/responses", json={"model": "m", "input": "a", "text": no_schema})
+    assert r.status_code == 400 and "needs its schema" in r.json()["error"]["message"]
     chat = server.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "bogus": 1})
     assert chat.json()["object"] == "error"  # the other /v1 routes keep SGLang's shape
 

@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from srt_ascend.managers.detokenizer import DecodeState
+from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix
 from srt_ascend.server_args import SHIPPED_MODEL
 
 TEXTS = [
@@ -82,3 +82,41 @@ def test_each_step_decodes_a_bounded_window(tokenizer):
     assert len(ids) > 300
     assert max(calls) <= 8
     assert state.text == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_a_matched_stop_token_is_left_out_of_the_final_text(tokenizer, skip):
+    """SGLang's trim: the final text of an output that ended on a stop token (EOS, or an
+    ordinary token from stop_token_ids) is the decode of the output without it (output_ids
+    keep it), also when the token came in an earlier, unfinished step."""
+    rng = random.Random(2)
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        for stop in (tokenizer.eos_token_id, ids[3]):
+            out = ids + [stop]
+            for head in (out[:-1], out):  # the stop token in the final step, or before it
+                state = DecodeState(skip_special_tokens=skip)
+                pos = 0
+                while pos < len(head):
+                    size = min(len(head) - pos, rng.randint(1, 4))
+                    state.update(tokenizer, head[pos : pos + size], final=False)
+                    pos += size
+                final = state.update(tokenizer, out[pos:], final=True, drop_last=True)
+                assert final == tokenizer.decode(ids, skip_special_tokens=skip)
+                assert state.output_ids == out
+
+
+def test_a_stream_holds_back_the_start_of_a_stop_string():
+    """The longest tail that begins a stop string is held back (it is trimmed if the stop
+    string completes); a held text only grows as the output does."""
+    assert hold_back_stop_prefix("f, f,", [", f!"]) == "f, f"
+    assert hold_back_stop_prefix("xabcab", ["abcabd", "b!"]) == "x"
+    assert hold_back_stop_prefix("hello", ["lo!", "o"]) == "hel"
+    assert hold_back_stop_prefix("hello", ["xyz"]) == "hello"
+    assert hold_back_stop_prefix("xab", ["ab", "abd", "abc"]) == "x"  # a longer stop too
+    many = [f"{i:04d}" + "x" * 10**5 for i in range(300)]  # a step stays cheap: one search
+    assert hold_back_stop_prefix("id 0299xx", many) == "id "
+    out, stop, held = "say: a, b, c, END", "C, END!", []
+    for n in range(len(out) + 1):
+        held.append(hold_back_stop_prefix(out[:n], [stop, "END"]))
+    assert all(b.startswith(a) for a, b in zip(held, held[1:]))

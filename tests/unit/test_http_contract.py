@@ -142,14 +142,31 @@ def test_openai_extension_fields_map_to_generate_sampling_params(name):
             {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "string"}}},
             {"type": "string"},
         ),
+        ({"type": "json_schema", "schema": {"type": "integer"}}, {"type": "integer"}),  # SGLang's
         ({"type": "text"}, None),
     ],
 )
 def test_response_format_becomes_a_grammar(fmt, schema):
-    """SGLang's mapping: json_object -> any JSON object, json_schema -> its schema."""
+    """SGLang's mapping, on chat and completions alike: json_object -> any JSON object,
+    json_schema -> its schema."""
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
-    sp = parse_body(ChatCompletionRequest, {**chat, "response_format": fmt}).sampling_params(4)
-    assert (json.loads(sp["json_schema"]) if "json_schema" in sp else None) == schema
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, {"prompt": "a"})):
+        sp = parse_body(model, {**body, "response_format": fmt}).sampling_params(4)
+        assert (json.loads(sp["json_schema"]) if "json_schema" in sp else None) == schema
+
+
+def test_malformed_chat_bodies_are_refused_as_sglang_refuses_them():
+    """A json_schema response_format without its schema, and a user message without
+    content, are 400s (SGLang's checks), not an unconstrained or empty-turn generation."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    no_schema = {"type": "json_schema", "json_schema": {"name": "n"}}
+    for model, body in ((ChatCompletionRequest, chat), (CompletionRequest, {"prompt": "a"})):
+        with pytest.raises(RequestError, match="schema_ is required"):
+            parse_body(model, {**body, "response_format": no_schema})
+    with pytest.raises(RequestError, match="^messages.0: .*a user message needs content"):
+        parse_body(ChatCompletionRequest, {"messages": [{"role": "user"}]})
+    assistant = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}]
+    assert parse_body(ChatCompletionRequest, {"messages": assistant}).messages[1].text() == ""
 
 
 def test_min_tokens_and_request_fields_map_like_generate():
