@@ -8,6 +8,7 @@ draft logits, so it is row-wise, deterministic and vectorised. Randomness enters
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +18,13 @@ from torch import nn
 from srt_ascend.layers.linear import sum_last
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.utils import HOST_READS, to_device
+
+# SGLang's switch: output logprobs of the logits before the temperature (the model's own)
+RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").lower() in (
+    "1",
+    "true",
+    "yes",
+)
 
 
 def draw_uniforms(
@@ -164,14 +172,20 @@ def token_logprobs(
     token_ids: torch.Tensor,  # [N] int64, on the logits' device
     top_nums: Sequence[int],  # [N] top logprobs wanted per row (0: none)
     ids_wanted: Sequence[Sequence[int]] | None = None,  # [N] token ids whose logprobs are asked
+    temperatures: torch.Tensor | None = None,  # [N, 1] float32 (None: the logits as given)
 ) -> TokenLogprobs:
     """The logprobs every path reports (decode, prompt, speculative verify), in one host read.
 
-    Rule (SGLang's): log_softmax of the logits as given, i.e. after repetition / frequency /
-    presence penalties and the min-new-tokens mask, before temperature and top-k / top-p /
-    min-p. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0. Row n's
-    `ids` are the logprobs of ids_wanted[n] in the order asked (SGLang's token_ids_logprob)."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    Rule (SGLang's sampler): log_softmax of the logits after repetition / frequency /
+    presence penalties and the min-new-tokens mask, divided by the row's temperature (1 for
+    a greedy row; `output_temperatures`), before top-k / top-p / min-p; prompt positions
+    take no temperature. SGLANG_RETURN_ORIGINAL_LOGPROB=1 (SGLang's switch) drops the
+    temperature. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0.
+    Row n's `ids` are the logprobs of ids_wanted[n] in the order asked (token_ids_logprob)."""
+    logits = logits.to(torch.float32)
+    if temperatures is not None and not RETURN_ORIGINAL_LOGPROB:
+        logits = logits / temperatures
+    logprobs = torch.log_softmax(logits, dim=-1)
     n_rows = logits.shape[0]
     ids_wanted = ids_wanted or [()] * n_rows
     parts = [_gather(logprobs, token_ids).view(-1, 1).double()]
@@ -228,4 +242,5 @@ class Sampler(nn.Module):
         if not return_logprob:
             return SamplerOutput(next_ids)
         nums = top_logprobs_nums or [0] * logits.shape[0]
-        return SamplerOutput(next_ids, token_logprobs(logits, next_ids, nums, ids_wanted))
+        lps = token_logprobs(logits, next_ids, nums, ids_wanted, info.temperatures)
+        return SamplerOutput(next_ids, lps)

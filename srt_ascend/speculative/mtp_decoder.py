@@ -651,23 +651,30 @@ class MTPDecoder(Decoder):
 
     def _logprobs(self, reqs: list[StepRequest], verdict: Verdict) -> list[TokenLogprobs | None]:
         """Logprobs of each emitted token under the target logits of its position, as the
-        plain decoder reports them: penalties applied, top lists clamped to the vocabulary."""
+        plain decoder reports them: penalties applied, over the request's temperature, top
+        lists clamped to the vocabulary (`token_logprobs`)."""
         out: list[TokenLogprobs | None] = [None] * len(reqs)
         want = [i for i, r in enumerate(reqs) if r.return_logprob]
         if not want:
             return out
         k1 = verdict.logits.shape[1]
-        rows, tokens, nums, asked = [], [], [], []
+        rows, tokens, nums, asked, params = [], [], [], [], []
         for i in want:
             n = verdict.accept_len[i] + 1
             rows += [i * k1 + j for j in range(n)]
             tokens += verdict.emitted[i][:n]
             nums += [reqs[i].top_logprobs_num] * n
             asked += [reqs[i].token_ids_logprob or []] * n
+            params += [reqs[i].sampling_params] * n
         device = verdict.logits.device
         flat = verdict.logits.view(-1, verdict.logits.shape[-1])
+        temps = [1.0 if p.is_greedy else p.temperature for p in params]  # as the sampler's
         lps = token_logprobs(
-            flat.index_select(0, to_device(rows, device)), to_device(tokens, device), nums, asked
+            flat.index_select(0, to_device(rows, device)),
+            to_device(tokens, device),
+            nums,
+            asked,
+            to_device(temps, device, torch.float32).view(-1, 1),
         )
         at = 0
         for i in want:

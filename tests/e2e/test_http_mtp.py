@@ -94,3 +94,26 @@ def test_mtp_under_grammars_is_lossless(server, mtp_server):
     assert 0 <= json.loads(spec[1]["text"]) <= 999
     assert re.fullmatch("(a|b|c)d?", spec[2]["text"]), spec[2]["text"]
     assert all(o["meta_info"]["finish_reason"]["type"] == "stop" for o in spec)
+
+
+def test_sampled_logprobs_are_over_the_temperature_with_mtp_on_and_off(server, mtp_server):
+    """SGLang's sampler reports a sampled request's logprobs as log_softmax(logits / T) (a
+    greedy one's at T = 1), from the plain step and the MTP verify alike. T = 0.5 with a
+    top_p that keeps only the top token samples the greedy tokens, so at every position the
+    gaps between the top logprobs are twice the greedy request's."""
+    hot = {**GREEDY, "temperature": 0.5, "top_p": 1e-9, "seed": 3}
+    greedy = {"text": PROMPTS[0], "sampling_params": GREEDY}
+    want = server.post("/generate", json={**greedy, "return_logprob": True, "top_logprobs_num": 3})
+    want = want.json()
+    for s in (server, mtp_server):
+        body = {**greedy, "sampling_params": hot, "return_logprob": True, "top_logprobs_num": 3}
+        got = s.post("/generate", json=body).json()
+        assert got["output_ids"] == want["output_ids"]
+        got_tops = got["meta_info"]["output_top_logprobs"]
+        for g, w in zip(got_tops, want["meta_info"]["output_top_logprobs"]):
+            assert [e[1] for e in g] == [e[1] for e in w]
+            for a, b in zip(g[1:], w[1:]):
+                assert a[0] - g[0][0] == pytest.approx(2 * (b[0] - w[0][0]), rel=1e-3, abs=1e-4)
+        chosen = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+        assert chosen == pytest.approx([g[0][0] for g in got_tops])
+    assert mtp_server.post("/generate", json=body).json()["meta_info"]["spec_verify_ct"] > 0

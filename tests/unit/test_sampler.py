@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from srt_ascend.layers import sampler as sampler_module
 from srt_ascend.layers.sampler import (
     Sampler,
     draw_uniforms,
@@ -167,15 +168,28 @@ def test_sample_from_probs_greedy_and_one_hot_rows() -> None:
         assert sample_from_probs(probs, mixed).tolist() == [1, 2]
 
 
-def test_sampler_logprobs_are_log_softmax_of_raw_logits() -> None:
+def test_sampler_logprobs_are_log_softmax_over_the_temperature(monkeypatch) -> None:
+    """SGLang's sampler: log_softmax(logits / T) (T = 1 for a greedy row), before top-k /
+    top-p; with SGLANG_RETURN_ORIGINAL_LOGPROB the logits as given."""
     torch.manual_seed(3)
-    logits = torch.randn(3, V).to(torch.bfloat16)
-    params = [SamplingParams(temperature=0.3), SamplingParams(top_k=4), SamplingParams()]
-    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    logits = torch.randn(4, V).to(torch.bfloat16)
+    params = [
+        SamplingParams(temperature=0.3),
+        SamplingParams(top_k=4),
+        SamplingParams(),
+        SamplingParams(temperature=0.0),
+    ]
+    info = SamplingBatchInfo.from_params([p.normalize() for p in params], V, "cpu")
     before = logits.clone()
-    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[2, 0, 5])
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[2, 0, 5, 1])
     assert torch.equal(logits, before)
-    ref = torch.log_softmax(logits.float(), dim=-1)
+    temps = torch.tensor([[0.3], [1.0], [1.0], [1.0]])
+    ref = torch.log_softmax(logits.float() / temps, dim=-1)
+    assert out.logprobs.top[3][0][1] == int(logits[3].float().argmax())
+    monkeypatch.setattr(sampler_module, "RETURN_ORIGINAL_LOGPROB", True)
+    original = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[1, 0, 0, 0])
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    assert math.isclose(original.logprobs.top[0][0][0], float(raw[0].max()), rel_tol=1e-6)
     expected = ref.gather(-1, out.next_token_ids.view(-1, 1)).squeeze(-1)
     torch.testing.assert_close(torch.tensor(out.logprobs.chosen), expected)
     assert out.logprobs.top[1] == []
