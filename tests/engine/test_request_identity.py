@@ -204,3 +204,38 @@ def test_engine_stream_left_early_aborts_its_request(engine):
     state = engine.get_internal_state()
     assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0, state
     assert state["cached_tokens_in_tree"] - before < 200, (before, state)
+
+
+def test_engine_async_stream_cancelled_mid_step_is_cancelled(engine):
+    """A task iterating `async_generate(stream=True)` over several generations, cancelled
+    while it waits for a step (asyncio.wait_for, a web handler whose client left), ends
+    cancelled and its requests are aborted. The stream closed its generator while the
+    Engine's loop was still running the cancelled step: the task raised RuntimeError
+    ("aclose(): asynchronous generator is already running") instead."""
+    sp = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def cancel_mid_step() -> str:
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in await engine.async_generate(["def a(", "def b("], sp, stream=True):
+                first.set()  # then at once waits for the next step (the tokens keep coming)
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        await asyncio.sleep(0.1)  # the Engine's loop is in the middle of a step by now
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        except RuntimeError as e:
+            return repr(e)
+        return "finished"
+
+    for _ in range(3):  # a cancel between two steps did not show it
+        assert asyncio.run(cancel_mid_step()) == "cancelled"
+        deadline = time.monotonic() + 60
+        while engine.get_internal_state()["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.get_internal_state()["num_running_reqs"] == 0
