@@ -142,6 +142,8 @@ class Engine:
         rids = [None] * len(ids_list) if rid is None else [rid] if isinstance(rid, str) else rid
         if len(rids) != len(ids_list):
             raise ValueError(f"{len(rids)} rids for {len(ids_list)} prompts")
+        if len({r for r in rids if r is not None}) != len(rids) - rids.count(None):
+            raise ValueError("request ids in one batch must be distinct")  # as /generate
         n = pop_n(params)
         if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
             ids_list = [ids for ids in ids_list for _ in range(n)]
@@ -168,13 +170,22 @@ class Engine:
         return reqs, prefills, single
 
     async def _gather(self, reqs):
+        """The final outputs of `reqs`, in order; one failing (or this cancelled) aborts
+        every other (a plain gather left them running to the end, unseen)."""
+
         async def one(r):
             last = None
             async for out in self.tokenizer_manager.generate_one(r):
                 last = out
             return last
 
-        return await asyncio.gather(*(one(r) for r in reqs))
+        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _steps(self, reqs, prefills, single) -> AsyncIterator[dict]:
         """Every step's output of `reqs` (on the Engine's loop), "index" added unless one."""

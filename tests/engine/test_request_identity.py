@@ -239,3 +239,27 @@ def test_engine_async_stream_cancelled_mid_step_is_cancelled(engine):
         while engine.get_internal_state()["num_running_reqs"] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert engine.get_internal_state()["num_running_reqs"] == 0
+
+
+def test_engine_generate_that_fails_leaves_no_request_running(engine):
+    """One generation of a `generate` call refused (its rid is running already) fails the
+    call, and the call's other generations are aborted with it: they ran on to
+    max_new_tokens, unseen. A rid given twice in one call is refused before any runs."""
+    sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+    def running() -> int:
+        state = engine.get_internal_state()
+        return state["num_running_reqs"] + state["num_queue_reqs"]
+
+    busy = engine.generate("def busy(", {**sp, "max_new_tokens": 400}, stream=True, rid="busy")
+    next(busy)
+    with pytest.raises(ValueError, match="duplicate request id 'busy'"):
+        engine.generate(["def a(", "def b("], sp, rid=["other", "busy"])
+    busy.close()
+    deadline = time.monotonic() + 5  # a few steps; 1500 tokens take far longer
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == 0
+    with pytest.raises(ValueError, match="request ids in one batch must be distinct"):
+        engine.generate(["def a(", "def b("], sp, rid=["twice", "twice"])
+    assert running() == 0
