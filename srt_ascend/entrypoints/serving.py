@@ -186,8 +186,9 @@ class Serving:
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
         """(index, output) for every step of every request, in arrival order
         (`merge_streams`); leaving early aborts every request."""
-        async for item in merge_streams([self.run(r) for r in reqs]):
-            yield item
+        async with contextlib.aclosing(merge_streams([self.run(r) for r in reqs])) as merged:
+            async for item in merged:
+                yield item
 
     # ---- server state -------------------------------------------------------------------------
 

@@ -263,3 +263,23 @@ def test_engine_generate_that_fails_leaves_no_request_running(engine):
     with pytest.raises(ValueError, match="request ids in one batch must be distinct"):
         engine.generate(["def a(", "def b("], sp, rid=["twice", "twice"])
     assert running() == 0
+
+
+def test_closing_serving_stream_all_aborts_its_requests_at_once(engine):
+    """`Serving.stream_all` (/generate's and the OpenAI routes' streams) closed early aborts
+    its requests before `aclose` returns, one stream or several: the stream it iterates
+    (`merge_streams`) was left open for the garbage collector's finalizer to close later."""
+    from srt_ascend.entrypoints.serving import Serving
+
+    sp = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    serving = Serving(engine.tokenizer_manager, engine.server_args)
+    ids = engine.tokenizer_manager.tokenize("def closed_early(")
+
+    async def close_after_one_output(rids: list[str]) -> list[bool]:
+        gen = serving.stream_all([serving.make_request(ids, sp, rid=r) for r in rids])
+        await gen.__anext__()
+        await gen.aclose()
+        return [engine.tokenizer_manager.has_request(r) for r in rids]
+
+    assert _run(engine, close_after_one_output(["one"])) == [False]
+    assert _run(engine, close_after_one_output(["two-a", "two-b"])) == [False, False]
