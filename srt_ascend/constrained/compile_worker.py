@@ -131,9 +131,9 @@ class CompileLane:
             if job is _CLOSE:  # the last item: `close` queues nothing after it
                 self._kill()  # a child this thread started while `close` ran
                 return
-            if self._closed:
-                if job is not None:
-                    job[2].cancel()
+            if self._closed:  # a queued job fails with a reason (a 400), not cancelled
+                if job is not None and job[2].set_running_or_notify_cancel():
+                    job[2].set_exception(GrammarError("the grammar compiler has shut down"))
                 continue
             if job is None:
                 try:
@@ -207,10 +207,11 @@ class CompileLane:
             recv.close()
 
     def close(self) -> None:
-        """Stops the child (a compile in progress is abandoned); queued jobs are cancelled."""
+        """Stops the child (a compile in progress is abandoned); queued jobs fail with
+        GrammarError."""
         with self._closing:
             self._closed = True
-            self._jobs.put(_CLOSE)  # the lane's thread cancels what is queued, then returns
+            self._jobs.put(_CLOSE)  # the lane's thread fails what is queued, then returns
         self._kill()
 
 

@@ -125,7 +125,7 @@ class GrammarBackend:
             self._bytes.pop(spec, None)
 
     def shutdown(self) -> None:
-        """Stops both lanes' children; compiles not finished are cancelled or fail."""
+        """Stops both lanes' children; compiles not finished fail (GrammarError)."""
         self._small.close()
         self._large.close()
 

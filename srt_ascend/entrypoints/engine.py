@@ -142,6 +142,8 @@ class Engine:
         rids = [None] * len(ids_list) if rid is None else [rid] if isinstance(rid, str) else rid
         if len(rids) != len(ids_list):
             raise ValueError(f"{len(rids)} rids for {len(ids_list)} prompts")
+        if len({r for r in rids if r is not None}) != len(rids) - rids.count(None):
+            raise ValueError("request ids in one batch must be distinct")  # as /generate
         n = pop_n(params)
         if n > 1:  # n samples per prompt, prompt-major; they share the prompt's prefill
             ids_list = [ids for ids in ids_list for _ in range(n)]
@@ -168,13 +170,22 @@ class Engine:
         return reqs, prefills, single
 
     async def _gather(self, reqs):
+        """The final outputs of `reqs`, in order; one failing (or this cancelled) aborts
+        every other (a plain gather left them running to the end, unseen)."""
+
         async def one(r):
             last = None
             async for out in self.tokenizer_manager.generate_one(r):
                 last = out
             return last
 
-        return await asyncio.gather(*(one(r) for r in reqs))
+        tasks = [asyncio.ensure_future(one(r)) for r in reqs]
+        try:
+            return await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _steps(self, reqs, prefills, single) -> AsyncIterator[dict]:
         """Every step's output of `reqs` (on the Engine's loop), "index" added unless one."""
@@ -189,29 +200,31 @@ class Engine:
                 yield out
 
     def _stream(self, reqs, prefills, single) -> Iterator[dict]:
-        steps = self._steps(reqs, prefills, single)
+        steps = _LoopSteps(self._steps(reqs, prefills, single))
         try:
             while True:
                 try:
-                    yield self._run(steps.__anext__())
+                    yield self._run(steps.next())
                 except StopAsyncIteration:
                     return
         finally:  # left early: the requests still running are aborted
-            self._run(steps.aclose())
+            if self._loop_thread.is_alive():  # not shut down
+                self._run(steps.close())
 
     async def _async_stream(self, reqs, prefills, single) -> AsyncIterator[dict]:
-        steps = self._steps(reqs, prefills, single)
+        steps = _LoopSteps(self._steps(reqs, prefills, single))
         on_engine = lambda coro: asyncio.wrap_future(  # noqa: E731
             asyncio.run_coroutine_threadsafe(coro, self.loop)
         )
         try:
             while True:
                 try:
-                    yield await on_engine(steps.__anext__())
+                    yield await on_engine(steps.next())
                 except StopAsyncIteration:
                     return
-        finally:
-            await on_engine(steps.aclose())
+        finally:  # left early or cancelled: the requests still running are aborted
+            if self._loop_thread.is_alive():  # not shut down
+                await on_engine(steps.close())
 
     def get_internal_state(self) -> dict:
         return self._run(self.tokenizer_manager.internal_state())
@@ -231,6 +244,29 @@ class Engine:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+class _LoopSteps:
+    """An async generator of the Engine's loop, stepped from another thread or event loop
+    (`next` and `close` run on the Engine's loop). A caller cancelled (or interrupted) while
+    it waits for a step leaves that step running on the Engine's loop, cancelled at best, and
+    a generator in the middle of a step cannot be closed (`aclose` raises RuntimeError):
+    `close` cancels the step still in flight and waits for it to end, then closes."""
+
+    def __init__(self, gen: AsyncIterator[dict]) -> None:
+        self.gen = gen
+        self.step: asyncio.Task | None = None  # the step in flight, or the last one
+
+    async def next(self) -> dict:
+        self.step = asyncio.ensure_future(self.gen.__anext__())
+        return await self.step  # a cancelled caller cancels the step too
+
+    async def close(self) -> None:
+        step = self.step
+        if step is not None and not step.done():
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
+        await self.gen.aclose()
 
 
 # meta_info keys holding a logprob entry per position, and those holding a list of them

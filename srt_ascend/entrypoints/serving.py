@@ -186,8 +186,9 @@ class Serving:
     async def stream_all(self, reqs: list[TokenizedGenerateReq]) -> AsyncIterator[tuple[int, dict]]:
         """(index, output) for every step of every request, in arrival order
         (`merge_streams`); leaving early aborts every request."""
-        async for item in merge_streams([self.run(r) for r in reqs]):
-            yield item
+        async with contextlib.aclosing(merge_streams([self.run(r) for r in reqs])) as merged:
+            async for item in merged:
+                yield item
 
     # ---- server state -------------------------------------------------------------------------
 
@@ -253,6 +254,9 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
             outputs.put_nowait((i, done))
         except Exception as e:  # noqa: BLE001 - raised to the consumer, in order
             outputs.put_nowait((i, e))
+        except asyncio.CancelledError as e:  # the stream's own (it awaited a cancelled
+            outputs.put_nowait((i, e))  # future) ends the merge too, or ours: unread
+            raise
 
     tasks = [asyncio.ensure_future(feed(i, s)) for i, s in enumerate(streams)]
     left = len(tasks)
@@ -261,7 +265,7 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
             i, out = await outputs.get()
             if out is done:
                 left -= 1
-            elif isinstance(out, Exception):
+            elif isinstance(out, BaseException):
                 raise out
             else:
                 yield i, out

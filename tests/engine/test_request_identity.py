@@ -204,3 +204,82 @@ def test_engine_stream_left_early_aborts_its_request(engine):
     state = engine.get_internal_state()
     assert state["num_running_reqs"] == 0 and state["num_queue_reqs"] == 0, state
     assert state["cached_tokens_in_tree"] - before < 200, (before, state)
+
+
+def test_engine_async_stream_cancelled_mid_step_is_cancelled(engine):
+    """A task iterating `async_generate(stream=True)` over several generations, cancelled
+    while it waits for a step (asyncio.wait_for, a web handler whose client left), ends
+    cancelled and its requests are aborted. The stream closed its generator while the
+    Engine's loop was still running the cancelled step: the task raised RuntimeError
+    ("aclose(): asynchronous generator is already running") instead."""
+    sp = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+    async def cancel_mid_step() -> str:
+        first = asyncio.Event()
+
+        async def consume():
+            async for _ in await engine.async_generate(["def a(", "def b("], sp, stream=True):
+                first.set()  # then at once waits for the next step (the tokens keep coming)
+
+        task = asyncio.ensure_future(consume())
+        await first.wait()
+        await asyncio.sleep(0.1)  # the Engine's loop is in the middle of a step by now
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            return "cancelled"
+        except RuntimeError as e:
+            return repr(e)
+        return "finished"
+
+    for _ in range(3):  # a cancel between two steps did not show it
+        assert asyncio.run(cancel_mid_step()) == "cancelled"
+        deadline = time.monotonic() + 60
+        while engine.get_internal_state()["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.get_internal_state()["num_running_reqs"] == 0
+
+
+def test_engine_generate_that_fails_leaves_no_request_running(engine):
+    """One generation of a `generate` call refused (its rid is running already) fails the
+    call, and the call's other generations are aborted with it: they ran on to
+    max_new_tokens, unseen. A rid given twice in one call is refused before any runs."""
+    sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+    def running() -> int:
+        state = engine.get_internal_state()
+        return state["num_running_reqs"] + state["num_queue_reqs"]
+
+    busy = engine.generate("def busy(", {**sp, "max_new_tokens": 400}, stream=True, rid="busy")
+    next(busy)
+    with pytest.raises(ValueError, match="duplicate request id 'busy'"):
+        engine.generate(["def a(", "def b("], sp, rid=["other", "busy"])
+    busy.close()
+    deadline = time.monotonic() + 5  # a few steps; 1500 tokens take far longer
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert running() == 0
+    with pytest.raises(ValueError, match="request ids in one batch must be distinct"):
+        engine.generate(["def a(", "def b("], sp, rid=["twice", "twice"])
+    assert running() == 0
+
+
+def test_closing_serving_stream_all_aborts_its_requests_at_once(engine):
+    """`Serving.stream_all` (/generate's and the OpenAI routes' streams) closed early aborts
+    its requests before `aclose` returns, one stream or several: the stream it iterates
+    (`merge_streams`) was left open for the garbage collector's finalizer to close later."""
+    from srt_ascend.entrypoints.serving import Serving
+
+    sp = {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}
+    serving = Serving(engine.tokenizer_manager, engine.server_args)
+    ids = engine.tokenizer_manager.tokenize("def closed_early(")
+
+    async def close_after_one_output(rids: list[str]) -> list[bool]:
+        gen = serving.stream_all([serving.make_request(ids, sp, rid=r) for r in rids])
+        await gen.__anext__()
+        await gen.aclose()
+        return [engine.tokenizer_manager.has_request(r) for r in rids]
+
+    assert _run(engine, close_after_one_output(["one"])) == [False]
+    assert _run(engine, close_after_one_output(["two-a", "two-b"])) == [False, False]
