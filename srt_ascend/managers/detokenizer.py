@@ -66,17 +66,29 @@ def trim_stop(text: str, stop_text: str | None, no_stop_trim: bool) -> str:
     return text[:idx] if idx != -1 else text
 
 
-def hold_back_stop_prefix(text: str, stops: list[str]) -> str:
+@dataclass(frozen=True)
+class StopStrings:
+    """A request's stop strings ordered for `hold_back_stop_prefix` (built once per request)."""
+
+    ordered: tuple[str, ...]  # sorted, without repeats
+    firsts: frozenset[str]  # their first characters
+
+    @classmethod
+    def of(cls, stops: list[str]) -> StopStrings:
+        ordered = tuple(sorted({s for s in stops if s}))
+        return cls(ordered, frozenset(s[0] for s in ordered))
+
+
+def hold_back_stop_prefix(text: str, stops: StopStrings) -> str:
     """A streamed text without its longest tail that begins a stop string: that text is
     trimmed if the stop string completes, so it is sent only once it cannot (streamed chunks
     then add up to the final text). Tails up to HOLD_BACK_MAX_CHARS characters are checked,
     each by a binary search of the sorted stop strings, so a step costs the same however many
     and however long the stop strings are."""
     tail = text[-HOLD_BACK_MAX_CHARS:]
-    ordered = sorted(set(stops))
-    firsts = {stop[0] for stop in ordered}
+    ordered = stops.ordered
     for i, ch in enumerate(tail):
-        if ch not in firsts:
+        if ch not in stops.firsts:
             continue
         rest = tail[i:]
         j = bisect.bisect_left(ordered, rest)

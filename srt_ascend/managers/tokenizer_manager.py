@@ -21,7 +21,12 @@ from typing import TypeVar
 from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, compile_worker
 from srt_ascend.disaggregation.protocol import BootstrapInfo
 from srt_ascend.distributed import SINGLE
-from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix, trim_stop
+from srt_ascend.managers.detokenizer import (
+    DecodeState,
+    StopStrings,
+    hold_back_stop_prefix,
+    trim_stop,
+)
 from srt_ascend.managers.io_struct import (
     ABORTED_BY_CLIENT,
     MAX_TOP_LOGPROBS,
@@ -81,6 +86,7 @@ class ReqState:
     in_top_logprobs: list | None = None
     in_ids_logprobs: list | None = None
     finished: bool = False
+    stops: StopStrings | None = None  # a streamed request's stop strings (held back)
 
 
 class TokenizerManager:
@@ -318,6 +324,9 @@ class TokenizerManager:
             asyncio.Queue(),
             DecodeState(req.sampling_params.skip_special_tokens),
         )
+        p = req.sampling_params
+        if req.stream and p.stop and not p.no_stop_trim:
+            state.stops = StopStrings.of(p.stop)
         self.states[req.rid] = state
         self._submissions[state.submission] = state
         self.scheduler.submit(dataclasses.replace(req, rid=state.submission))
@@ -357,8 +366,8 @@ class TokenizerManager:
 
     def _response(self, state: ReqState, out: ReqOutput, req: TokenizedGenerateReq) -> dict:
         text = trim_stop(state.decode.text, out.stop_text, state.params.no_stop_trim)
-        if not state.finished and state.params.stop and not state.params.no_stop_trim:
-            text = hold_back_stop_prefix(text, state.params.stop)
+        if not state.finished and state.stops is not None:
+            text = hold_back_stop_prefix(text, state.stops)
         meta = {
             "id": state.rid,
             "finish_reason": out.finish_reason,

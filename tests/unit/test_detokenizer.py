@@ -9,7 +9,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from srt_ascend.managers.detokenizer import DecodeState, hold_back_stop_prefix
+from srt_ascend.managers.detokenizer import DecodeState, StopStrings, hold_back_stop_prefix
 from srt_ascend.server_args import SHIPPED_MODEL
 
 TEXTS = [
@@ -109,14 +109,15 @@ def test_a_matched_stop_token_is_left_out_of_the_final_text(tokenizer, skip):
 def test_a_stream_holds_back_the_start_of_a_stop_string():
     """The longest tail that begins a stop string is held back (it is trimmed if the stop
     string completes); a held text only grows as the output does."""
-    assert hold_back_stop_prefix("f, f,", [", f!"]) == "f, f"
-    assert hold_back_stop_prefix("xabcab", ["abcabd", "b!"]) == "x"
-    assert hold_back_stop_prefix("hello", ["lo!", "o"]) == "hel"
-    assert hold_back_stop_prefix("hello", ["xyz"]) == "hello"
-    assert hold_back_stop_prefix("xab", ["ab", "abd", "abc"]) == "x"  # a longer stop too
+    assert hold_back_stop_prefix("f, f,", StopStrings.of([", f!"])) == "f, f"
+    assert hold_back_stop_prefix("xabcab", StopStrings.of(["abcabd", "b!"])) == "x"
+    assert hold_back_stop_prefix("hello", StopStrings.of(["lo!", "o"])) == "hel"
+    assert hold_back_stop_prefix("hello", StopStrings.of(["xyz"])) == "hello"
+    # a longer stop string than the one the tail completes
+    assert hold_back_stop_prefix("xab", StopStrings.of(["ab", "abd", "abc"])) == "x"
     many = [f"{i:04d}" + "x" * 10**5 for i in range(300)]  # a step stays cheap: one search
-    assert hold_back_stop_prefix("id 0299xx", many) == "id "
+    assert hold_back_stop_prefix("id 0299xx", StopStrings.of(many)) == "id "
     out, stop, held = "say: a, b, c, END", "C, END!", []
     for n in range(len(out) + 1):
-        held.append(hold_back_stop_prefix(out[:n], [stop, "END"]))
+        held.append(hold_back_stop_prefix(out[:n], StopStrings.of([stop, "END"])))
     assert all(b.startswith(a) for a, b in zip(held, held[1:]))
