@@ -42,6 +42,10 @@ class Engine:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
 
+    def _on_engine(self, coro) -> asyncio.Future:
+        """`coro` run on the Engine's loop, awaitable from the caller's event loop."""
+        return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self.loop))
+
     def generate(
         self,
         prompt: str | list[str] | None = None,
@@ -97,12 +101,9 @@ class Engine:
         )  # fmt: skip
         if stream:
             return self._async_stream(reqs, prefills, single)
-        on_engine = lambda coro: asyncio.wrap_future(  # noqa: E731
-            asyncio.run_coroutine_threadsafe(coro, self.loop)
-        )
         if prefills:
-            await on_engine(self._gather(prefills))
-        outs = [_sglang_entries(o) for o in await on_engine(self._gather(reqs))]
+            await self._on_engine(self._gather(prefills))
+        outs = [_sglang_entries(o) for o in await self._on_engine(self._gather(reqs))]
         return outs[0] if single else outs
 
     def _requests(
@@ -213,18 +214,15 @@ class Engine:
 
     async def _async_stream(self, reqs, prefills, single) -> AsyncIterator[dict]:
         steps = _LoopSteps(self._steps(reqs, prefills, single))
-        on_engine = lambda coro: asyncio.wrap_future(  # noqa: E731
-            asyncio.run_coroutine_threadsafe(coro, self.loop)
-        )
         try:
             while True:
                 try:
-                    yield await on_engine(steps.next())
+                    yield await self._on_engine(steps.next())
                 except StopAsyncIteration:
                     return
         finally:  # left early or cancelled: the requests still running are aborted
             if self._loop_thread.is_alive():  # not shut down
-                await on_engine(steps.close())
+                await self._on_engine(steps.close())
 
     def get_internal_state(self) -> dict:
         return self._run(self.tokenizer_manager.internal_state())
