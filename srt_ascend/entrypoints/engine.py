@@ -20,7 +20,7 @@ from srt_ascend.entrypoints.generate_input import (
     pop_n,
 )
 from srt_ascend.entrypoints.generate_input import extra_key as extra_key_of
-from srt_ascend.entrypoints.serving import merge_streams
+from srt_ascend.entrypoints.serving import merge_streams, sglang_logprob_entries
 from srt_ascend.managers.tokenizer_manager import TokenizerManager
 from srt_ascend.server_args import ServerArgs
 
@@ -75,7 +75,7 @@ class Engine:
             return self._stream(reqs, prefills, single)
         if prefills:
             self._run(self._gather(prefills))
-        outs = [_sglang_entries(o) for o in self._run(self._gather(reqs))]
+        outs = [sglang_logprob_entries(o) for o in self._run(self._gather(reqs))]
         return outs[0] if single else outs
 
     async def async_generate(
@@ -103,7 +103,7 @@ class Engine:
             return self._async_stream(reqs, prefills, single)
         if prefills:
             await self._on_engine(self._gather(prefills))
-        outs = [_sglang_entries(o) for o in await self._on_engine(self._gather(reqs))]
+        outs = [sglang_logprob_entries(o) for o in await self._on_engine(self._gather(reqs))]
         return outs[0] if single else outs
 
     def _requests(
@@ -195,7 +195,7 @@ class Engine:
         streams = [self.tokenizer_manager.generate_one(r) for r in reqs]
         async with contextlib.aclosing(merge_streams(streams)) as merged:
             async for i, out in merged:
-                out = _sglang_entries(out)
+                out = sglang_logprob_entries(out)
                 if not single:
                     out["index"] = i
                 yield out
@@ -265,26 +265,3 @@ class _LoopSteps:
             step.cancel()
             await asyncio.gather(step, return_exceptions=True)
         await self.gen.aclose()
-
-
-# meta_info keys holding a logprob entry per position, and those holding a list of them
-_ENTRY_LISTS = ("input_token_logprobs", "output_token_logprobs")
-_PER_POSITION = (
-    "input_top_logprobs",
-    "output_top_logprobs",
-    "input_token_ids_logprobs",
-    "output_token_ids_logprobs",
-)
-
-
-def _sglang_entries(out: dict) -> dict:
-    """sglang.Engine's logprob entries: [logprob, token_id, None] (its text is None unless
-    return_text_in_logprobs, which sglang.Engine.generate does not take)."""
-    meta = out["meta_info"]
-    for key in _ENTRY_LISTS:
-        if meta.get(key) is not None:
-            meta[key] = [[e[0], e[1], None] for e in meta[key]]
-    for key in _PER_POSITION:
-        if meta.get(key) is not None:
-            meta[key] = [None if x is None else [[e[0], e[1], None] for e in x] for x in meta[key]]
-    return out

@@ -44,7 +44,12 @@ from srt_ascend.entrypoints.http_utils import (
     sse,
 )
 from srt_ascend.entrypoints.openai_api import OPENAI_BODY_MODELS, add_openai_routes
-from srt_ascend.entrypoints.serving import ClientDisconnected, Serving, until_disconnected
+from srt_ascend.entrypoints.serving import (
+    ClientDisconnected,
+    Serving,
+    sglang_logprob_entries,
+    until_disconnected,
+)
 from srt_ascend.managers.io_struct import TokenizedGenerateReq
 from srt_ascend.managers.tokenizer_manager import RequestError, ServerBusyError, TokenizerManager
 from srt_ascend.server_args import ServerArgs
@@ -257,34 +262,10 @@ async def metrics(request: Request):
     return Response(body, media_type=CONTENT_TYPE_LATEST)
 
 
-# meta_info keys holding, per position, a list of logprob entries (or None)
-PER_POSITION_LISTS = (
-    "input_top_logprobs",
-    "output_top_logprobs",
-    "input_token_ids_logprobs",
-    "output_token_ids_logprobs",
-)
-
-
 def _finish_output(serving: Serving, obj: GenerateReqInput, out: dict) -> dict:
-    """SGLang's logprob entries are [logprob, token_id, text]; text is None unless
-    return_text_in_logprobs."""
-    meta = out["meta_info"]
-
-    def entries(items: list | None) -> list | None:
-        if items is None:
-            return None
-        ids = [e[1] for e in items]
-        texts = serving.token_texts(ids) if obj.return_text_in_logprobs else [None] * len(ids)
-        return [[e[0], e[1], t] for e, t in zip(items, texts)]
-
-    for key in ("input_token_logprobs", "output_token_logprobs"):
-        if key in meta:
-            meta[key] = entries(meta[key])
-    for key in PER_POSITION_LISTS:
-        if key in meta:
-            meta[key] = [entries(x) for x in meta[key]]
-    return out
+    """SGLang's logprob entries; their text only with return_text_in_logprobs."""
+    texts = serving.token_texts if obj.return_text_in_logprobs else None
+    return sglang_logprob_entries(out, texts)
 
 
 async def _stream_generate(serving: Serving, obj: GenerateReqInput, reqs) -> AsyncIterator[bytes]:

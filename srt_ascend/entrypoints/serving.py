@@ -9,7 +9,7 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
@@ -273,3 +273,37 @@ async def merge_streams(streams: list[AsyncIterator[dict]]) -> AsyncIterator[tup
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# meta_info keys holding a logprob entry per position, and those holding a list of entries
+# per position (a prompt position without entries: None)
+ENTRY_KEYS = ("input_token_logprobs", "output_token_logprobs")
+PER_POSITION_KEYS = (
+    "input_top_logprobs",
+    "output_top_logprobs",
+    "input_token_ids_logprobs",
+    "output_token_ids_logprobs",
+)
+
+
+def sglang_logprob_entries(
+    out: dict, token_texts: Callable[[list[int]], list[str]] | None = None
+) -> dict:
+    """`out` with SGLang's logprob entries, [logprob, token_id, text]: text None unless
+    `token_texts` is given (return_text_in_logprobs; sglang.Engine never takes it). New
+    lists replace the entries (a request's responses share them)."""
+    meta = out["meta_info"]
+
+    def entries(items: list | None) -> list | None:
+        if items is None:
+            return None
+        texts = token_texts([e[1] for e in items]) if token_texts else [None] * len(items)
+        return [[e[0], e[1], t] for e, t in zip(items, texts)]
+
+    for key in ENTRY_KEYS:
+        if key in meta:
+            meta[key] = entries(meta[key])
+    for key in PER_POSITION_KEYS:
+        if key in meta:
+            meta[key] = [entries(x) for x in meta[key]]
+    return out
