@@ -75,7 +75,7 @@ class SamplingBatchInfo:
         temps, top_ks, gens = [], [], []
         for i, p in enumerate(params):
             greedy = p.is_greedy
-            temps.append(1.0 if greedy else float(p.temperature))
+            temps.append(p.sampling_temperature)
             top_k = 1 if greedy else p.top_k
             top_ks.append(vocab_size if top_k < 1 or top_k > vocab_size else top_k)
             offset = 0 if seed_offsets is None else int(seed_offsets[i])

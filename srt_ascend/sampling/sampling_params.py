@@ -111,6 +111,11 @@ class SamplingParams:
         """True when the request decodes greedily (temperature ~ 0 or top_k == 1)."""
         return 0.0 <= self.temperature < SAMPLING_EPS or self.top_k == 1
 
+    @property
+    def sampling_temperature(self) -> float:
+        """The temperature the logits are divided by: 1 for a greedy request."""
+        return 1.0 if self.is_greedy else float(self.temperature)
+
     def normalize(self) -> SamplingParams:
         """Rewrite fields into canonical form, in place; idempotent; returns self.
 

@@ -668,7 +668,7 @@ class MTPDecoder(Decoder):
             params += [reqs[i].sampling_params] * n
         device = verdict.logits.device
         flat = verdict.logits.view(-1, verdict.logits.shape[-1])
-        temps = [1.0 if p.is_greedy else p.temperature for p in params]  # as the sampler's
+        temps = [p.sampling_temperature for p in params]  # as the sampler divides by
         lps = token_logprobs(
             flat.index_select(0, to_device(rows, device)),
             to_device(tokens, device),
