@@ -6,7 +6,11 @@ timeout has its child killed (a fresh one starts for the next job) and fails its
 
 The child says "started" once it has imported xgrammar and built its compiler (seconds of CPU
 on a small machine): `wait_started` lets the server report ready only after that, so the
-import does not compete with the first requests' forwards for the cores.
+import does not compete with the first requests' forwards for the cores. A lane closed while
+its child is idle hands the child back for the next lane in the process (Engines started one
+after another: notebooks, test suites), which gives it its own tokenizer and finds it
+started at once instead of importing anew; at most one such child waits, and it ends with
+the process.
 
 The child returns xgrammar's serialized CompiledGrammar (JSON), which the parent reads back
 with its own TokenizerInfo; a grammar that does not compile comes back as xgrammar's message.
@@ -30,6 +34,7 @@ import xgrammar as xgr
 # is false: "; users get the rest.
 _XGR_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
 START_TIMEOUT = 300.0  # seconds a child may take to start (imports), not counted as compiling
+CLOSE_TIMEOUT = 10.0  # seconds `close` waits for the lane's thread (a killed child's answer)
 _CHILD = "srt_ascend.constrained.compile_child"  # runs `serve` in the child
 KINDS = ("json_schema", "regex", "ebnf", "structural_tag")  # SGLang's sampling-parameter names
 
@@ -84,6 +89,7 @@ class CompileLane:
         self._closing = threading.Lock()  # `close` and `submit`: no job queued after the end
         self._child: tuple[subprocess.Popen, Connection, Connection] | None = None
         self._closed = False
+        self._busy = False  # the lane's thread is using the child (`close` then kills it)
         self._kill_lock = threading.Lock()
         # whether the current child said "started": None while none is running or one is
         # starting, False once a start failed (the next job tries a fresh child)
@@ -129,9 +135,12 @@ class CompileLane:
         while True:
             job = self._jobs.get()
             if job is _CLOSE:  # the last item: `close` queues nothing after it
-                self._kill()  # a child this thread started while `close` ran
+                self._retire()
                 return
-            if self._closed:  # a queued job fails with a reason (a 400), not cancelled
+            with self._closing:
+                closed = self._closed
+                self._busy = not closed  # a start or a compile on the child
+            if closed:  # a queued job fails with a reason (a 400), not cancelled
                 if job is not None and job[2].set_running_or_notify_cancel():
                     job[2].set_exception(GrammarError("the grammar compiler has shut down"))
                 continue
@@ -140,6 +149,7 @@ class CompileLane:
                     self._ensure_child()
                 except GrammarError:  # logged by wait_started's caller; a job retries
                     pass
+                self._busy = False
                 continue
             kind, source, fut = job
             if fut.set_running_or_notify_cancel():
@@ -147,6 +157,7 @@ class CompileLane:
                     fut.set_result(self._compile(kind, source))
                 except Exception as e:  # noqa: BLE001 - the future carries every failure
                     fut.set_exception(e)
+            self._busy = False
 
     def _ensure_child(self) -> tuple[subprocess.Popen, Connection, Connection]:
         """The running child, or a new one once it said "started"; GrammarError (the child
@@ -200,19 +211,37 @@ class CompileLane:
         if self._start_state is True:
             self._set_started(None)
         if child is not None:
-            proc, send, recv = child
-            proc.kill()
-            proc.wait()
-            send.close()
-            recv.close()
+            _end(child)
+
+    def _retire(self) -> None:
+        """The lane's thread at its end: an idle, started child is told to drop its tokenizer
+        and offered to the next lane (`_offer_spare`); any other is killed."""
+        with self._kill_lock:
+            child, self._child = self._child, None
+        if child is None:
+            return
+        self._set_started(None)
+        try:
+            child[1].send(None)  # the child waits for its next tokenizer info
+        except OSError:
+            pass
+        else:
+            if child[0].poll() is None and _offer_spare(child):
+                return
+        _end(child)
 
     def close(self) -> None:
-        """Stops the child (a compile in progress is abandoned); queued jobs fail with
-        GrammarError."""
+        """Ends the lane: a compile in progress is abandoned (its child killed), queued jobs
+        fail with GrammarError, and an idle child is handed on (`_retire`); returns once the
+        lane's thread has."""
         with self._closing:
             self._closed = True
             self._jobs.put(_CLOSE)  # the lane's thread fails what is queued, then returns
-        self._kill()
+            busy = self._busy
+        if busy:
+            self._kill()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(CLOSE_TIMEOUT)
 
 
 Child = tuple[subprocess.Popen, Connection, Connection]  # the process, its jobs, its answers
@@ -245,6 +274,25 @@ def prespawn() -> None:
             _spare = _spawn()
 
 
+def _end(child: Child) -> None:
+    proc, send, recv = child
+    proc.kill()
+    proc.wait()
+    send.close()
+    recv.close()
+
+
+def _offer_spare(child: Child) -> bool:
+    """Keeps an idle child (told to wait for a tokenizer) for the next lane that starts one;
+    False if one already waits."""
+    global _spare
+    with _spare_lock:
+        if _spare is not None and _spare[0].poll() is None:
+            return False
+        _spare = child
+    return True
+
+
 def _take_spare() -> Child | None:
     """The child `prespawn` started, if it is still running."""
     global _spare
@@ -266,21 +314,24 @@ def _import_path() -> str:
 def serve(recv: Connection, send: Connection) -> None:
     """The child: reads the tokenizer info and says "started" once its compiler is built; then
     reads (kind, source) jobs and answers each with (True, serialized grammar) or (False,
-    message). It returns quietly when the parent goes away: its pipe closed (EOFError), cut in
-    the middle of a message (OSError: the parent was killed or exited while sending), or
-    closed while the child answers (BrokenPipeError)."""
+    message), until a None job (its lane closed: the next message is another lane's
+    tokenizer info). It returns quietly when the parent goes away: its pipe closed
+    (EOFError), cut in the middle of a message (OSError: the parent was killed or exited while
+    sending), or closed while the child answers (BrokenPipeError)."""
     try:
-        info_json, ws = recv.recv()
-        compiler = xgr.GrammarCompiler(
-            xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
-        )
-        send.send("started")
         while True:
-            kind, source = recv.recv()
-            try:
-                answer = (True, compile_grammar(compiler, kind, source, ws).serialize_json())
-            except GrammarError as e:
-                answer = (False, str(e))
-            send.send(answer)
+            info_json, ws = recv.recv()
+            compiler = xgr.GrammarCompiler(
+                xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
+            )
+            send.send("started")
+            while (job := recv.recv()) is not None:
+                kind, source = job
+                try:
+                    answer = (True, compile_grammar(compiler, kind, source, ws).serialize_json())
+                except GrammarError as e:
+                    answer = (False, str(e))
+                send.send(answer)
+            del compiler
     except (EOFError, OSError):  # BrokenPipeError is an OSError
         return

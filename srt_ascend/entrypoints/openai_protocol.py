@@ -219,6 +219,23 @@ class ChatCompletionRequest(_SamplingFields):
     separate_reasoning: StrictBool = True  # no reasoning parser here: the content is all of it
     stream_reasoning: StrictBool = True  # (sglang-router sends both, at SGLang's defaults)
     chat_template_kwargs: dict | None = None
+    # OpenAI's fields that ask nothing of generation here (SGLang ignores them too): storage
+    # and billing metadata, cache routing hints, a reasoning budget (no reasoning parser), a
+    # predicted output (a hint only)
+    store: StrictBool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    prediction: dict | None = None
+    modalities: list[str] | None = None  # text only
+    # OpenAI's that would change the answer, refused by name (unsupported)
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    audio: dict | None = None
+    web_search_options: dict | None = None
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -231,6 +248,13 @@ class ChatCompletionRequest(_SamplingFields):
     def unsupported(self) -> str | None:
         if self.tools:
             return "tools"
+        for name in ("functions", "audio", "web_search_options"):
+            if getattr(self, name):
+                return name
+        if self.function_call not in (None, "none", "auto"):  # "auto" without functions: none
+            return "function_call"
+        if any(m != "text" for m in self.modalities or ()):
+            return "modalities"
         if (self.chat_template_kwargs or {}).get("chat_template") is not None:
             # a template from the request would run arbitrary Jinja on the server
             return "chat_template_kwargs.chat_template"

@@ -3,11 +3,13 @@ the pipe protocol (a server stopped mid-start or mid-compile must not print a tr
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 import xgrammar as xgr
@@ -103,7 +105,8 @@ def test_lane_says_started_once_its_child_has_imported(info_json):
 def test_a_child_started_ahead_is_taken_by_the_first_lane(info_json):
     """`prespawn` (the server's, before it loads the model) starts a child that imports while
     nothing needs it yet; the first lane to start one takes it (the same process) instead of
-    waiting for a fresh child's imports, and compiles on it; no second child waits after."""
+    waiting for a fresh child's imports, and compiles on it; no second child waits after.
+    Closed idle, the lane hands it back for the next lane."""
     compile_worker.prespawn()
     spare = compile_worker._spare[0]
     compile_worker.prespawn()  # at most one waits
@@ -117,13 +120,48 @@ def test_a_child_started_ahead_is_taken_by_the_first_lane(info_json):
         assert lane.submit("regex", "[0-9]+").result(120) is not None
     finally:
         lane.close()
-    assert spare.poll() is not None  # closing the lane ended it
+    lane._thread.join(30)
+    assert compile_worker._spare[0] is spare and spare.poll() is None
+
+
+def test_an_idle_closed_lanes_child_serves_the_next_lane_with_its_tokenizer(info_json):
+    """A lane closed while its child is idle hands the child on (Engines started one after
+    another in a process: no import each time); the next lane's tokenizer and whitespace rule
+    replace the old ones there: its grammars are what a compiler of its own builds."""
+    lane = _lane(info_json)
+    lane.start()
+    assert lane.wait_started(120)
+    child = lane._child[0]
+    assert lane.submit("regex", "[a-z]+").result(120) is not None
+    lane.close()
+    lane._thread.join(30)
+    assert not lane._thread.is_alive() and not lane.started
+    assert compile_worker._spare[0] is child and child.poll() is None
+
+    tok = AutoTokenizer.from_pretrained(SHIPPED_MODEL)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok) + 64)  # another vocab
+    compact = JsonWhitespace(any_whitespace=False)
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    own = compile_worker.compile_grammar(xgr.GrammarCompiler(info), "json_schema", schema, compact)
+    nxt = CompileLane(info, compact, 60, "t2")
+    try:
+        nxt.start()
+        assert nxt.wait_started(120)
+        assert nxt._child[0] is child  # taken, not started anew
+        got = nxt.submit("json_schema", schema).result(120)
+        assert got.serialize_json() == own.serialize_json()
+        assert got.tokenizer_info.vocab_size == len(tok) + 64
+    finally:
+        nxt.close()
 
 
 def test_wait_started_is_bounded_when_the_child_cannot_start(info_json, monkeypatch):
     """A lane never started waits only its bound; a child that cannot start (its Python
     cannot find its standard library) answers False instead of hanging, and the next job
     starts a fresh child that compiles."""
+    spare = compile_worker._take_spare()  # an idle child an earlier lane handed on
+    if spare is not None:
+        compile_worker._end(spare)
     lane = _lane(info_json)
     try:
         assert lane.wait_started(0.2) is False
@@ -146,7 +184,11 @@ def test_a_closed_lane_ends_its_thread_and_refuses_jobs(info_json):
     lane.start()
     assert lane.wait_started(120)
     child = lane._child[0]
+    enum = json.dumps({"enum": [f"value {i}" for i in range(20000)]})
+    lane.submit("json_schema", enum)  # seconds: the lane is compiling when it closes
     queued = [lane.submit("regex", f"[a-z]{{{n}}}") for n in range(1, 40)]
+    while not lane._busy:
+        time.sleep(0.01)
     lane.close()
     lane._thread.join(30)
     assert not lane._thread.is_alive()

@@ -95,6 +95,38 @@ def test_openai_routes_refuse_unknown_fields_by_name():
         parse_body(CompletionRequest, [1])
 
 
+def test_chat_takes_openais_fields_that_ask_nothing_and_refuses_the_others_by_name():
+    """What the openai client may send on chat: storage and routing metadata, a reasoning
+    budget, a prediction, text modalities are taken (as SGLang takes them); legacy function
+    calling, audio and web search would change the answer and are refused naming the field."""
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    taken = {
+        "store": False,
+        "metadata": {"team": "a"},
+        "service_tier": "auto",
+        "prompt_cache_key": "k",
+        "safety_identifier": "u1",
+        "reasoning_effort": "low",
+        "verbosity": "low",
+        "prediction": {"type": "content", "content": "x"},
+        "modalities": ["text"],
+        "function_call": "none",
+    }
+    request = parse_body(ChatCompletionRequest, {**chat, **taken})
+    assert request.sampling_params(8) == parse_body(ChatCompletionRequest, chat).sampling_params(8)
+    refused = {
+        "functions": [{"name": "f", "parameters": {}}],
+        "function_call": {"name": "f"},
+        "audio": {"voice": "alloy", "format": "wav"},
+        "web_search_options": {"search_context_size": "low"},
+        "modalities": ["text", "audio"],
+    }
+    for name, value in refused.items():
+        with pytest.raises(RequestError, match=f"^{name} is not supported") as e:
+            parse_body(ChatCompletionRequest, {**chat, name: value})
+        assert e.value.param == name
+
+
 def _decision(check, *args) -> str:
     """ "ok", or the message of the RequestError `check(*args)` raises."""
     try:
