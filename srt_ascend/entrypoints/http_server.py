@@ -10,6 +10,7 @@ shape) and the server keeps serving; a client that disconnects has its requests 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -272,11 +273,12 @@ async def _stream_generate(serving: Serving, obj: GenerateReqInput, reqs) -> Asy
     """SSE: `data: {output}` per step with cumulative text (batch items carry "index"), then
     `data: [DONE]`. Leaving early (client gone) aborts every request of the body."""
     try:
-        async for i, out in serving.stream_all(reqs):
-            out = _finish_output(serving, obj, out)
-            if not obj.is_single:
-                out["index"] = i
-            yield sse(out)
+        async with contextlib.aclosing(serving.stream_all(reqs)) as outs:
+            async for i, out in outs:
+                out = _finish_output(serving, obj, out)
+                if not obj.is_single:
+                    out["index"] = i
+                yield sse(out)
     except RequestError as e:
         yield sse({"error": {"message": str(e), "type": "invalid_request_error", "code": 400}})
     yield SSE_DONE

@@ -13,6 +13,7 @@ chunk (`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -437,17 +438,18 @@ class OpenAIServing:
             choices = [Choice(i) for i in range(len(reqs))]
             created = int(time.time())
             try:
-                async for i, out in self.serving.stream_all(reqs):
-                    c = choices[i]
-                    delta, lp_start = c.advance(out)
-                    finished = out["meta_info"]["finish_reason"] is not None
-                    if not delta and not finished and c.started:
-                        continue
-                    meta = out["meta_info"]
-                    body = make_choice(c, delta, lp_start, meta)
-                    c.started = True
-                    used = usage(meta["prompt_tokens"], [out]) if obj.continuous_usage else None
-                    yield sse({**head, "created": created, "choices": [body], "usage": used})
+                async with contextlib.aclosing(self.serving.stream_all(reqs)) as outs:
+                    async for i, out in outs:
+                        c = choices[i]
+                        delta, lp_start = c.advance(out)
+                        finished = out["meta_info"]["finish_reason"] is not None
+                        if not delta and not finished and c.started:
+                            continue
+                        meta = out["meta_info"]
+                        body = make_choice(c, delta, lp_start, meta)
+                        c.started = True
+                        used = usage(meta["prompt_tokens"], [out]) if obj.continuous_usage else None
+                        yield sse({**head, "created": created, "choices": [body], "usage": used})
             except RequestError as e:
                 yield sse(openai_error_body(str(e)))
             else:

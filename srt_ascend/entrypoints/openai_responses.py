@@ -13,6 +13,7 @@ Responses API's shape (`ResponsesError`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -265,11 +266,12 @@ class ResponsesServing:
         yield event("response.content_part.added", **at, part=_text_part(""))
         sent, last = "", None
         try:
-            async for _, out in self.serving.stream_all([req]):
-                last, text = out, out["text"]
-                if text.startswith(sent) and len(text) > len(sent):
-                    yield event("response.output_text.delta", **at, delta=text[len(sent) :])
-                    sent = text
+            async with contextlib.aclosing(self.serving.stream_all([req])) as outs:
+                async for _, out in outs:
+                    last, text = out, out["text"]
+                    if text.startswith(sent) and len(text) > len(sent):
+                        yield event("response.output_text.delta", **at, delta=text[len(sent) :])
+                        sent = text
         except RequestError as e:
             yield sse(responses_error_body(str(e), param=e.param))
             yield SSE_DONE
