@@ -75,6 +75,15 @@ class RotaryEmbedding(nn.Module):
     ) -> None:
         super().__init__()
         self.interleave = interleave
+        self.dim = dim
+        self.max_position = max_position
+        if torch.empty(()).is_meta:  # built on the meta device: the loader fills the caches
+            # on the CPU (loader._reset_rotary); meta arithmetic would only cost time (its
+            # first op through torch._refs imports torch._dynamo: seconds of a start)
+            shape = (max_position, dim // 2)
+            self.register_buffer("cos_cache", torch.empty(shape), persistent=False)
+            self.register_buffer("sin_cache", torch.empty(shape), persistent=False)
+            return
         base = float(rope_params.get("rope_theta", 10000.0))
         rope_type = rope_params.get("rope_type", rope_params.get("type", "default"))
         if rope_type == "yarn":
@@ -84,8 +93,6 @@ class RotaryEmbedding(nn.Module):
             attn_factor = 1.0
         else:
             raise ValueError(f"unsupported rope_type {rope_type!r} (supported: default, yarn)")
-        self.dim = dim
-        self.max_position = max_position
         t = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_pos, dim/2]
         self.register_buffer("cos_cache", freqs.cos() * attn_factor, persistent=False)

@@ -25,6 +25,14 @@ class VocabParallelEmbedding(nn.Embedding):
         self.tp = tp
         self.vocab_start = tp.rank * self.num_embeddings
 
+    def reset_parameters(self) -> None:
+        # The loader builds the model on the meta device, where there are no values to draw,
+        # and meta's normal_ runs through torch._refs, whose first call imports torch._dynamo
+        # (5 s of a server's start on 2 cores); a model built on a real device (tools/
+        # train_tiny.py) is initialised as nn.Embedding is.
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(input_ids)

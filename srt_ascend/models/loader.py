@@ -261,8 +261,8 @@ def load_model(
     config = config or load_config(model_path)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(config, tp)
-    model = model.to_empty(device="cpu")
-    if getattr(config, "tie_word_embeddings", False):  # to_empty unties shared parameters
+    model = _empty_on_cpu(model)
+    if getattr(config, "tie_word_embeddings", False):  # the copy unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
     mtp = None
     if load_mtp:
@@ -270,7 +270,7 @@ def load_model(
             raise CheckpointError(f"{model_path}: checkpoint has no MTP layers")
         with torch.device("meta"):
             mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head, tp)
-        mtp = mtp.to_empty(device="cpu")
+        mtp = _empty_on_cpu(mtp)
         mtp._shared = (model.model.embed_tokens, model.lm_head)
     _reset_rotary(model, mtp, config)
     items = iter_checkpoint(shard_files(model_path), fp8_block_size(config))
@@ -288,6 +288,20 @@ def fuse_weights(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, DecoderLayer):
             m.fuse_weights()
+
+
+def _empty_on_cpu(module: nn.Module) -> nn.Module:
+    """`module.to_empty(device="cpu")`: every parameter and buffer replaced by an uninitialised
+    CPU tensor of its shape and dtype (shared ones untied). to_empty's empty_like of a meta
+    tensor runs through torch._refs, which imports torch.fx's symbolic shapes (seconds of a
+    start on 2 cores)."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            empty = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+            setattr(m, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in list(m.named_buffers(recurse=False)):
+            m._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device="cpu")
+    return module
 
 
 def _reset_rotary(model, mtp, config) -> None:
