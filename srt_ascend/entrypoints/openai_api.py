@@ -108,6 +108,7 @@ class Choice:
     index: int
     sent_text: str = ""
     sent_logprobs: int = 0
+    logprob_offset: int = 0  # where the next output token to send a logprob of begins, in text
     started: bool = False
     last: dict | None = field(default=None, repr=False)
 
@@ -145,12 +146,15 @@ class OpenAIServing:
             items.append((LogprobToken(tid, text, lp), entries))
         return items
 
-    def completion_logprobs(self, meta: dict, start: int, offset: int, prompt: bool) -> dict:
+    def completion_logprobs(
+        self, meta: dict, start: int, offset: int, prompt: bool
+    ) -> tuple[dict, int]:
         """OpenAI's completion logprobs of the output tokens from `start`, after the prompt's
         tokens when `prompt` (echo). A token that is part of a character is named by its
         bytes, one latin-1 character each (SGLang's). `text_offset` is each token's position
         in the choice's text: the output tokens from `start` begin at `offset`, the prompt's
-        at 0, a special token the echoed text leaves out (BOS) taking no width."""
+        at 0, a special token the echoed text leaves out (BOS) taking no width. Also returns
+        where the next output token begins."""
         items, offsets = [], []
         if prompt:
             items = self._logprob_items(meta, 0, "input")
@@ -170,7 +174,7 @@ class OpenAIServing:
             "token_logprobs": [tok.logprob for tok, _ in items],
             "top_logprobs": [{name(t.id, t.text): t.logprob for t in top} for _, top in items],
             "text_offset": offsets,
-        }
+        }, offset
 
     def chat_logprobs(self, meta: dict, start: int) -> dict:
         """OpenAI's chat logprobs; `bytes` are each token's own (a character split over
@@ -309,8 +313,9 @@ class OpenAIServing:
             lp = None
             if obj.logprobs is not None:
                 first = with_prompt_lp and not c.started
-                offset = len(echo[c.index // obj.n]) + len(c.sent_text) - len(delta)
-                lp = self.completion_logprobs(meta, lp_start, offset, first)
+                echoed = len(echo[c.index // obj.n])
+                lp, end = self.completion_logprobs(meta, lp_start, echoed + c.logprob_offset, first)
+                c.logprob_offset = end - echoed
             return {
                 "index": c.index,
                 "text": prefix + delta,
@@ -444,6 +449,7 @@ class OpenAIServing:
                         delta, lp_start = c.advance(out)
                         finished = out["meta_info"]["finish_reason"] is not None
                         if not delta and not finished and c.started:
+                            c.sent_logprobs = lp_start  # its entries go with the next chunk
                             continue
                         meta = out["meta_info"]
                         body = make_choice(c, delta, lp_start, meta)

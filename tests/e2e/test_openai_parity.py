@@ -413,6 +413,35 @@ def test_streamed_chunks_add_up_to_the_text_a_stop_string_trims(srv, tokenizer):
     assert all(whole.startswith(t) for t in texts) and texts[-1] == whole
 
 
+def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
+    """A step whose text is held back (it could begin a stop string) sends no chunk; its
+    tokens' logprob entries come with the next one, at their offsets in the text: the streamed
+    entries add up to the non-streamed ones."""
+    prompt = _unique("def f(")
+    sp = {"max_new_tokens": 8, "temperature": 0}
+    ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
+    stop = tokenizer.decode(ids[1:2]) + "QQQZZZ"  # begins like the second token, never completes
+    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    body["logprobs"] = 1
+    whole = srv.post("/v1/completions", json=body).json()["choices"][0]
+    r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:])["choices"][0] for x in r.iter_lines() if x.startswith(b"data: {")]
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+        assert streamed == whole["logprobs"][key], key
+
+    chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    chat.update(temperature=0, logprobs=True)
+    first = srv.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    chat["stop"] = [first["logprobs"]["content"][1]["token"] + "QQQZZZ"]
+    whole = srv.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    r = srv.post("/v1/chat/completions", json={**chat, "stream": True}, stream=True)
+    chunks = [json.loads(x[6:])["choices"] for x in r.iter_lines() if x.startswith(b"data: {")]
+    streamed = [e for c in chunks if c and c[0]["logprobs"] for e in c[0]["logprobs"]["content"]]
+    assert streamed == whole["logprobs"]["content"]
+
+
 def test_cached_tokens_count_each_prompt_once(server):
     """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
     many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""
