@@ -188,7 +188,17 @@ def _commit(req, tokens, logprobs=None) -> None:
         ("MTP", "expand", 1, {}),
         ("MTP", "expand", 3, {}),
         ("MTP", "fia", 2, {}),
-        ("MTP", "fia", 3, {"speculative_accept_method": "block", "speculative_adaptive": True}),
+        (
+            "MTP",
+            "fia",
+            3,
+            # adaptive K profiles every (bucket, K) first: one bucket, the batch's, is enough
+            {
+                "speculative_accept_method": "block",
+                "speculative_adaptive": True,
+                "cuda_graph_bs": (4,),
+            },
+        ),
     ],
 )
 def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k, extra):
