@@ -117,3 +117,27 @@ def test_sampled_logprobs_are_over_the_temperature_with_mtp_on_and_off(server, m
         chosen = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
         assert chosen == pytest.approx([g[0][0] for g in got_tops])
     assert mtp_server.post("/generate", json=body).json()["meta_info"]["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"temperature": 1.0, "top_p": 1e-46},  # a valid top_p that float32 rounds to 0
+        {"temperature": 1.0, "logit_bias": {"5": 3.5e38}},  # past float32's largest
+        {"temperature": 0.01, "logit_bias": {"5": 1e38}},  # overflows once divided by T
+    ],
+)
+def test_sampling_settings_at_float32_limits_give_their_limit_answer(server, mtp_server, extreme):
+    """Sampling settings whose float32 form is 0 or +inf: a top_p that keeps only the top
+    token samples the greedy tokens, a bias that overflows forces its token, with finite
+    logprobs, MTP on and off (softmax over NaNs sampled the vocabulary's last token)."""
+    prompt = {"text": PROMPTS[0], "return_logprob": True}
+    want = server.post("/generate", json={**prompt, "sampling_params": GREEDY}).json()
+    sp = {**GREEDY, "max_new_tokens": 4, "seed": 5, **extreme}
+    if "logit_bias" in extreme:
+        want = {"output_ids": [5] * 4}
+    for s in (server, mtp_server):
+        got = s.post("/generate", json={**prompt, "sampling_params": sp}).json()
+        assert got["output_ids"] == want["output_ids"][:4], (s.url, extreme)
+        lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+        assert all(isinstance(v, float) and v <= 0 for v in lps), lps
