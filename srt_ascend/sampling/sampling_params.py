@@ -32,6 +32,9 @@ _FLOAT_FIELDS = (
 # The longest stop_regex pattern taken (RE2 compiles in time linear in the pattern; this keeps
 # the compile on the event loop to a millisecond or so).
 STOP_REGEX_MAX_CHARS = 4096
+# The most stop_regex patterns a request may give (SGLang's MAX_STOP_REGEX_COUNT): each is
+# searched at every step, in the scheduler's loop, so thousands stalled every request.
+STOP_REGEX_MAX_COUNT = 32
 # Grammar parameters (SGLang's names), in the order SGLang checks them.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _BOOL_FIELDS = (
@@ -227,7 +230,13 @@ class SamplingParams:
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty.")
         # stop_token_ids outside [0, vocab_size) are accepted, as SGLang does: they never match.
-        for pattern in _as_list(self.stop_regex):
+        patterns = _as_list(self.stop_regex)
+        if len(patterns) > STOP_REGEX_MAX_COUNT:
+            raise ValueError(
+                f"at most {STOP_REGEX_MAX_COUNT} stop_regex patterns are allowed, "
+                f"got {len(patterns)}"
+            )
+        for pattern in patterns:
             compile_stop_regex(pattern)
         self._verify_logit_bias(vocab_size)
 
