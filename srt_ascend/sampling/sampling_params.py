@@ -17,6 +17,8 @@ import re2
 
 # A temperature below this is greedy decoding (SGLang's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-6
+# float32's largest value: the sampler divides float32 logits by the temperature.
+FLOAT32_MAX = 3.4028234663852886e38
 # top_k meaning "the whole vocabulary" after normalize() (SGLang's TOP_K_ALL).
 TOP_K_ALL = 1 << 30
 
@@ -116,8 +118,10 @@ class SamplingParams:
 
     @property
     def sampling_temperature(self) -> float:
-        """The temperature the logits are divided by: 1 for a greedy request."""
-        return 1.0 if self.is_greedy else float(self.temperature)
+        """The temperature the logits are divided by: 1 for a greedy request, at most
+        float32's largest value (a larger one is +inf in float32, and a masked token's
+        -inf / inf is NaN)."""
+        return 1.0 if self.is_greedy else min(float(self.temperature), FLOAT32_MAX)
 
     def normalize(self) -> SamplingParams:
         """Rewrite fields into canonical form, in place; idempotent; returns self.

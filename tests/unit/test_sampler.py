@@ -278,3 +278,19 @@ def test_a_masked_token_logprob_is_float32_lowest_not_minus_inf() -> None:
     out = token_logprobs(logits, torch.tensor([0]), [V], [[3, 0]])
     assert out.ids[0][0] == torch.finfo(torch.float32).min
     assert out.top[0][-1] == (torch.finfo(torch.float32).min, 3)
+
+
+def test_a_temperature_past_float32_range_samples_the_unmasked_tokens_uniformly() -> None:
+    """A temperature that float32 makes +inf (1e39) is held at float32's largest value: the
+    distribution is uniform over the tokens left unmasked (-inf / inf was NaN, and a NaN row
+    sampled a masked token)."""
+    logits = torch.randn(1, V) * 3
+    logits[0, 10:] = -math.inf  # e.g. a grammar's mask
+    params = SamplingParams(temperature=1e39, seed=4).normalize()
+    info = SamplingBatchInfo.from_params([params], V, "cpu")
+    probs = processed_probs(logits, info)
+    torch.testing.assert_close(probs[0, :10], torch.full((10,), 0.1))
+    assert probs[0, 10:].sum() == 0
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[1])
+    assert out.next_token_ids.item() < 10
+    assert out.logprobs.chosen[0] == pytest.approx(-math.log(10))
