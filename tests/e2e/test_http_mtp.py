@@ -156,3 +156,19 @@ def test_a_temperature_past_float32_range_samples_within_the_grammar(server, mtp
         assert re.fullmatch("[0-9]+", got["text"]), got["text"]
         lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
         assert all(isinstance(v, float) and v < 0 for v in lps), lps
+
+
+def test_a_repetition_penalty_near_zero_is_its_limit(server, mtp_server):
+    """repetition_penalty 1e-46 (0 in float32) decodes as 1e-20 does, MTP on and off: the
+    seen tokens' logits were all +inf, a tie the lowest token id won."""
+    prompt = {"text": "def f(x): return x + x + x", "return_logprob": True}
+    sp = {**GREEDY, "max_new_tokens": 4}
+    want = server.post(
+        "/generate", json={**prompt, "sampling_params": {**sp, "repetition_penalty": 1e-20}}
+    )
+    want = want.json()["output_ids"]
+    for s in (server, mtp_server):
+        got = s.post(
+            "/generate", json={**prompt, "sampling_params": {**sp, "repetition_penalty": 1e-46}}
+        )
+        assert got.json()["output_ids"] == want, s.url
