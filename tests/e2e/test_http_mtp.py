@@ -143,19 +143,22 @@ def test_sampling_settings_at_float32_limits_give_their_limit_answer(server, mtp
         assert all(isinstance(v, float) and v <= 0 for v in lps), lps
 
 
-def test_a_temperature_past_float32_range_samples_within_the_grammar(server, mtp_server):
-    """temperature 1e39 (+inf in float32) samples uniformly among the tokens the grammar and
-    min_new_tokens leave, MTP on and off (their -inf / inf was NaN: a token outside the
-    grammar, the request aborted)."""
-    sp = {"max_new_tokens": 4, "min_new_tokens": 4, "temperature": 1e39, "seed": 9}
+def test_a_temperature_past_float32_range_samples_within_the_masks(server, mtp_server):
+    """temperature 1e39 (+inf in float32) samples uniformly among the tokens a grammar (or
+    min_new_tokens) leaves, MTP on and off, with finite logprobs: their -inf / inf was NaN
+    (a token outside the grammar, the request aborted; null logprobs)."""
+    sp = {"max_new_tokens": 4, "temperature": 1e39, "seed": 9}
     body = {"text": PROMPTS[0], "return_logprob": True}
     for s in (server, mtp_server):
-        got = s.post("/generate", json={**body, "sampling_params": {**sp, "regex": "[0-9]+"}})
-        got = got.json()
-        assert got["meta_info"]["finish_reason"]["type"] == "length", got
-        assert re.fullmatch("[0-9]+", got["text"]), got["text"]
-        lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
-        assert all(isinstance(v, float) and v < 0 for v in lps), lps
+        for masks in ({"regex": "[0-9]+"}, {"min_new_tokens": 4}):
+            got = s.post("/generate", json={**body, "sampling_params": {**sp, **masks}}).json()
+            assert got["meta_info"]["finish_reason"]["type"] in ("length", "stop"), got
+            if "regex" in masks:
+                assert re.fullmatch("[0-9]+", got["text"]), got["text"]
+            else:
+                assert len(got["output_ids"]) == 4
+            lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+            assert all(isinstance(v, float) and v < 0 for v in lps), (masks, lps)
 
 
 def test_a_repetition_penalty_near_zero_is_its_limit(server, mtp_server):
