@@ -25,6 +25,21 @@ RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").l
     "true",
     "yes",
 )
+_F32 = torch.finfo(torch.float32)
+
+
+def over_temperature(
+    logits: torch.Tensor,  # [B, V] float32
+    temperatures: torch.Tensor | None,  # [B, 1] (None: the logits as given)
+) -> torch.Tensor:  # [B, V] float32, no +inf
+    """logits / T with +inf held at float32's largest value.
+
+    Rule: a logit that overflows float32 (a logit_bias past its range, or a large logit over
+    a small T) is the most likely token by far, not a NaN: a softmax over +inf gives NaN for
+    every token. -inf (a masked token) stays -inf.
+    """
+    scaled = logits if temperatures is None else logits / temperatures
+    return scaled.clamp(max=_F32.max)
 
 
 def draw_uniforms(
@@ -93,7 +108,8 @@ def processed_probs(
     - its rank in p (descending, ties by lower index first) is < top_k, and
     - the mass of the tokens ranked above it is < top_p (top_p == 1 keeps all), and
     - p(v) >= min_p * max(p).
-    Dropped tokens get 0 and the row is renormalised; the top-ranked token is always kept.
+    Dropped tokens get 0 and the row is renormalised; the top-ranked token is always kept
+    (also where float32 rounds top_p to 0, as 1e-46).
     All three conditions read the same temperature-scaled p (SGLang's torch-native order).
     Greedy rows (top_k == 1) are exactly one-hot at argmax(logits) (first index on ties).
     """
@@ -101,7 +117,7 @@ def processed_probs(
     vocab = logits.shape[-1]
     if info.is_all_greedy:
         return nn.functional.one_hot(logits.argmax(dim=-1), vocab).to(torch.float32)
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
+    probs = torch.softmax(over_temperature(logits, info.temperatures), dim=-1)
     keep = None
     if info.need_top_p_top_k:
         keep = top_k_top_p_keep_mask(probs, info.top_ks, info.top_ps)
@@ -124,7 +140,8 @@ def top_k_top_p_keep_mask(
     top_ks: torch.Tensor,  # [B] int64 >= 1
     top_ps: torch.Tensor,  # [B] float32 in (0, 1]
 ) -> torch.Tensor:  # [B, V] bool
-    """Mask of tokens with rank < top_k and (mass ranked above them < top_p or top_p >= 1).
+    """Mask of tokens with rank < top_k and (mass ranked above them < top_p or top_p >= 1
+    or rank 0: the mass above the top token is 0, not below a top_p that float32 made 0).
 
     Ranks come from a stable descending sort, so equal probabilities rank by token index.
     """
@@ -132,7 +149,8 @@ def top_k_top_p_keep_mask(
     ranks = torch.arange(probs.shape[-1], device=probs.device).view(1, -1)
     mass_above = sorted_probs.cumsum(dim=-1) - sorted_probs
     top_ps = top_ps.view(-1, 1)
-    keep_sorted = (ranks < top_ks.view(-1, 1)) & ((mass_above < top_ps) | (top_ps >= 1.0))
+    in_top_p = (mass_above < top_ps) | (top_ps >= 1.0) | (ranks == 0)
+    keep_sorted = (ranks < top_ks.view(-1, 1)) & in_top_p
     return torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
 
 
@@ -180,12 +198,13 @@ def token_logprobs(
     presence penalties and the min-new-tokens mask, divided by the row's temperature (1 for
     a greedy row; `output_temperatures`), before top-k / top-p / min-p; prompt positions
     take no temperature. SGLANG_RETURN_ORIGINAL_LOGPROB=1 (SGLang's switch) drops the
-    temperature. Row n's top list has min(top_nums[n], V) entries, descending; [] where 0.
-    Row n's `ids` are the logprobs of ids_wanted[n] in the order asked (token_ids_logprob)."""
+    temperature. A masked token's -inf is reported as float32's lowest value (SGLang's clamp:
+    JSON has no -inf); +inf logits as `over_temperature`. Row n's top list has
+    min(top_nums[n], V) entries, descending; [] where 0. Row n's `ids` are the logprobs of
+    ids_wanted[n] in the order asked (token_ids_logprob)."""
     logits = logits.to(torch.float32)
-    if temperatures is not None and not RETURN_ORIGINAL_LOGPROB:
-        logits = logits / temperatures
-    logprobs = torch.log_softmax(logits, dim=-1)
+    scale = None if RETURN_ORIGINAL_LOGPROB else temperatures
+    logprobs = torch.log_softmax(over_temperature(logits, scale), dim=-1).clamp(min=_F32.min)
     n_rows = logits.shape[0]
     ids_wanted = ids_wanted or [()] * n_rows
     parts = [_gather(logprobs, token_ids).view(-1, 1).double()]

@@ -243,14 +243,17 @@ class TokenizerManager:
             except RequestError as e:
                 raise RequestError(f"token_ids_logprob: {e}") from None
         start = -1
-        if return_logprob:
+        if return_logprob:  # SGLang's: by default (-1) no prompt logprobs, only the output's
             start = (
-                len(input_ids) - 1
+                len(input_ids)
                 if logprob_start_len is None or logprob_start_len < 0
                 else logprob_start_len
             )
-            if start >= len(input_ids):
-                raise RequestError("logprob_start_len must be smaller than the input length")
+            if start > len(input_ids):
+                raise RequestError(
+                    f"logprob_start_len={start} is higher than the number of input tokens "
+                    f"{len(input_ids)}. Please use a smaller logprob_start_len."
+                )
         total = len(input_ids) + params.max_new_tokens
         if total >= self.context_len:
             raise RequestError(

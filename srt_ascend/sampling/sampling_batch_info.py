@@ -16,6 +16,10 @@ from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.utils import to_device
 
 _MASK64 = (1 << 64) - 1
+# The smallest repetition penalty the logits are divided by: a smaller one (its range is
+# (0, 2]) overflows float32 (every seen positive logit +inf, tied) where this one leaves any
+# logit below 3e8 finite, in its order and far above the others: the same choice as r -> 0.
+REPETITION_PENALTY_FLOOR = 1e-30
 
 
 def mix_seed(seed: int, offset: int) -> int:
@@ -85,7 +89,7 @@ class SamplingBatchInfo:
         min_ps = [float(p.min_p) for p in params]
         freq = [float(p.frequency_penalty) for p in params]
         pres = [float(p.presence_penalty) for p in params]
-        rep = [float(p.repetition_penalty) for p in params]
+        rep = [max(float(p.repetition_penalty), REPETITION_PENALTY_FLOOR) for p in params]
 
         def f32(values: list[float]) -> torch.Tensor:
             return to_device(values, device, torch.float32)

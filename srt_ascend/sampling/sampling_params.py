@@ -17,6 +17,8 @@ import re2
 
 # A temperature below this is greedy decoding (SGLang's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-6
+# float32's largest value: the sampler divides float32 logits by the temperature.
+FLOAT32_MAX = 3.4028234663852886e38
 # top_k meaning "the whole vocabulary" after normalize() (SGLang's TOP_K_ALL).
 TOP_K_ALL = 1 << 30
 
@@ -32,6 +34,9 @@ _FLOAT_FIELDS = (
 # The longest stop_regex pattern taken (RE2 compiles in time linear in the pattern; this keeps
 # the compile on the event loop to a millisecond or so).
 STOP_REGEX_MAX_CHARS = 4096
+# The most stop_regex patterns a request may give (SGLang's MAX_STOP_REGEX_COUNT): each is
+# searched at every step, in the scheduler's loop, so thousands stalled every request.
+STOP_REGEX_MAX_COUNT = 32
 # Grammar parameters (SGLang's names), in the order SGLang checks them.
 GRAMMAR_KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 _BOOL_FIELDS = (
@@ -113,8 +118,10 @@ class SamplingParams:
 
     @property
     def sampling_temperature(self) -> float:
-        """The temperature the logits are divided by: 1 for a greedy request."""
-        return 1.0 if self.is_greedy else float(self.temperature)
+        """The temperature the logits are divided by: 1 for a greedy request, at most
+        float32's largest value (a larger one is +inf in float32, and a masked token's
+        -inf / inf is NaN)."""
+        return 1.0 if self.is_greedy else min(float(self.temperature), FLOAT32_MAX)
 
     def normalize(self) -> SamplingParams:
         """Rewrite fields into canonical form, in place; idempotent; returns self.
@@ -227,7 +234,13 @@ class SamplingParams:
         if any(s == "" for s in stops):
             raise ValueError("stop strings must be non-empty.")
         # stop_token_ids outside [0, vocab_size) are accepted, as SGLang does: they never match.
-        for pattern in _as_list(self.stop_regex):
+        patterns = _as_list(self.stop_regex)
+        if len(patterns) > STOP_REGEX_MAX_COUNT:
+            raise ValueError(
+                f"at most {STOP_REGEX_MAX_COUNT} stop_regex patterns are allowed, "
+                f"got {len(patterns)}"
+            )
+        for pattern in patterns:
             compile_stop_regex(pattern)
         self._verify_logit_bias(vocab_size)
 

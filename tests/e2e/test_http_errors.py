@@ -63,6 +63,10 @@ NATIVE_CASES = {
         {"text": "a", "sampling_params": {"stop_regex": ["ok", "(x"]}},
         "stop_regex '(x' is not a valid regex",
     ),
+    "too-many-stop-regexes": (  # SGLang's cap: each is searched at every step
+        {"text": "a", "sampling_params": {"stop_regex": [f"x{i}" for i in range(33)]}},
+        "at most 32 stop_regex patterns are allowed, got 33",
+    ),
     "logit-bias-out-of-vocab": (
         {"text": "a", "sampling_params": {"logit_bias": {"99999999": 5}}},
         "logit_bias keys must be token ids in",

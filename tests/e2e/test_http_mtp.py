@@ -117,3 +117,61 @@ def test_sampled_logprobs_are_over_the_temperature_with_mtp_on_and_off(server, m
         chosen = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
         assert chosen == pytest.approx([g[0][0] for g in got_tops])
     assert mtp_server.post("/generate", json=body).json()["meta_info"]["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"temperature": 1.0, "top_p": 1e-46},  # a valid top_p that float32 rounds to 0
+        {"temperature": 1.0, "logit_bias": {"5": 3.5e38}},  # past float32's largest
+        {"temperature": 0.01, "logit_bias": {"5": 1e38}},  # overflows once divided by T
+    ],
+)
+def test_sampling_settings_at_float32_limits_give_their_limit_answer(server, mtp_server, extreme):
+    """Sampling settings whose float32 form is 0 or +inf: a top_p that keeps only the top
+    token samples the greedy tokens, a bias that overflows forces its token, with finite
+    logprobs, MTP on and off (softmax over NaNs sampled the vocabulary's last token)."""
+    prompt = {"text": PROMPTS[0], "return_logprob": True}
+    want = server.post("/generate", json={**prompt, "sampling_params": GREEDY}).json()
+    sp = {**GREEDY, "max_new_tokens": 4, "seed": 5, **extreme}
+    if "logit_bias" in extreme:
+        want = {"output_ids": [5] * 4}
+    for s in (server, mtp_server):
+        got = s.post("/generate", json={**prompt, "sampling_params": sp}).json()
+        assert got["output_ids"] == want["output_ids"][:4], (s.url, extreme)
+        lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+        assert all(isinstance(v, float) and v <= 0 for v in lps), lps
+
+
+def test_a_temperature_past_float32_range_samples_within_the_masks(server, mtp_server):
+    """temperature 1e39 (+inf in float32) samples uniformly among the tokens a grammar (or
+    min_new_tokens) leaves, MTP on and off, with finite logprobs: their -inf / inf was NaN
+    (a token outside the grammar, the request aborted; null logprobs)."""
+    sp = {"max_new_tokens": 4, "temperature": 1e39, "seed": 9}
+    body = {"text": PROMPTS[0], "return_logprob": True}
+    for s in (server, mtp_server):
+        for masks in ({"regex": "[0-9]+"}, {"min_new_tokens": 4}):
+            got = s.post("/generate", json={**body, "sampling_params": {**sp, **masks}}).json()
+            assert got["meta_info"]["finish_reason"]["type"] in ("length", "stop"), got
+            if "regex" in masks:
+                assert re.fullmatch("[0-9]+", got["text"]), got["text"]
+            else:
+                assert len(got["output_ids"]) == 4
+            lps = [e[0] for e in got["meta_info"]["output_token_logprobs"]]
+            assert all(isinstance(v, float) and v < 0 for v in lps), (masks, lps)
+
+
+def test_a_repetition_penalty_near_zero_is_its_limit(server, mtp_server):
+    """repetition_penalty 1e-46 (0 in float32) decodes as 1e-20 does, MTP on and off: the
+    seen tokens' logits were all +inf, a tie the lowest token id won."""
+    prompt = {"text": "def f(x): return x + x + x", "return_logprob": True}
+    sp = {**GREEDY, "max_new_tokens": 4}
+    want = server.post(
+        "/generate", json={**prompt, "sampling_params": {**sp, "repetition_penalty": 1e-20}}
+    )
+    want = want.json()["output_ids"]
+    for s in (server, mtp_server):
+        got = s.post(
+            "/generate", json={**prompt, "sampling_params": {**sp, "repetition_penalty": 1e-46}}
+        )
+        assert got.json()["output_ids"] == want, s.url

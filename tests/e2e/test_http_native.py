@@ -197,6 +197,27 @@ def test_logprobs(server, tokenizer):
     assert first_inp[2] == tokenizer.decode([ids[1]])
 
 
+def test_logprob_start_len_bounds_as_sglang(server, tokenizer):
+    """SGLang 0.5.23's prompt logprobs: by default (or -1) none, only the output's; from a
+    start up to the prompt's length (the length itself: none); past it a 400. Every reported
+    list has prompt_tokens - start entries."""
+    ids = tokenizer.encode(PROMPT)
+    base = {"input_ids": ids, "sampling_params": dict(GREEDY, max_new_tokens=2)}
+    base |= {"return_logprob": True, "top_logprobs_num": 2, "token_ids_logprob": [5]}
+    for start in (None, -1, len(ids), len(ids) - 1, 1):
+        body = base if start is None else {**base, "logprob_start_len": start}
+        r = server.post("/generate", json=body)
+        assert r.status_code == 200, (start, r.text)
+        meta = r.json()["meta_info"]
+        want = 0 if start in (None, -1) else len(ids) - start
+        for key in ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs"):
+            assert len(meta[key]) == want, (start, key, meta[key])
+        assert [e[1] for e in meta["input_token_logprobs"]] == ids[len(ids) - want :]
+        assert len(meta["output_token_logprobs"]) == 2
+    r = server.post("/generate", json={**base, "logprob_start_len": len(ids) + 1})
+    assert r.status_code == 400 and "logprob_start_len" in r.json()["error"]["message"]
+
+
 def test_token_ids_logprob(server, tokenizer):
     """SGLang's token_ids_logprob: at every reported position, [logprob, id, text] for each
     asked id in the asked order; the values agree with the top lists where they overlap."""

@@ -236,3 +236,61 @@ def test_token_logprobs_reports_asked_ids_in_order_in_one_read(monkeypatch) -> N
         )
     assert out.rows(1, 3).ids == out.ids[1:] and out.rows(0, 1).chosen == out.chosen[:1]
     assert math.isclose(float(ref[0].exp().sum()), 1.0, rel_tol=1e-5)
+
+
+def test_top_p_below_float32_range_keeps_the_top_token() -> None:
+    """A top_p in (0, 1] that float32 rounds to 0 (1e-46) still keeps the most likely token
+    (SGLang's rule: a token is dropped only when the mass above it exceeds top_p); the row
+    used to lose every token and sample from NaNs."""
+    torch.manual_seed(6)
+    logits = torch.randn(2, V) * 3
+    params = [SamplingParams(top_p=1e-46, seed=1), SamplingParams(top_p=1e-46)]
+    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    probs = processed_probs(logits, info)
+    expected = torch.nn.functional.one_hot(logits.argmax(-1), V).float()
+    torch.testing.assert_close(probs, expected)
+    assert sample_from_probs(probs, info).tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("bias,temperature", [(3.5e38, 1.0), (1e38, 0.01), (3.5e38, 0.0)])
+def test_a_bias_past_float32_range_forces_its_token(bias, temperature) -> None:
+    """A logit_bias whose biased (or temperature-scaled) logit overflows float32 to +inf
+    forces its token, with finite logprobs: softmax over +inf used to give NaNs (a garbage
+    token, null logprobs)."""
+    from srt_ascend.sampling.penalties import apply_logit_bias
+
+    torch.manual_seed(7)
+    logits = apply_logit_bias(torch.randn(1, V), [0], [{5: bias}])
+    params = SamplingParams(temperature=temperature, seed=2).normalize()
+    info = SamplingBatchInfo.from_params([params], V, "cpu")
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[2])
+    assert out.next_token_ids.tolist() == [5]
+    assert out.logprobs.chosen == [0.0]
+    assert out.logprobs.top[0][0] == (0.0, 5)
+    assert all(math.isfinite(v) for v, _ in out.logprobs.top[0])
+
+
+def test_a_masked_token_logprob_is_float32_lowest_not_minus_inf() -> None:
+    """SGLang clamps reported logprobs at float32's lowest value: a masked token (-inf, e.g.
+    EOS under min_new_tokens) asked by token_ids_logprob is a number, not JSON's null."""
+    logits = torch.randn(1, V)
+    logits[0, 3] = -math.inf
+    out = token_logprobs(logits, torch.tensor([0]), [V], [[3, 0]])
+    assert out.ids[0][0] == torch.finfo(torch.float32).min
+    assert out.top[0][-1] == (torch.finfo(torch.float32).min, 3)
+
+
+def test_a_temperature_past_float32_range_samples_the_unmasked_tokens_uniformly() -> None:
+    """A temperature that float32 makes +inf (1e39) is held at float32's largest value: the
+    distribution is uniform over the tokens left unmasked (-inf / inf was NaN, and a NaN row
+    sampled a masked token)."""
+    logits = torch.randn(1, V) * 3
+    logits[0, 10:] = -math.inf  # e.g. a grammar's mask
+    params = SamplingParams(temperature=1e39, seed=4).normalize()
+    info = SamplingBatchInfo.from_params([params], V, "cpu")
+    probs = processed_probs(logits, info)
+    torch.testing.assert_close(probs[0, :10], torch.full((10,), 0.1))
+    assert probs[0, 10:].sum() == 0
+    out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[1])
+    assert out.next_token_ids.item() < 10
+    assert out.logprobs.chosen[0] == pytest.approx(-math.log(10))

@@ -84,3 +84,19 @@ def test_logit_bias_adds_to_the_rows_tokens() -> None:
     want[2, 4] -= 100.0
     assert torch.equal(out, want)
     assert torch.equal(apply_logit_bias(logits, [], []), logits)
+
+
+def test_a_tiny_repetition_penalty_keeps_the_seen_tokens_in_order() -> None:
+    """repetition_penalty in (0, 2]: near 0 (1e-46 is 0 in float32; 1e-38 overflows a logit of
+    4) the seen positive logits stay finite and in their order, so the largest wins; they all
+    became +inf, a tie the first index won."""
+    logits = torch.zeros(2, V)
+    logits[:, 3], logits[:, 7] = 4.0, 9.0
+    seen = torch.zeros(2, V, dtype=torch.bool)
+    seen[:, [3, 7]] = True
+    params = [SamplingParams(repetition_penalty=1e-46), SamplingParams(repetition_penalty=1e-38)]
+    info = SamplingBatchInfo.from_params(params, V, "cpu")
+    out = apply_penalties(logits, info, torch.zeros(2, V, dtype=torch.int64), seen)
+    assert torch.isfinite(out).all()
+    assert out.argmax(-1).tolist() == [7, 7]
+    assert (out[:, 7] > out[:, 3]).all() and (out[:, 3] > 0).all()
