@@ -38,8 +38,9 @@ def over_temperature(
     a small T) is the most likely token by far, not a NaN: a softmax over +inf gives NaN for
     every token. -inf (a masked token) stays -inf.
     """
-    scaled = logits if temperatures is None else logits / temperatures
-    return scaled.clamp(max=_F32.max)
+    if temperatures is None:
+        return logits.clamp(max=_F32.max)
+    return (logits / temperatures).clamp_(max=_F32.max)  # the quotient is ours to clamp
 
 
 def draw_uniforms(
