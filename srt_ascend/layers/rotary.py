@@ -77,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         self.interleave = interleave
         self.dim = dim
         self.max_position = max_position
-        if torch.empty(()).is_meta:  # built on the meta device: the loader fills the caches
+        if torch.get_default_device().type == "meta":  # the loader fills the caches
             # on the CPU (loader._reset_rotary); meta arithmetic would only cost time (its
             # first op through torch._refs imports torch._dynamo: seconds of a start)
             shape = (max_position, dim // 2)

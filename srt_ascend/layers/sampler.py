@@ -17,6 +17,7 @@ from torch import nn
 
 from srt_ascend.layers.linear import sum_last
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
+from srt_ascend.sampling.sampling_params import FLOAT32_MAX
 from srt_ascend.utils import HOST_READS, to_device
 
 # SGLang's switch: output logprobs of the logits before the temperature (the model's own)
@@ -25,7 +26,6 @@ RETURN_ORIGINAL_LOGPROB = os.environ.get("SGLANG_RETURN_ORIGINAL_LOGPROB", "").l
     "true",
     "yes",
 )
-_F32 = torch.finfo(torch.float32)
 
 
 def over_temperature(
@@ -39,8 +39,8 @@ def over_temperature(
     every token. -inf (a masked token) stays -inf.
     """
     if temperatures is None:
-        return logits.clamp(max=_F32.max)
-    return (logits / temperatures).clamp_(max=_F32.max)  # the quotient is ours to clamp
+        return logits.clamp(max=FLOAT32_MAX)
+    return (logits / temperatures).clamp_(max=FLOAT32_MAX)  # the quotient is ours to clamp
 
 
 def draw_uniforms(
@@ -205,7 +205,7 @@ def token_logprobs(
     ids_wanted[n] in the order asked (token_ids_logprob)."""
     logits = logits.to(torch.float32)
     scale = None if RETURN_ORIGINAL_LOGPROB else temperatures
-    logprobs = torch.log_softmax(over_temperature(logits, scale), dim=-1).clamp(min=_F32.min)
+    logprobs = torch.log_softmax(over_temperature(logits, scale), dim=-1).clamp(min=-FLOAT32_MAX)
     n_rows = logits.shape[0]
     ids_wanted = ids_wanted or [()] * n_rows
     parts = [_gather(logprobs, token_ids).view(-1, 1).double()]

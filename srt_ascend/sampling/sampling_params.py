@@ -17,7 +17,8 @@ import re2
 
 # A temperature below this is greedy decoding (SGLang's _SAMPLING_EPS).
 SAMPLING_EPS = 1e-6
-# float32's largest value: the sampler divides float32 logits by the temperature.
+# float32's largest value (torch.finfo(torch.float32).max; this module imports no torch): the
+# sampler divides float32 logits by the temperature and holds them within +-this.
 FLOAT32_MAX = 3.4028234663852886e38
 # top_k meaning "the whole vocabulary" after normalize() (SGLang's TOP_K_ALL).
 TOP_K_ALL = 1 << 30
