@@ -7,12 +7,11 @@ of the sampling parameters; shut down, it leaves no thread or child behind."""
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 import threading
 import time
 
 import pytest
+from proc_children import grammar_children
 
 from srt_ascend import Engine
 from srt_ascend.constrained import compile_worker
@@ -28,29 +27,12 @@ def engine(model_path):
     e.shutdown()
 
 
-def _grammar_children() -> list[int]:
-    """Pids of this process's grammar-compiler children (any thread may have started one)."""
-    pids = []
-    for path in glob.glob(f"/proc/{os.getpid()}/task/*/children"):
-        with open(path) as f:
-            pids += [int(p) for p in f.read().split()]
-    found = []
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"srt_ascend.constrained.compile_child" in f.read():
-                    found.append(pid)
-        except FileNotFoundError:
-            pass
-    return found
-
-
 def test_engine_is_ready_only_once_the_grammar_child_has_imported(engine):
     """Runs first, right after the Engine returned. The child importing xgrammar (seconds of
     CPU) after the Engine reported ready made the first ~140 decode steps 2-25x slower on 2
     cores; now the Engine waits for its "started" handshake."""
     assert engine.tokenizer_manager.grammars.wait_started(0)
-    children = _grammar_children()
+    children = grammar_children()
     assert len(children) == 1, children
     with open(f"/proc/{children[0]}/maps") as f:
         assert "libxgrammar_bindings" in f.read()  # its import is done
@@ -128,7 +110,7 @@ def test_a_shut_down_engine_leaves_no_thread_or_child(model_path):
     lanes' threads outlived it, two per Engine), and of its grammar children at most one is
     left, idle, which the next Engine takes instead of importing xgrammar anew."""
     threads_before = {t.ident for t in threading.enumerate()}
-    children_before = set(_grammar_children())
+    children_before = set(grammar_children())
     kept = None
     for _ in range(2):
         e = Engine(
@@ -138,7 +120,7 @@ def test_a_shut_down_engine_leaves_no_thread_or_child(model_path):
             assert e.tokenizer_manager.grammars._small._child[0].pid == kept
         e.generate("def f(", {"max_new_tokens": 2, "temperature": 0})
         e.generate("def f(", {"max_new_tokens": 2, "temperature": 0, "regex": "[a-z]+"})
-        assert set(_grammar_children()) - children_before
+        assert set(grammar_children()) - children_before
         e.shutdown()
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -152,7 +134,7 @@ def test_a_shut_down_engine_leaves_no_thread_or_child(model_path):
                 break
             time.sleep(0.1)
         assert not left, left
-        children = set(_grammar_children()) - children_before
+        children = set(grammar_children()) - children_before
         assert len(children) <= 1, children
         assert e.loop.is_closed()
         kept = compile_worker._spare[0].pid

@@ -1,30 +1,34 @@
 """Grammar compile limits: a source over --grammar-max-size is refused at once with a message
 naming the flag; a compile past --grammar-compile-timeout is stopped and refused; and a small
-grammar does not queue behind large ones (a grammar storm: two JSON-schema enums that would
-compile for minutes, then a trivial regex, which must compile in seconds); and JSON schemas
+grammar does not queue behind a large one that compiles for ever (its child stopped), and
+the large lane recovers; and JSON schemas
 bound runs of whitespace (--constrained-json-max-whitespace-cnt, 16 by default)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
 import time
 
 import pytest
 import xgrammar as xgr
+from proc_children import grammar_children
 from transformers import AutoTokenizer
 
 from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, grammar_backend
+from srt_ascend.constrained.grammar_backend import SMALL_SOURCE
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
 
 VOCAB = 8192
 EOS = 1
 TIMEOUT = 4.0  # seconds a compile may run in these tests
+LARGE = 2000  # enum values: a source past SMALL_SOURCE characters, for the large lane
 
 
 def enum_schema(n: int, tag: str) -> str:
-    """A JSON-schema string enum of n values: compiles in about 16 s at n = 20,000 and
-    minutes at n = 30,000 on the test machine (xgrammar's cost grows faster than n^2)."""
+    """A JSON-schema string enum of n values (compiles in under a second at LARGE)."""
     return json.dumps({"type": "string", "enum": [f"{tag}{i}" for i in range(n)]})
 
 
@@ -47,21 +51,32 @@ def test_oversized_grammar_is_refused_before_compiling(tokenizer):
 
 
 def test_grammar_storm_small_grammar_does_not_wait_and_large_ones_stop(tokenizer):
+    """A large grammar that compiles for ever: the large lane's child is stopped (SIGSTOP)
+    before it is given one, so its compile runs past the timeout on any machine (a grammar
+    merely big enough to be slow compiled in time on a faster one). A small grammar sent
+    meanwhile compiles at once in its own lane; the stuck compile fails with the timeout's
+    message after TIMEOUT s, its child killed, and the grammar queued behind it compiles on
+    the fresh child that replaces it."""
     backend = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(compile_timeout=TIMEOUT))
     try:
         backend.compile(("regex", "x+")).result(timeout=120)  # the small lane's child is up
-        large = [backend.compile(("json_schema", enum_schema(30_000, t))) for t in "ab"]
-        time.sleep(0.5)  # the large compiles are running or queued
+        before = set(grammar_children())
+        warm = ("json_schema", enum_schema(LARGE, "w"))
+        assert len(warm[1]) > SMALL_SOURCE  # compiled in the large lane
+        assert backend.compile(warm).result(timeout=120)  # the large lane's child is up
+        (stuck,) = set(grammar_children()) - before
+        os.kill(stuck, signal.SIGSTOP)
+        large = [backend.compile(("json_schema", enum_schema(LARGE, t))) for t in "ab"]
+        time.sleep(0.5)  # the first is sent to the stopped child, the second queued
         started = time.monotonic()
         small = backend.compile(("regex", "[0-9]{3}-[a-z]+")).result(timeout=TIMEOUT)
         assert small is not None
-        assert time.monotonic() - started < TIMEOUT  # not behind a large compile
-        for fut in large:  # each stopped after TIMEOUT s of compiling (the start not counted)
-            with pytest.raises(GrammarError) as e:
-                fut.result(timeout=180)
-            assert f"did not compile within --grammar-compile-timeout {TIMEOUT}" in str(e.value)
-        # the lane's child was replaced: the next large grammar compiles
-        assert backend.compile(("json_schema", enum_schema(1000, "c"))).result(timeout=120)
+        assert time.monotonic() - started < TIMEOUT  # not behind the large lane
+        with pytest.raises(GrammarError) as e:
+            large[0].result(timeout=120)
+        assert f"did not compile within --grammar-compile-timeout {TIMEOUT}" in str(e.value)
+        assert stuck not in grammar_children()  # killed and reaped
+        assert large[1].result(timeout=120)  # on the child that replaced it
     finally:
         backend.shutdown()
 
