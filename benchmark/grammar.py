@@ -4,6 +4,8 @@ vs off, MTP off vs K = 2; and the per-step cost of the grammar masks, in-process
     python benchmark/grammar.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k2-fia] [--max-concurrency 1 8] [--num-prompts 16]
         [--output-len 64] [--json-out FILE]
+    python benchmark/grammar.py --valid-rate [--max-whitespace 0 1 2 4 8 16 32]
+        [--requests 100] [--output-len 64] [--temperature 0.8] [--k 2] [--json-out FILE]
 
 Each configuration gets its own server (shipped checkpoint, bf16,
 `--constrained-json-disable-any-whitespace` so the tiny model writes compact JSON rather than
@@ -13,6 +15,13 @@ JSON is complete) and once without a grammar (greedy, --output-len tokens). Repo
 throughput, median TPOT and mean output length per run; then the time one decode step spends
 on the grammar (filling the bitmask of every request at each of the K+1 verify positions, and
 applying it to the logits, all positions at once) for batches of 1, 8 and 32 requests.
+
+`--valid-rate`: how many outputs of the shipped checkpoint are valid JSON under a schema, per
+`--constrained-json-max-whitespace-cnt` value (0: unbounded, SGLang's default). An in-process
+Engine (bf16, MTP with `--k` drafts; 0: MTP off) answers `--requests` requests with SGLang's
+`test_json_constrained.py` schema (VALID_SCHEMA), seeds 0..n-1, prompts cycled from
+VALID_PROMPTS, up to `--output-len` tokens. Per value: outputs that parse and have exactly the
+schema's keys, finish reasons, mean output tokens and the wall time.
 """
 
 from __future__ import annotations
@@ -22,11 +31,13 @@ import json
 import os
 import time
 import urllib.request
+from collections import Counter
 
 import torch
 from serving import CONFIGS, bench, start_server
 from transformers import AutoTokenizer
 
+from srt_ascend import Engine
 from srt_ascend.constrained import Grammar, GrammarBackend, GrammarOptions, apply_token_bitmask
 from srt_ascend.constrained.matcher import fill_grammar_bitmask
 from srt_ascend.server_args import SHIPPED_MODEL
@@ -111,19 +122,97 @@ def mask_cost_rows(model_path: str, k: int = 2, steps: int = 50) -> list[dict]:
     return rows
 
 
+VALID_SCHEMA = {  # SGLang's test/srt/test_json_constrained.py
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[\\w]+$"},
+        "population": {"type": "integer"},
+    },
+    "required": ["name", "population"],
+    "additionalProperties": False,
+}
+VALID_PROMPTS = [
+    "Here is the information of the capital of France in the JSON format.\n",
+    "config = ",
+    "def load(path):\n    return ",
+    "# Copyright",
+    'data = {"name": ',
+]
+
+
+def valid(text: str) -> bool:
+    """Parses as JSON with exactly VALID_SCHEMA's keys."""
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and set(obj) == {"name", "population"}
+
+
+def valid_rate(max_ws: int, args: argparse.Namespace) -> dict:
+    """Valid-JSON outputs of --requests seeded sampled requests at one whitespace bound."""
+    engine = Engine(
+        speculative_algorithm="MTP" if args.k else None,
+        speculative_num_steps=max(args.k, 1),
+        constrained_json_max_whitespace_cnt=max_ws,
+    )
+    try:
+        params = [
+            {
+                "max_new_tokens": args.output_len,
+                "temperature": args.temperature,
+                "seed": i,
+                "json_schema": json.dumps(VALID_SCHEMA),
+            }
+            for i in range(args.requests)
+        ]
+        prompts = [VALID_PROMPTS[i % len(VALID_PROMPTS)] for i in range(args.requests)]
+        started = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - started
+    finally:
+        engine.shutdown()
+    finish = Counter(str((o["meta_info"]["finish_reason"] or {}).get("type")) for o in outs)
+    return {
+        "max_whitespace": max_ws,
+        "valid": sum(valid(o["text"]) for o in outs),
+        "requests": len(outs),
+        "finish": dict(finish),
+        "mean_tokens": sum(o["meta_info"]["completion_tokens"] for o in outs) / len(outs),
+        "seconds": round(seconds, 1),
+        "example": outs[0]["text"],
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--sglang-python", default=os.environ.get("SRT_SGLANG_PYTHON", ".venv-sglang/bin/python")
     )
     p.add_argument("--model-path", default=SHIPPED_MODEL)
-    p.add_argument("--configs", nargs="+", default=["off", "mtp-k2-fia"], choices=list(CONFIGS))
+    p.add_argument(
+        "--configs", nargs="+", default=["off", "mtp-k2-fia"], choices=list(CONFIGS), metavar="CFG"
+    )
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--json-out", default=None)
+    p.add_argument("--valid-rate", action="store_true", help="valid-JSON rate per bound instead")
+    p.add_argument("--max-whitespace", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16, 32])
+    p.add_argument("--requests", type=int, default=100, help="--valid-rate")
+    p.add_argument("--temperature", type=float, default=0.8, help="--valid-rate")
+    p.add_argument("--k", type=int, default=2, help="--valid-rate's MTP drafts (0: MTP off)")
     a = p.parse_args()
+    if a.valid_rate:
+        rows = []
+        for ws in a.max_whitespace:
+            rows.append(valid_rate(ws, a))
+            print(json.dumps(rows[-1]), flush=True)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     a.dataset = "random-ids"
     result = {"mask_cost": mask_cost_rows(a.model_path), "serving": serving_rows(a)}
     print("| config | grammar | concurrency | output tok/s | median TPOT ms | mean output len |")

@@ -4,19 +4,29 @@ decode graph vs eager launches, at batch 1 / 8 / 32 and KV 512 / 4096 (DeepSeek-
 
     python benchmark/kernels.py            # CUDA: kernels vs references, then timings
     python benchmark/kernels.py --check    # CPU: a tiny interpreter correctness pass
+    python benchmark/kernels.py --cpu-gemm [--rows 1 2 4 8] [--json-out FILE]
 
 On CPU the kernels run only under Triton's interpreter, so there are no timings to take:
 the script checks the kernels against the references and says that timings need a GPU.
 `benchmark/device_check.py` runs `check` and `bench_cuda` as part of the device check.
+
+`--cpu-gemm`: the CPU's bf16 GEMM backends per shape of the shipped checkpoint (linear layers
+and the absorbed-MLA / dense-MoE batched matmuls) at `rows` token rows: microseconds per call
+with oneDNN (PyTorch's default for bf16) and with it disabled (`torch.backends.mkldnn`: MKL).
+What `--cpu-small-gemm auto` (layers/linear.py) chooses between; rerun on a new CPU before
+moving its 2^18 multiply-add threshold. The served A/B is `serving.py --configs off off@onednn`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import time
 
 import torch
+import torch.nn.functional as F
 
 H, R, P = 128, 512, 64
 
@@ -221,10 +231,95 @@ def resources() -> list[dict]:
     return rows
 
 
+def gemm_shapes(cfg) -> dict[str, tuple]:
+    """name -> ("linear", N, K) or ("bmm", batch, K, N) for one decoder layer, MTP, LM head."""
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
+    e = cfg.n_routed_experts + 1  # + the stacked shared expert
+    inter = cfg.moe_intermediate_size
+    return {
+        "q_a+kv_a": ("linear", cfg.q_lora_rank + cfg.kv_lora_rank + cfg.qk_rope_head_dim, h),
+        "q_b": ("linear", heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim), cfg.q_lora_rank),
+        "w_kc (bmm)": ("bmm", heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank),
+        "w_vc (bmm)": ("bmm", heads, cfg.kv_lora_rank, cfg.v_head_dim),
+        "o_proj": ("linear", h, heads * cfg.v_head_dim),
+        "expert gate+up": ("linear", 2 * inter, h),
+        "expert down": ("linear", h, inter),
+        "dense MoE gate+up": ("linear", e * 2 * inter, h),
+        "dense MoE down (bmm)": ("bmm", e, inter, h),
+        "eh_proj": ("linear", h, 2 * h),
+        "lm_head": ("linear", cfg.vocab_size, h),
+    }
+
+
+def per_call_us(fn, n: int = 300) -> float:
+    """Mean wall time of fn in us over n calls, after 20 warm-up calls."""
+    for _ in range(20):
+        fn()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def shape_table(cfg, rows: list[int]) -> list[dict]:
+    """Per GEMM shape and row count: us per call with oneDNN and with MKL (bf16)."""
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for name, spec in gemm_shapes(cfg).items():
+        for m in rows:
+            if spec[0] == "linear":
+                _, n, k = spec
+                x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+                x, w = x.bfloat16(), w.bfloat16()
+                fn = lambda x=x, w=w: F.linear(x, w)  # noqa: E731
+            else:
+                _, b, k, n = spec
+                x = torch.randn(b, m, k, generator=gen).bfloat16()
+                w = torch.randn(b, k, n, generator=gen).bfloat16()
+                fn = lambda x=x, w=w: torch.bmm(x, w)  # noqa: E731
+            times = {}
+            for onednn in (True, False):
+                with torch.backends.mkldnn.flags(enabled=onednn):
+                    times[onednn] = per_call_us(fn)
+            out.append(
+                dict(
+                    gemm=name,
+                    rows=m,
+                    onednn_us=round(times[True], 1),
+                    mkl_us=round(times[False], 1),
+                )
+            )
+    return out
+
+
+def cpu_gemm(model_path: str, rows: list[int], json_out: str | None) -> None:
+    from srt_ascend.models.loader import load_config
+
+    torch.set_grad_enabled(False)
+    shapes = shape_table(load_config(model_path), rows)
+    print("| GEMM | rows | oneDNN us | MKL us |\n| --- | --- | --- | --- |")
+    for r in shapes:
+        print(f"| {r['gemm']} | {r['rows']} | {r['onednn_us']} | {r['mkl_us']} |")
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(dict(shapes=shapes), f, indent=1)
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    from srt_ascend.server_args import SHIPPED_MODEL
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
     parser.add_argument("--check", action="store_true", help="CPU interpreter check only")
+    parser.add_argument("--cpu-gemm", action="store_true", help="CPU bf16 GEMMs: oneDNN vs MKL")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="--cpu-gemm")
+    parser.add_argument("--model-path", default=SHIPPED_MODEL, help="--cpu-gemm's shapes")
+    parser.add_argument("--json-out", default=None, help="--cpu-gemm's table")
     a = parser.parse_args()
+    if a.cpu_gemm:
+        cpu_gemm(a.model_path, a.rows, a.json_out)
+        return 0
     device = "cpu" if a.check or not torch.cuda.is_available() else "cuda"
     checks = check(device)
     for row in checks:

@@ -241,7 +241,7 @@ def main() -> None:
         "--sglang-python", default=os.environ.get("SRT_SGLANG_PYTHON", ".venv-sglang/bin/python")
     )
     p.add_argument("--model-path", default=SHIPPED_MODEL)
-    p.add_argument("--configs", nargs="+", default=["off"], choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=["off"], choices=list(CONFIGS), metavar="CFG")
     p.add_argument("--max-concurrency", type=int, nargs="+", default=[1])
     p.add_argument("--saturate", action="store_true", help="all requests at once")
     p.add_argument("--num-prompts", type=int, default=32)

@@ -1,7 +1,9 @@
-"""MTP speculative decoding vs none, in-process, side by side in one run (bf16 by default).
+"""MTP speculative decoding vs none, in-process, side by side in one run (bf16 by default);
+and the accept length greedy verification can deliver (`--accept-bound`).
 
     python benchmark/spec_decode.py [--dtype bfloat16] [--output-len 128] [--ks 1 2 3]
-        [--concurrency 1 4 16] [--json-out FILE] [--plot FILE.png]
+        [--concurrency 1 4 16] [--waves 3] [--json-out FILE] [--plot FILE.png]
+    python benchmark/spec_decode.py --accept-bound [--num-prompts 12] [--output-len 128]
 
 Workload: held-out stdlib snippets (never trained on), greedy, `output-len` tokens each
 (ignore_eos). For each concurrency c, requests run in waves of c concurrent requests; the
@@ -10,6 +12,16 @@ waves is reported. Configurations: speculation off, MTP with expand verify, MTP 
 verify, for each K. Also reported: mean accept length (1 + accepted drafts per verify), and
 in bf16 how many requests' outputs equal the speculation-off outputs token for token (batches
 of different shapes round differently in bf16; near-ties can flip: reported, not hidden).
+
+`--accept-bound`: the accept length greedy verification can deliver on the text a server
+verifies. `mtp_agreement.py` scores the draft teacher-forced over held-out *files* (human-written
+tokens); a server verifies drafts against the model's own greedy continuation. This generates
+each greedy continuation of the first `--num-prompts` held-out prompts (the prompts of
+`serving.py --dataset heldout`) with the engine (float32, speculation off), then teacher-forces
+prompt + continuation through the dense main model and the MTP module: from the first decode
+step on, the K=1 draft for token t+2 is the MTP top-1 read from (h_t, token t+1), accepted
+exactly when it equals the generated token t+2. The expected K=1 accept length is 1 + that
+agreement: the figure to hold a server's mean accept length against (same prompts).
 """
 
 from __future__ import annotations
@@ -19,9 +31,12 @@ import json
 import statistics
 import time
 
+import torch
 from plots import plot_spec_rows
 
 from srt_ascend import Engine
+from srt_ascend.managers.tokenizer_manager import load_tokenizer
+from srt_ascend.models.loader import load_model
 from srt_ascend.server_args import SHIPPED_MODEL
 from srt_ascend.tools.corpus import list_files, split
 
@@ -56,6 +71,42 @@ def run_config(model_path, dtype, spec: dict, conc: int, ps: list[str], out_len:
         engine.shutdown()
 
 
+@torch.inference_mode()
+def agreement(model, mtp, ids: list[int], prompt_len: int) -> tuple[int, int]:
+    """(agreeing positions, scored positions) over the decode steps of one sequence."""
+    x = torch.tensor([ids])
+    s = len(ids)
+    hidden = model(x, torch.arange(s))  # [1, S, d]
+    out = mtp(x[:, 1:], hidden[:, :-1], torch.arange(s - 1), step=0)  # position t -> t+2
+    draft = mtp.compute_logits(out).argmax(-1)[0, : s - 2]  # t = 0 .. S-3
+    first = prompt_len - 1  # the first draft: after prefill, predicting output token 2
+    hits = draft[first:] == x[0, first + 2 :]
+    return int(hits.sum()), int(hits.numel())
+
+
+def accept_bound(model_path: str, num_prompts: int, output_len: int) -> dict:
+    tok = load_tokenizer(model_path)
+    prompt_ids = [tok.encode(t) for t in prompts(num_prompts)]
+    engine = Engine(model_path=model_path, dtype="float32")
+    try:
+        params = {"max_new_tokens": output_len, "temperature": 0, "ignore_eos": True}
+        outs = engine.generate(input_ids=prompt_ids, sampling_params=params)
+    finally:
+        engine.shutdown()
+    model, mtp = load_model(model_path, dtype=torch.float32, load_mtp=True)
+    hits = total = 0
+    for ids, o in zip(prompt_ids, outs):
+        h, n = agreement(model.eval(), mtp.eval(), ids + o["output_ids"], len(ids))
+        hits, total = hits + h, total + n
+    return {
+        "prompts": len(prompt_ids),
+        "output_len": output_len,
+        "scored_positions": total,
+        "agreement_on_greedy_continuations": round(hits / total, 4),
+        "expected_accept_length_k1": round(1 + hits / total, 3),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model-path", default=SHIPPED_MODEL)
@@ -66,7 +117,16 @@ def main() -> None:
     p.add_argument("--waves", type=int, default=3, help="waves per concurrency level")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG of TPOT and accept length (matplotlib)")
+    p.add_argument("--accept-bound", action="store_true", help="the accept length bound instead")
+    p.add_argument("--num-prompts", type=int, default=12, help="prompts of --accept-bound")
     a = p.parse_args()
+    if a.accept_bound:
+        res = accept_bound(a.model_path, a.num_prompts, a.output_len)
+        print(json.dumps(res))
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     configs = {"off": {}}
     for k in a.ks:
         for verify in ("expand", "fia"):

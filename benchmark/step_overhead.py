@@ -6,6 +6,7 @@
         [--input-len 64] [--output-len 64] [--num-prompts 16] [--context-length 256]
         [--py-spy FILE [--gil]] [--switch-interval S] [--json-out FILE]
         [--server-flags --num-threads 1 ...]
+    python benchmark/step_overhead.py --core-contention [--size 700] [--iters 100]
 
 `--matrix`: host and device time per decode step, served against bare, for every cell of
 {eager, compiled} x {plain, MTP K = --mtp-k} x {1, 16 requests} x {overlap on, off} in one
@@ -44,6 +45,12 @@ times are not comparable with the timed run. `--switch-interval` sets the server
 the finish of a launched step, in the loop's thread, and the forward runs in the device
 worker's, `srt-scheduler`; the default with compiled forwards, `--enable-overlap-schedule`
 for eager ones) or the serial loop ("step (decode)"; `--disable-overlap-schedule`).
+
+`--core-contention`: whether this machine's cores run independently, which decides whether
+overlap can hide host work at all: a one-thread `--size` square float32 matmul alone, beside a
+busy process, and beside a busy Python thread of its own process (median ms over `--iters`,
+the ratios to alone: 1.0x means independent cores; on a VM whose two vCPUs share one core's
+capacity anything beside a forward slows it). Run it first on a new host.
 """
 
 from __future__ import annotations
@@ -655,8 +662,49 @@ def report_matrix(res: dict) -> None:
         )
 
 
+def core_contention(size: int, iters: int) -> dict:
+    """ms of a one-thread size x size float32 matmul alone, beside a busy process and beside
+    a busy Python thread of this process (medians over iters)."""
+    torch.set_num_threads(1)
+    x = torch.randn(size, size)
+
+    def matmul_ms() -> float:
+        return median_ms(lambda: torch.mm(x, x), iters)
+
+    res = {"alone": matmul_ms()}
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        res["beside_process"] = matmul_ms()
+    finally:
+        spinner.kill()
+        spinner.wait()
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    try:
+        res["beside_thread"] = matmul_ms()
+    finally:
+        stop.set()
+        th.join()
+    print(machine_info())
+    print(f"one-thread {size}x{size} matmul, median ms over {iters}:")
+    for key, label in (
+        ("alone", "alone"),
+        ("beside_process", "beside a busy process"),
+        ("beside_thread", "beside a busy Python thread"),
+    ):
+        print(f"  {label:28s} {res[key]:7.2f}   {res[key] / res['alone']:.2f}x")
+    return res
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", default=SHIPPED_MODEL)
     p.add_argument("--compile", action="store_true", help="--enable-torch-compile")
     p.add_argument("--concurrency", type=int, default=1, help="requests at a time")
@@ -687,8 +735,16 @@ def main() -> None:
     p.add_argument(
         "--server-flags", nargs=argparse.REMAINDER, default=[], help="more server flags (last)"
     )
+    p.add_argument("--core-contention", action="store_true", help="the cores check (below)")
+    p.add_argument("--size", type=int, default=700, help="--core-contention's matrix size")
     p.add_argument("--json-out")
     a = p.parse_args()
+    if a.core_contention:
+        res = core_contention(a.size, a.iters or 100)
+        if a.json_out:
+            with open(a.json_out, "w") as f:
+                json.dump({"machine": machine_info(), "ms": res}, f, indent=1)
+        return
     a.matrix = a.matrix or a.quick
     defaults = (
         {"input_len": 48, "output_len": 32 if a.quick else 48, "context_length": 110}

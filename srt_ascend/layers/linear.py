@@ -2,8 +2,8 @@
 
 On CPU PyTorch runs bf16 / fp16 matmuls through oneDNN, which costs about 30-40 us per call
 on the CI machine whatever the size, while MKL computes a one- or two-row product of this
-model's layers in 8-27 us (`benchmark/cpu_gemm.py`). With `configure(max_macs)` (the CPU
-platform's choice, `--cpu-small-gemm`), half-precision CPU matmuls of at most `max_macs`
+model's layers in 8-27 us (`benchmark/kernels.py --cpu-gemm`). With `configure(max_macs)` (the
+CPU platform's choice, `--cpu-small-gemm`), half-precision CPU matmuls of at most `max_macs`
 multiply-adds (and, for `bmm`, one row per matrix) run with oneDNN switched off, i.e. through
 MKL; larger ones (the LM head, the dense-MoE expert stacks, batches of many rows), float32
 ones and other devices are untouched. MKL and oneDNN both accumulate in float32; their bf16

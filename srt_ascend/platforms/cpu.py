@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 # Matmuls up to 2^18 multiply-adds (this model's projections at 1-4 rows, the absorbed-MLA
 # batched matmuls at one row) are 1.3-4x faster through MKL than through oneDNN on the CI
-# machine; larger ones are slower (benchmark/cpu_gemm.py).
+# machine; larger ones are slower (benchmark/kernels.py --cpu-gemm).
 SMALL_GEMM_MACS = 1 << 18
 
 
