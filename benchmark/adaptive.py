@@ -21,6 +21,7 @@ import json
 import os
 
 from serving import aggregate, bench, print_table, result_row, server_state, start_server
+from spec_decode import accept_length
 from spec_decode import prompts as heldout_prompts
 
 from srt_ascend import Engine
@@ -86,8 +87,7 @@ def accept_rows(a) -> list[dict]:
                         }
                         for i in range(len(ps))
                     ]
-                    engine.generate(ps, params)
-                    acc = engine.get_internal_state()["avg_spec_accept_length"]
+                    acc = accept_length(engine.generate(ps, params))
                 finally:
                     engine.shutdown()
                 row = dict(k=k, temperature=temperature, method=method, accept_length=acc)
