@@ -17,7 +17,6 @@ checks, releases, outputs), so that host work runs while the device computes. Ev
 the step in flight and then runs serially, as without overlap; so does everything while tokens
 are waiting to be admitted. The device work runs on the platform's DeviceWorker
 (`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
-(`platforms/device_worker.py`): inline on CUDA/NPU, a thread on CPU.
 
 This module is the loop (the thread API, the serial and the overlapped step); the rest of the
 Scheduler lives in rooms, one mixin each, in the modules beside it:
