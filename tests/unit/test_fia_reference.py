@@ -197,11 +197,11 @@ def test_empty_batch():
 
 
 def test_chunked_requests_match_single_chunk(monkeypatch):
-    from srt_ascend.layers.attention import fia_reference
+    from srt_ascend.layers.attention import fia_plans
 
     kwargs, _ = make_case(RAGGED_Q, RAGGED_KV, 4, seed=5)
     whole, _ = npu_fused_infer_attention_score(**kwargs)
-    monkeypatch.setattr(fia_reference, "_SCORE_BUDGET", 1)  # one request per chunk
+    monkeypatch.setattr(fia_plans, "_SCORE_BUDGET", 1)  # one request per chunk
     torch.testing.assert_close(npu_fused_infer_attention_score(**kwargs)[0], whole)
 
 

@@ -1,0 +1,244 @@
+"""MTPDecoder's overlapped rounds (`launch` / `finish`, overlap scheduling): round N+1
+issued before round N's read, its inputs round N's device results (see mtp_decoder's
+docstring). `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's
+`_latest` (the round launched last) and `_read_at`, and calls its `_verify`, `_read`,
+`_logprobs`, `_estimate`, `_count` and `_timed`."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from srt_ascend.decoding.base import LaunchedStep, StepRequest
+from srt_ascend.layers.sampler import TokenLogprobs
+from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.sampling.penalty_state import has_penalties
+from srt_ascend.sampling.sample_step import sample_tokens
+from srt_ascend.speculative.acceptance import AcceptResult
+from srt_ascend.speculative.mtp_worker import (
+    Counts,
+    FirstDrafts,
+    Starts,
+    counts_after,
+    lengths,
+    lower,
+    state_of,
+)
+from srt_ascend.utils import to_device
+
+
+@dataclass
+class RoundOut:
+    """What an overlapped round leaves on the device for its finish and the next round. A
+    K = 0 round (the plain decoder's step) accepts nothing: accept_len 0, emitted its sampled
+    token; its MTP pass is deferred, so it leaves no d_1 but its target hidden (a copy), and
+    its logprobs come from sampling (read on the device worker, as the plain decoder's)."""
+
+    res: AcceptResult  # accept_len [B], emitted [B, K+1]
+    logits: torch.Tensor | None  # [B, K+1, V] the target logits the rule read (K = 0: None)
+    first: FirstDrafts | None  # the next round's d_1 (K = 0: None)
+    starts: torch.Tensor  # [B] this round's first positions
+    hidden: torch.Tensor | None = None  # K = 0: [B, D] the target hidden, deferred at finish
+    logprobs: TokenLogprobs | None = None  # K = 0: the sampled tokens' logprobs, when asked
+
+
+@dataclass
+class LaunchedRound(LaunchedStep):
+    """An overlapped MTP round. Its `starts` (the positions each request's round begins at,
+    where a request leaving rolls back to) are known on the host only once the round before
+    it is read: `finish` of that round fills them in; before that they hold that round's
+    own starts (a lower bound)."""
+
+    k: int = 0
+    launched_at: float = 0.0  # perf_counter at launch (the round's cost for draft_length)
+
+
+class OverlappedRoundsMixin:
+    """MTPDecoder's `can_overlap`, `launch`, `finish` (and a K = 0 round's forward)."""
+
+    def can_overlap(self, reqs: list[StepRequest]) -> bool:
+        """Rounds whose sampling needs no host value of the round before (its accept lengths
+        decide the next round's positions, which only the device knows at launch): one
+        rank, backends that read lengths on the device, and no request with a grammar,
+        penalties or a min_new_tokens still ahead (their masks follow the committed count;
+        seeded streams are picked on the device, `Counts`). Other batches run `step`.
+        Adaptive K overlaps too: `launch` chooses each round's K (and refuses the switches
+        that run serially)."""
+        if not self._takes_bounds or self.runner.tp.size > 1:
+            return False
+        for r in reqs:
+            p = r.sampling_params
+            if r.grammar is not None or has_penalties(p) or len(r.output_ids) < p.min_new_tokens:
+                return False
+        return True
+
+    def launch(self, reqs: list[StepRequest], prev: LaunchedStep | None) -> LaunchedRound | None:
+        """A round whose inputs follow `prev` (the round not read yet): its first positions are
+        prev's plus prev's accept lengths + 1, its last committed token and d_1 are what prev
+        left on the device. Its KV slots cover every position it may write: K+1 beyond the
+        furthest prev may commit (positions up to prev's start + (K_prev + 1) + K), allocated
+        ahead; `kv_len` then counts them all, until the finish that follows the last round.
+
+        K is chosen here (--speculative-adaptive: `draft_length.peek`, counted by `advance`
+        once the round launches) from the acceptance estimates as the last round read left
+        them: with prev in flight that is the round before prev, so the choice is one round
+        stale. K = 0 is the plain decoder's step over the device inputs, its MTP pass deferred
+        at its finish (`MTPWorker.keep_deferred`); K = 0 rounds overlap one after another. Not
+        launched (None; the scheduler finishes prev and runs `step`, which chooses from the
+        estimates prev leaves, the policy counting one step for the round that runs): a round
+        with drafts after a K = 0 step (it first runs the deferred passes from committed
+        tokens, `MTPWorker.catch_up`), and a K = 0 round after one with drafts over a seeded
+        sampled request (its sampling draws from the host stream of its count, which prev's
+        accept lengths leave open)."""
+        k = self.draft_length.peek([self._estimate(r) for r in reqs])
+        k1, device = k + 1, self.runner.device
+        if prev is None:
+            states = [state_of(r) for r in reqs]
+            if k and any(s.token is None or s.deferred for s in states):
+                return None
+            starts = [r.kv_len for r in reqs]  # exact: nothing in flight
+            bounds, ends = starts, [st + k1 for st in starts]
+        else:
+            assert isinstance(prev, LaunchedRound)
+            if k and not prev.k:  # deferred passes to catch up, from prev's committed token
+                return None
+            seeded = [r for r in reqs if r.sampling_params.seed is not None]
+            if not k and prev.k and any(not r.sampling_params.is_greedy for r in seeded):
+                return None  # a K = 0 round samples from host streams: its count must be exact
+            order = [prev.index.get(id(r)) for r in reqs]
+            if None in order:
+                return None
+            base = [prev.starts[i] for i in order]  # exact: filled by prev's predecessor
+            ahead = prev.k + 1  # the most prev commits
+            bounds, ends = [b + ahead for b in base], [b + ahead + k1 for b in base]
+        # a round after a larger K may need no new slot: prev's cover it (kv_len never shrinks)
+        ends = [max(e, r.kv_len) for r, e in zip(reqs, ends)]
+        if max(ends) > self.h.req_to_token.shape[1]:
+            return None
+        if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
+            return None
+        self.draft_length.advance(len(reqs))  # the round runs: the policy counts it once
+        for r, e in zip(reqs, ends):
+            r.kv_len = e
+        rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
+        index = to_device(rows, device)
+        # exact without prev; with prev in flight, the count before it (its predecessor is
+        # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
+        generated = [len(r.output_ids) for r in reqs]
+        batch, table = list(reqs), self.h.req_to_token
+        if prev is None:
+            last = to_device([[r.all_ids[-1]] for r in reqs], device)
+            begin = to_device(starts, device)
+            initial = self.worker.first_of(reqs) if k else None
+        else:
+            picked = None if order == list(range(len(prev.reqs))) else to_device(order, device)
+
+        @torch.inference_mode()
+        def run() -> RoundOut:
+            if prev is None:
+                first, start, tail, counts = initial, begin, last, generated
+            else:
+                out: RoundOut = prev.result.result()
+                pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
+                accept_len = pick(out.res.accept_len)
+                start = pick(out.starts) + accept_len + 1
+                counts = counts_after(generated, accept_len, prev.k + 1)
+                tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
+                first = None
+                if k:  # prev drafted (a K = 0 prev is refused above)
+                    first = FirstDrafts(
+                        pick(out.first.tokens),
+                        None if out.first.probs is None else pick(out.first.probs),
+                        pick(out.first.hidden),
+                    )
+            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
+            at = Starts(start, bounds)
+            if not k:
+                return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
+            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, counts, rows)
+            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
+            return RoundOut(res, logits, nxt, start)
+
+        # with prev in flight the starts are filled in by prev's finish; until then (should
+        # prev fail) prev's own: the KV before them is all that is surely valid
+        known = list(starts) if prev is None else list(base)
+        future = self.h.worker.submit(run)
+        self._latest = LaunchedRound(batch, known, future, k, time.perf_counter())
+        return self._latest
+
+    def _plain_round(
+        self,
+        reqs: list[StepRequest],
+        loc: torch.Tensor,  # [B] the slots of the round's positions
+        at: Starts,  # the positions, on the device, with host bounds
+        tail: torch.Tensor,  # [B, 1] the last committed tokens
+        counts: list[int] | Counts,  # tokens generated before the round
+        rows: list[int],
+    ) -> RoundOut:
+        """An overlapped K = 0 round, on the device worker: the plain decoder's step (the
+        decode kind, tokens and logprobs sampled as without MTP) over device positions; the
+        target hidden is copied for the deferred MTP pass (a graph reuses its output). The
+        counts are exact for a seeded sampled row (`launch`), lower bounds otherwise (read by
+        nothing: min_new_tokens is behind every overlapped row)."""
+        seq, bounds = lengths(at, 1)
+        fb = self.runner.build_forward_batch(
+            ForwardMode.DECODE, tail.view(-1), rows, seq, [1] * len(reqs), loc, None, bounds
+        )
+        hidden, logits = self.runner.forward_logits(fb, self.plain_kind)
+        sampled = sample_tokens(logits, reqs, self.vocab, self.h.eos_ids, lower(counts))
+        tokens = sampled.token_ids.view(-1, 1)
+        res = AcceptResult(torch.zeros_like(at.device), tokens)
+        return RoundOut(res, None, None, at.device, hidden.clone(), sampled.logprobs)
+
+    def finish(self, step: LaunchedStep) -> list[StepRequest]:
+        """Reads the round's verdict (the one host read) and commits it; fills in the starts
+        of the round launched after it (where a request leaving now rolls back to). A
+        request the next round does not hold gets its exact `kv_len` back, the slots past it
+        freed. A K = 0 round's positions join the requests' deferred MTP passes; a request it
+        finished runs them now, on the device worker (after the round in flight), so that
+        the prefix cache takes its slots with their MTP KV, as `defer` does. `draft_length`
+        records the accept lengths and the round's seconds: from its launch, or from the
+        previous round's read when it was launched before that (a streak's period)."""
+        assert isinstance(step, LaunchedRound)
+        out: RoundOut = step.result.result()
+        after = self._latest if self._latest is not step else None
+        if after is None:
+            self._latest = None
+        verdict = self._read(out.res, out.logits)
+        if step.k:
+            logprobs = self._logprobs(step.reqs, verdict)
+        else:
+            lps = out.logprobs
+            logprobs = [None if lps is None else lps.rows(i, i + 1) for i in range(len(step.reqs))]
+        committed, estimates, accepted, deferred = [], [], [], []
+        for i, r in enumerate(step.reqs):
+            if r.finished:  # found one round late or aborted: this round's tokens are dropped
+                continue
+            n = verdict.accept_len[i]
+            estimates.append(self._estimate(r))
+            accepted.append(n)
+            self._count(r, step.k, n)
+            self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
+            committed.append(r)
+            if not step.k:
+                deferred.append((r, step.starts[i], out.hidden[i : i + 1]))
+            valid = r.seq_len - 1  # the last committed token has no KV yet
+            j = None if after is None else after.index.get(id(r))
+            if j is not None:
+                after.starts[j] = valid
+            else:
+                r.kv_len = valid
+                self.h.kv.free_positions(r, valid, r.alloc_len)
+        if deferred:
+            self.worker.keep_deferred(*map(list, zip(*deferred)))
+            done = [r for r, *_ in deferred if r.finished]
+            if done:
+                self.h.worker.run(lambda: self.worker.catch_up(done, draft=False))
+        now = time.perf_counter()
+        seconds = now - max(step.launched_at, self._read_at)
+        self._read_at = now
+        if committed:
+            self.draft_length.record(estimates, step.k, accepted, self._timed(seconds))
+        return committed
