@@ -44,30 +44,41 @@ CONFIGS = {
 
 
 def dense_drafts(path: str):
-    """drafts(ids, k) -> (argmax, top-2 gap) of d_1..d_k recomputed densely from committed ids:
-    the main model over them, then MTP step j (its layer, `layer_for_step`) over the tokens
-    after each position with the main model's hidden, extended by the chain so far (the
-    output that drafted each draft, and the draft)."""
+    """drafts(ids, starts, k) -> for each start s, (argmax, top-2 gap) of d_1..d_k recomputed
+    densely from the committed ids[: s + 1]: the main model over them, then MTP step j (its
+    layer, `layer_for_step`) over the tokens after each position with the main model's
+    hidden, extended by the chain so far (the output that drafted each draft, and the draft).
+    Attention is causal, so one forward over all of `ids` gives every prefix's main hidden
+    and first MTP output; each later step runs the chains as one batch, every row
+    right-padded (what follows a row's end cannot reach it)."""
     model, mtp = load_model(path, dtype=torch.float32, load_mtp=True)
     model.eval()
     mtp.eval()
 
+    def top2(o: torch.Tensor) -> tuple[int, float]:
+        top = mtp.compute_logits(o).topk(2)
+        return int(top.indices[0]), float(top.values[0] - top.values[1])
+
     @torch.inference_mode()
-    def drafts(ids: list[int], k: int) -> list[tuple[int, float]]:
-        x = torch.tensor([ids])
-        h = model(x, torch.arange(len(ids)))[0]  # [L, D]
-        tokens, hidden = list(ids[1:]), list(h[:-1])
-        out = []
-        for step in range(k):
-            n = len(tokens)
-            o = mtp(torch.tensor([tokens]), torch.stack(hidden)[None], torch.arange(n), step=step)
-            logits = mtp.compute_logits(o[0, -1])
-            top = logits.topk(2)
-            d = int(top.indices[0])
-            out.append((d, float(top.values[0] - top.values[1])))
-            tokens.append(d)
-            hidden.append(o[0, -1])
-        return out
+    def drafts(ids: list[int], starts: list[int], k: int) -> list[list[tuple[int, float]]]:
+        n = len(ids)
+        h = model(torch.tensor([ids]), torch.arange(n))[0]  # [n, D]
+        first = mtp(torch.tensor([ids[1:]]), h[None, :-1], torch.arange(n - 1), step=0)[0]
+        chains = [[(first[s - 1], top2(first[s - 1]))] for s in starts]  # (output, draft)
+        for step in range(1, k):
+            width = max(starts) + step
+            tokens = torch.zeros(len(starts), width, dtype=torch.long)
+            hidden = h.new_zeros(len(starts), width, h.shape[-1])
+            for i, s in enumerate(starts):
+                drafted = [d for _, (d, _) in chains[i]]
+                tokens[i, : s + step] = torch.tensor(ids[1 : s + 1] + drafted)
+                hidden[i, :s] = h[:s]
+                hidden[i, s : s + step] = torch.stack([o for o, _ in chains[i]])
+            out = mtp(tokens, hidden, torch.arange(width), step=step)  # [chains, width, D]
+            for i, s in enumerate(starts):
+                o = out[i, s + step - 1]
+                chains[i].append((o, top2(o)))
+        return [[d for _, d in chain] for chain in chains]
 
     return drafts
 
@@ -124,15 +135,20 @@ def _record(monkeypatch) -> list[tuple[Any, int, list[int]]]:
 
 
 def _check(name: str, dense, records, k: int) -> None:
-    # a round launched after its request's last one (overlap: dropped) may start past it
-    chains = [(r.all_ids[: s + 1], d) for r, s, d in records if s < len(r.all_ids)]
-    assert len(chains) > 20
-    for ids, got in chains:
-        want = dense(ids, k)
-        for j, (d, (ref, gap)) in enumerate(zip(got, want)):
-            if gap < NEAR_TIE:
-                break  # later drafts follow a different (equally valid) token
-            assert d == ref, f"{name}: draft {j + 1} after {len(ids)} tokens: {d} != dense {ref}"
+    """Every recorded chain against the dense drafts from its request's committed tokens."""
+    by_request: dict[int, tuple[Any, list]] = {}
+    for r, s, d in records:
+        # a round launched after its request's last one (overlap: dropped) may start past it
+        if s < len(r.all_ids):
+            by_request.setdefault(id(r), (r, []))[1].append((s, d))
+    assert sum(len(chains) for _, chains in by_request.values()) > 20
+    for r, chains in by_request.values():
+        wants = dense(list(r.all_ids), [s for s, _ in chains], k)
+        for (s, got), want in zip(chains, wants):
+            for j, (d, (ref, gap)) in enumerate(zip(got, want)):
+                if gap < NEAR_TIE:
+                    break  # later drafts follow a different (equally valid) token
+                assert d == ref, f"{name}: draft {j + 1} after {s + 1} tokens: {d} != dense {ref}"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
