@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from srt_ascend.entrypoints.auth import is_authorized
+from srt_ascend.entrypoints.auth import admin_allowed, is_authorized
 from srt_ascend.entrypoints.generate_input import (
     IGNORED_SAMPLING,
     RENAMED_SAMPLING,
@@ -47,10 +47,30 @@ K, A = "k", "a"
         ("/flush_cache", "Bearer k", K, None, True),
         ("/flush_cache", None, None, A, False),
         ("/generate", None, None, A, True),  # admin key only: normal endpoints stay open
+        # /abort_request: either key passes; the route asks admin_allowed for abort_all
+        ("/abort_request", "Bearer a", K, A, True),
+        ("/abort_request", "Bearer k", K, A, True),
+        ("/abort_request", None, K, A, False),
+        ("/abort_request", None, None, A, True),
     ],
 )
 def test_api_key_decision(path, header, api_key, admin_key, allowed):
     assert is_authorized(path, "POST", header, api_key, admin_key) is allowed
+
+
+@pytest.mark.parametrize(
+    "header, api_key, admin_key, allowed",
+    [
+        (None, None, None, True),
+        (None, None, A, False),
+        ("Bearer k", K, A, False),
+        ("Bearer a", K, A, True),
+        ("Bearer k", K, None, True),
+        (None, K, None, False),
+    ],
+)
+def test_admin_operations_need_the_admin_key_when_one_is_set(header, api_key, admin_key, allowed):
+    assert admin_allowed(header, api_key, admin_key) is allowed
 
 
 def test_options_is_always_allowed():
