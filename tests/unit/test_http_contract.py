@@ -300,3 +300,23 @@ def test_parallel_samples_get_their_own_seeds():
     assert parallel_samples({"seed": "x"}, 2) == [{"seed": "x"}] * 2  # refused later, by name
     for sp in parallel_samples({"seed": 7}, 2):
         SamplingParams.from_dict(sp).verify(100)
+
+
+def test_max_payload_size_is_the_body_bound_with_max_request_body_mb():
+    """SGLang's --max-payload-size (bytes) and --max-request-body-mb are one bound: either
+    sets it, both agreeing is fine, both differing is a one-line start error."""
+    assert prepare_server_args(["--max-payload-size", "1000"]).max_request_body_bytes == 1000
+    same = ["--max-payload-size", str(2 << 20), "--max-request-body-mb", "2"]
+    assert prepare_server_args(same).max_request_body_bytes == 2 << 20
+    assert ServerArgs().max_request_body_bytes == 32 << 20
+    with pytest.raises(ValueError, match="--max-payload-size 1000 and --max-request-body-mb 2 "):
+        ServerArgs(max_payload_size=1000, max_request_body_mb=2.0)
+    with pytest.raises(ValueError, match="--max-payload-size must be >= 1"):
+        ServerArgs(max_payload_size=0)
+
+
+def test_max_tokenize_tokens_flag():
+    assert prepare_server_args(["--max-tokenize-tokens", "64"]).max_tokenize_tokens == 64
+    assert ServerArgs().max_tokenize_tokens is None  # the context length
+    with pytest.raises(ValueError, match="--max-tokenize-tokens must be >= 1"):
+        ServerArgs(max_tokenize_tokens=0)
