@@ -8,7 +8,8 @@ completion with `max_tokens: null`) may generate up to the context length, as in
 Streaming sends `data: {chunk}` with the text delta of one choice (with
 `stream_options.continuous_usage_stats`, also that choice's usage so far), an optional usage
 chunk (`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {"object": "error",
-"message", "type", "param", "code"} (HTTP 400 for a bad request, 404 for an unknown model).
+"message", "type", "param", "code"} (HTTP 400 for a bad request, also for a `model` this server
+does not serve, `Serving.check_model`; 404 for an unknown model on /v1/models/{model}).
 """
 
 from __future__ import annotations

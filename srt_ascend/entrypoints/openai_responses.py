@@ -7,8 +7,11 @@ output, not its instructions). The chat template turns the conversation into the
 sampling fields go through the same check as every other route. With `truncation: "auto"` a
 conversation too long for the context loses its earliest turns (`"disabled"`, the default: the
 request is refused, 400). Responses with `store` (the default) are kept in memory, the most
-recent STORE_LIMIT of them within STORE_MAX_BYTES (response_store.py). Errors have the
-Responses API's shape (`ResponsesError`).
+recent STORE_LIMIT of them within STORE_MAX_BYTES (response_store.py); `metadata` and `user`
+are held to OpenAI's limits before the body is parsed (`check_openai_limits`). A response cut by
+max_output_tokens is `incomplete` (OpenAI's; SGLang says completed); its usage carries SGLang's
+prompt/completion token names beside OpenAI's. Errors have the Responses API's shape
+(`ResponsesError`).
 """
 
 from __future__ import annotations

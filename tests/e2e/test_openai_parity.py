@@ -64,8 +64,14 @@ def _routes(server, v1_fields: dict, native_sp: dict, native_top: dict):
     sp = {"max_new_tokens": 2, **native_sp}
     bodies = [
         ("/generate", {"text": "def f(", "sampling_params": sp, **native_top}),
-        ("/v1/completions", {"model": "tiny-mtp", "prompt": "def f(", "max_tokens": 2, **v1_fields}),
-        ("/v1/chat/completions", {"model": "tiny-mtp", "messages": CHAT, "max_tokens": 2, **v1_fields}),
+        (
+            "/v1/completions",
+            {"model": "tiny-mtp", "prompt": "def f(", "max_tokens": 2, **v1_fields},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mtp", "messages": CHAT, "max_tokens": 2, **v1_fields},
+        ),
     ]
     out = []
     for path, body in bodies:
@@ -114,7 +120,9 @@ def test_openai_client_sees_the_same_decision(server):
 def test_honoured_extensions_change_the_output(srv):
     """top_k=1 is greedy, min_tokens holds back EOS, stop_token_ids stop: as on /generate."""
     client = _client(srv)
-    greedy = client.completions.create(model="tiny-mtp", prompt="def f(", max_tokens=6, temperature=0)
+    greedy = client.completions.create(
+        model="tiny-mtp", prompt="def f(", max_tokens=6, temperature=0
+    )
     top1 = client.completions.create(
         model="tiny-mtp", prompt="def f(", max_tokens=6, temperature=1.0, extra_body={"top_k": 1}
     )
@@ -189,7 +197,10 @@ def test_max_tokens_beyond_the_context_is_400_on_every_route(server):
         ("/generate", {"text": "def f(", "sampling_params": {"max_new_tokens": ctx}}),
         ("/v1/completions", {"model": "tiny-mtp", "prompt": "def f(", "max_tokens": ctx}),
         ("/v1/chat/completions", {"model": "tiny-mtp", "messages": CHAT, "max_tokens": ctx}),
-        ("/v1/chat/completions", {"model": "tiny-mtp", "messages": CHAT, "max_completion_tokens": ctx}),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mtp", "messages": CHAT, "max_completion_tokens": ctx},
+        ),
         ("/v1/responses", {"model": "tiny-mtp", "input": "def f(", "max_output_tokens": ctx}),
     ]
     for path, body in cases:
@@ -402,7 +413,13 @@ def test_streamed_chunks_add_up_to_the_text_a_stop_string_trims(srv, tokenizer):
     sp = {"max_new_tokens": 8, "temperature": 0}
     ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
     stop = tokenizer.decode(ids[1:3])  # spans two tokens: its first arrives a step early
-    body = {"model": "tiny-mtp", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop": [stop],
+    }
     whole = srv.post("/v1/completions", json=body).json()["choices"][0]["text"]
     r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
     chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
@@ -421,7 +438,13 @@ def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
     sp = {"max_new_tokens": 8, "temperature": 0}
     ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
     stop = tokenizer.decode(ids[1:2]) + "QQQZZZ"  # begins like the second token, never completes
-    body = {"model": "tiny-mtp", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop": [stop],
+    }
     body["logprobs"] = 1
     whole = srv.post("/v1/completions", json=body).json()["choices"][0]
     r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
@@ -445,7 +468,12 @@ def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
 def test_cached_tokens_count_each_prompt_once(server):
     """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
     many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""
-    body = {"model": "tiny-mtp", "prompt": [_unique("x ="), _unique("y =")], "max_tokens": 1, "n": 3}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": [_unique("x ="), _unique("y =")],
+        "max_tokens": 1,
+        "n": 3,
+    }
     server.post("/v1/completions", json=body)  # caches both prompts
     used = server.post("/v1/completions", json=body).json()["usage"]
     assert used["prompt_tokens_details"]["cached_tokens"] == used["prompt_tokens"] - 2

@@ -66,7 +66,9 @@ def test_responses_errors_have_the_responses_shape(server):
     no_schema = {"format": {"type": "json_schema", "name": "x"}}
     r = server.post("/v1/responses", json={"model": "tiny-mtp", "input": "a", "text": no_schema})
     assert r.status_code == 400 and "needs its schema" in r.json()["error"]["message"]
-    chat = server.post("/v1/chat/completions", json={"model": "tiny-mtp", "messages": CHAT, "bogus": 1})
+    chat = server.post(
+        "/v1/chat/completions", json={"model": "tiny-mtp", "messages": CHAT, "bogus": 1}
+    )
     assert chat.json()["object"] == "error"  # the other /v1 routes keep SGLang's shape
 
 
