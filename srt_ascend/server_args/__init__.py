@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -282,6 +283,10 @@ class ServerArgs(
             raise ValueError(
                 f"--grammar-backend {self.grammar_backend!r} is not available here "
                 f"(accepted: {', '.join(GRAMMAR_BACKENDS)})"
+            )
+        if self.grammar_backend == "llguidance" and importlib.util.find_spec("llguidance") is None:
+            raise ValueError(
+                "--grammar-backend llguidance needs the llguidance package (pip install llguidance)"
             )
         if self.enable_custom_logit_processor:
             raise ValueError(

@@ -119,7 +119,7 @@ def test_moe_a2a_backend_refused_exit_2(launch_cli, argv, line):
     [
         (
             ("--grammar-backend", "outlines"),
-            "--grammar-backend 'outlines' is not available here (accepted: xgrammar)",
+            "--grammar-backend 'outlines' is not available here (accepted: xgrammar, llguidance)",
         ),
         (
             ("--enable-custom-logit-processor",),
