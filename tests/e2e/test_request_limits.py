@@ -6,6 +6,7 @@ response's `metadata` and `user`, SGLang's names in Responses usage, SGLang's 40
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -149,7 +150,7 @@ def test_the_served_name_the_model_path_and_its_name_are_served(server):
     assert server.get("/v1/models/wrong_model_name").status_code == 404
 
 
-# ---- a server with explicit bounds and another served name ----------------------------------
+# ---- a server with explicit bounds, another served name and llguidance ----------------------
 
 PAYLOAD = 65536
 
@@ -157,7 +158,7 @@ PAYLOAD = 65536
 @pytest.fixture(scope="module")
 def bounded_server(tmp_path_factory):
     args = ("--max-tokenize-tokens", "64", "--max-payload-size", str(PAYLOAD))
-    args += ("--served-model-name", "served-46")
+    args += ("--served-model-name", "served-46", "--grammar-backend", "llguidance")
     with running_server(tmp_path_factory.mktemp("bounded"), *args) as s:
         yield s
 
@@ -200,3 +201,26 @@ def test_a_served_model_name_and_the_path_name_are_served(bounded_server):
     assert (
         _message(r) == "The model `tiny-mtp` does not exist. The served model name is `served-46`."
     )
+
+
+def test_llguidance_serves_grammars_over_http(bounded_server):
+    """--grammar-backend llguidance: a regex and a JSON schema constrain /generate's output;
+    a structural tag (xgrammar's only) and a grammar that does not parse are 400."""
+    s = bounded_server
+    sp = {"max_new_tokens": 24, "temperature": 0, "regex": "[a-z]{2,6}\\([0-9]\\)"}
+    r = s.post("/generate", json={"text": "def f(", "sampling_params": sp})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "stop", out
+    assert re.fullmatch(sp["regex"], out["text"]), out["text"]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    sp = {"max_new_tokens": 200, "temperature": 0, "json_schema": json.dumps(schema)}
+    r = s.post("/generate", json={"text": "x = ", "sampling_params": sp})
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    assert isinstance(json.loads(r.json()["text"])["a"], int), r.text
+    for bad, words in (
+        ({"structural_tag": "{}"}, "structural_tag is not served by --grammar-backend llguidance"),
+        ({"regex": "(a"}, "invalid regex"),
+    ):
+        r = s.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 2, **bad}})
+        assert r.status_code == 400 and words in _message(r), r.text
