@@ -1,5 +1,6 @@
-"""Grammar-constrained generation (regex, JSON schema, EBNF, structural tag) on xgrammar:
-compilation with a cache (GrammarBackend), per-request matchers and token bitmasks."""
+"""Grammar-constrained generation (regex, JSON schema, EBNF, structural tag) on xgrammar or
+llguidance (compilers.py): compilation with a cache (GrammarBackend), per-request matchers and
+token bitmasks."""
 
 from srt_ascend.constrained.grammar_backend import (
     CompiledGrammar,

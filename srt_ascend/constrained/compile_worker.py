@@ -12,8 +12,11 @@ after another: notebooks, test suites), which gives it its own tokenizer and fin
 started at once instead of importing anew; at most one such child waits, and it ends with
 the process.
 
-The child returns xgrammar's serialized CompiledGrammar (JSON), which the parent reads back
-with its own TokenizerInfo; a grammar that does not compile comes back as xgrammar's message.
+What the child compiles with is the lane's compiler's (compilers.py, --grammar-backend): the
+lane sends it the compiler's picklable setup, the child builds its half from it and answers
+each job with a payload (xgrammar's serialized CompiledGrammar; llguidance's validated
+grammar) that the parent's half loads; a grammar that does not compile comes back as the
+library's message.
 """
 
 from __future__ import annotations
@@ -80,11 +83,10 @@ class CompileLane:
     """One child process compiling jobs in order, each bounded by `timeout` seconds (None: no
     bound). Thread-safe; `submit` never blocks."""
 
-    def __init__(
-        self, info: xgr.TokenizerInfo, ws: JsonWhitespace, timeout: float | None, name: str
-    ) -> None:
-        self._info, self._ws, self._timeout = info, ws, timeout
-        self._info_json = info.serialize_json()
+    def __init__(self, compiler, ws: JsonWhitespace, timeout: float | None, name: str) -> None:
+        """`compiler`: the parent half of a grammar library (compilers.COMPILERS)."""
+        self._compiler, self._ws, self._timeout = compiler, ws, timeout
+        self._setup = compiler.setup()
         self._jobs: queue.Queue = queue.Queue()
         self._closing = threading.Lock()  # `close` and `submit`: no job queued after the end
         self._child: tuple[subprocess.Popen, Connection, Connection] | None = None
@@ -167,7 +169,7 @@ class CompileLane:
             self._child = _take_spare() or _spawn()
             _, send, recv = self._child
             try:
-                send.send((self._info_json, self._ws))  # read by the child once imported
+                send.send((self._setup, self._ws))  # read by the child once imported
                 started = recv.poll(START_TIMEOUT) and recv.recv() == "started"
             except (EOFError, OSError):  # the child exited (it could not import or start)
                 started = False
@@ -178,7 +180,7 @@ class CompileLane:
             self._set_started(True)
         return self._child
 
-    def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, source: str):
         _, send, recv = self._ensure_child()
         try:
             send.send((kind, source))
@@ -192,7 +194,7 @@ class CompileLane:
         ok, payload = self._answer(kind, recv, self._timeout, late)
         if not ok:
             raise GrammarError(payload)
-        return xgr.CompiledGrammar.deserialize_json(payload, self._info)
+        return self._compiler.load(payload)
 
     def _answer(self, kind: str, recv: Connection, timeout: float | None, late: str):
         """The child's next message within `timeout` seconds; else the child is killed and
@@ -312,23 +314,21 @@ def _import_path() -> str:
 
 
 def serve(recv: Connection, send: Connection) -> None:
-    """The child: reads the tokenizer info and says "started" once its compiler is built; then
-    reads (kind, source) jobs and answers each with (True, serialized grammar) or (False,
-    message), until a None job (its lane closed: the next message is another lane's
-    tokenizer info). It returns quietly when the parent goes away: its pipe closed
-    (EOFError), cut in the middle of a message (OSError: the parent was killed or exited while
-    sending), or closed while the child answers (BrokenPipeError)."""
+    """The child: reads its compiler's setup and says "started" once the compiler is built;
+    then reads (kind, source) jobs and answers each with (True, payload) or (False, message),
+    until a None job (its lane closed: the next message is another lane's setup). It returns
+    quietly when the parent goes away: its pipe closed (EOFError), cut in the middle of a
+    message (OSError: the parent was killed or exited while sending), or closed while the
+    child answers (BrokenPipeError)."""
     try:
         while True:
-            info_json, ws = recv.recv()
-            compiler = xgr.GrammarCompiler(
-                xgr.TokenizerInfo.deserialize_json(info_json), max_threads=1, cache_enabled=False
-            )
+            setup, ws = recv.recv()
+            compiler = setup.build(ws)
             send.send("started")
             while (job := recv.recv()) is not None:
                 kind, source = job
                 try:
-                    answer = (True, compile_grammar(compiler, kind, source, ws).serialize_json())
+                    answer = (True, compiler.compile(kind, source))
                 except GrammarError as e:
                     answer = (False, str(e))
                 send.send(answer)

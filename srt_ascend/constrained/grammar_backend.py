@@ -1,4 +1,5 @@
-"""Compiles request grammars with xgrammar, off the caller's thread, once per grammar.
+"""Compiles request grammars (xgrammar, or llguidance with --grammar-backend llguidance; see
+compilers.py), off the caller's thread, once per grammar.
 
 `GrammarBackend.compile((kind, source))` returns a Future of the CompiledGrammar; the futures
 are cached by (kind, source), so concurrent requests with one schema share one compile and
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import xgrammar as xgr
 
 from srt_ascend.constrained.compile_worker import CompileLane, GrammarError, JsonWhitespace
+from srt_ascend.constrained.compilers import COMPILERS
 
 CompiledGrammar = xgr.CompiledGrammar
 
@@ -41,6 +43,7 @@ class GrammarOptions:
     json_max_whitespace: int | None = None  # most consecutive whitespace chars; None: unbounded
     compile_timeout: float | None = None  # seconds one compile may run; None: no bound
     max_size: int | None = None  # most characters in a source; None: no bound
+    backend: str = "xgrammar"  # the grammar library (compilers.COMPILERS, --grammar-backend)
 
     @classmethod
     def from_args(cls, args, bounded: bool = True) -> GrammarOptions:
@@ -51,6 +54,7 @@ class GrammarOptions:
             json_max_whitespace=args.constrained_json_max_whitespace_cnt or None,
             compile_timeout=args.grammar_compile_timeout if bounded else None,
             max_size=args.grammar_max_size if bounded else None,
+            backend=args.grammar_backend,
         )
 
 
@@ -67,14 +71,12 @@ class GrammarBackend:
         """`tokenizer`: the checkpoint's Hugging Face tokenizer; `vocab_size`: the model's (the
         logits' width, which may exceed the tokenizer's); `stop_token_ids`: the tokens that end
         generation (EOS), which a grammar allows once it is complete."""
-        info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
-        )
         self.vocab_size = vocab_size
         self.options = options = options or GrammarOptions()
+        compiler = COMPILERS[options.backend].for_tokenizer(tokenizer, vocab_size, stop_token_ids)
         ws = JsonWhitespace(options.json_any_whitespace, options.json_max_whitespace)
-        self._small = CompileLane(info, ws, options.compile_timeout, "small")
-        self._large = CompileLane(info, ws, options.compile_timeout, "large")
+        self._small = CompileLane(compiler, ws, options.compile_timeout, "small")
+        self._large = CompileLane(compiler, ws, options.compile_timeout, "large")
         self._small.start()  # the large lane's child starts at its first grammar
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._bytes: dict[tuple[str, str], int] = {}  # compiled sizes of cached grammars

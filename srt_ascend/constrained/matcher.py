@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
-from srt_ascend.constrained.grammar_backend import CompiledGrammar
+from srt_ascend.constrained.compilers import LLGuidanceGrammar
 from srt_ascend.utils import to_device
 
 _BITS = 32
@@ -23,8 +23,9 @@ class Grammar:
     """One request's position in its grammar: advanced over every token it commits; drafts
     not yet verified are looked ahead over and rolled back (`fill_bitmask`)."""
 
-    def __init__(self, compiled: CompiledGrammar) -> None:
-        self._matcher = xgr.GrammarMatcher(compiled)
+    def __init__(self, compiled: xgr.CompiledGrammar | LLGuidanceGrammar) -> None:
+        """A matcher at the grammar's start, of the library that compiled it (`MATCHERS`)."""
+        self._matcher = MATCHERS[type(compiled)](compiled)
 
     def accept(self, token: int) -> bool:
         """Advances over a committed token; False (state unchanged) if the grammar forbids it."""
@@ -59,6 +60,46 @@ class Grammar:
                     _allow_only(bitmask, row, m.stop_token_ids)
         if n:
             m.rollback(n)
+
+
+class LLGuidanceMatcher:
+    """llguidance's matcher behind xgrammar's GrammarMatcher interface (the one Grammar uses):
+    a token the grammar forbids is refused without moving (llguidance's matcher would enter
+    its error state for good), and a stop token is accepted where the grammar may end and
+    terminates it. Stop tokens are kept here, never given to llguidance (which takes one
+    after its grammar is complete without counting it), so rollbacks count alike."""
+
+    def __init__(self, compiled: LLGuidanceGrammar) -> None:
+        self._m = compiled.matcher.deep_copy()
+        self.stop_token_ids = compiled.stop_token_ids
+        self._stops = set(compiled.stop_token_ids)
+        self._ended = False  # a stop token accepted: the last token, held here
+
+    def accept_token(self, token: int) -> bool:
+        if self._ended:
+            return False
+        if token in self._stops:
+            m = self._m  # the grammar may end here: complete, and nothing must follow
+            self._ended = m.is_accepting() and (m.is_stopped() or m.validate_tokens([token]) == 1)
+            return self._ended
+        return self._m.validate_tokens([token]) == 1 and self._m.consume_token(token)
+
+    def is_terminated(self) -> bool:
+        return self._ended
+
+    def rollback(self, n: int) -> None:
+        if self._ended:
+            self._ended, n = False, n - 1
+        if n:
+            self._m.rollback(n)
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self._m, bitmask, row)
+
+
+MATCHERS = {xgr.CompiledGrammar: xgr.GrammarMatcher, LLGuidanceGrammar: LLGuidanceMatcher}
 
 
 def _allow_only(bitmask: torch.Tensor, row: int, tokens: Sequence[int]) -> None:

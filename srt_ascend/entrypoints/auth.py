@@ -3,6 +3,10 @@
 - `/health*` and `/metrics` are always open (probes and scrapers carry no secrets).
 - Admin endpoints (`ADMIN_PATHS`, SGLang's ADMIN_OPTIONAL level): with an admin key they need
   it (the API key does not open them); else the API key when one is set; else open.
+- Routes with an admin operation chosen by their body (`MIXED_PATHS`: /abort_request's
+  `abort_all`) let either key through; the route asks `admin_allowed` before an admin
+  operation (the ADMIN_PATHS rule), so with an admin key only it may abort every request,
+  while an abort by rid stays a user operation.
 - Every other endpoint needs `Authorization: Bearer <api key>` when an API key is set.
 A refused request gets HTTP 401 with the route's error shape. The middleware is plain ASGI
 (not BaseHTTPMiddleware) so client disconnects still reach the routes.
@@ -16,6 +20,8 @@ from srt_ascend.entrypoints.http_utils import route_error_response
 
 OPEN_PREFIXES = ("/health", "/metrics")
 ADMIN_PATHS = frozenset({"/flush_cache"})
+MIXED_PATHS = frozenset({"/abort_request"})
+UNAUTHORIZED = "missing or wrong API key: send the header Authorization: Bearer <key>"
 
 
 def _bearer_matches(header: str | None, key: str) -> bool:
@@ -31,11 +37,30 @@ def is_authorized(
     """The decision alone (pure, unit-tested)."""
     if method == "OPTIONS" or path.startswith(OPEN_PREFIXES):
         return True
-    if path in ADMIN_PATHS and admin_key:
+    if path in ADMIN_PATHS:
+        return admin_allowed(authorization, api_key, admin_key)
+    if path in MIXED_PATHS and admin_key and _bearer_matches(authorization, admin_key):
+        return True  # the route checks which operation the admin key may run
+    if api_key:
+        return _bearer_matches(authorization, api_key)
+    return True
+
+
+def admin_allowed(authorization: str | None, api_key: str | None, admin_key: str | None) -> bool:
+    """Whether an admin operation may run (SGLang's ADMIN_OPTIONAL level): with an admin key
+    only it opens them; else the API key when one is set; else they are open."""
+    if admin_key:
         return _bearer_matches(authorization, admin_key)
     if api_key:
         return _bearer_matches(authorization, api_key)
     return True
+
+
+def unauthorized_response(path: str):
+    """HTTP 401 in the route's error shape, asking for a bearer token."""
+    response = route_error_response(path, UNAUTHORIZED, 401)
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 class ApiKeyMiddleware:
@@ -54,7 +79,4 @@ class ApiKeyMiddleware:
         if is_authorized(path, scope["method"], authorization, self.api_key, self.admin_api_key):
             await self.app(scope, receive, send)
             return
-        message = "missing or wrong API key: send the header Authorization: Bearer <key>"
-        response = route_error_response(path, message, 401)
-        response.headers["WWW-Authenticate"] = "Bearer"
-        await response(scope, receive, send)
+        await unauthorized_response(path)(scope, receive, send)

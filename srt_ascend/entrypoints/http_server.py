@@ -22,7 +22,7 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from srt_ascend.entrypoints.auth import ApiKeyMiddleware
+from srt_ascend.entrypoints.auth import ApiKeyMiddleware, admin_allowed, unauthorized_response
 from srt_ascend.entrypoints.generate_input import (
     AbortRequest,
     GenerateItem,
@@ -248,11 +248,17 @@ async def flush_cache(request: Request, timeout: float = Query(0.0, ge=0.0)):
 
 @router.post("/abort_request", openapi_extra=json_body_spec(AbortRequest, NativeError))
 async def abort_request(request: Request):
-    """{"rid": ...} aborts one request, {"abort_all": true} every one; their KV is freed."""
+    """{"rid": ...} aborts one request, {"abort_all": true} every one; their KV is freed.
+    Aborting all is an admin operation: with --admin-api-key only that key may (401)."""
     body = parse_body(AbortRequest, await read_json(request))
     if not body.rid and not body.abort_all:
         raise RequestError("give the rid of the request to abort, or abort_all: true")
-    _serving(request).tm.abort("" if body.abort_all else body.rid)
+    serving = _serving(request)
+    if body.abort_all:
+        args, header = serving.args, request.headers.get("authorization")
+        if not admin_allowed(header, args.api_key, args.admin_api_key):
+            return unauthorized_response(request.url.path)
+    serving.tm.abort("" if body.abort_all else body.rid)
     return Response(status_code=200)
 
 

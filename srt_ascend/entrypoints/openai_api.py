@@ -8,7 +8,8 @@ completion with `max_tokens: null`) may generate up to the context length, as in
 Streaming sends `data: {chunk}` with the text delta of one choice (with
 `stream_options.continuous_usage_stats`, also that choice's usage so far), an optional usage
 chunk (`stream_options.include_usage`) and `data: [DONE]`. Errors are SGLang's {"object": "error",
-"message", "type", "param", "code"} (HTTP 400 for a bad request, 404 for an unknown model).
+"message", "type", "param", "code"} (HTTP 400 for a bad request, also for a `model` this server
+does not serve, `Serving.check_model`; 404 for an unknown model on /v1/models/{model}).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ from srt_ascend.entrypoints.openai_tokenize import (
     TokenizeRequest,
     TokenizeServing,
 )
-from srt_ascend.entrypoints.serving import Serving, until_disconnected
+from srt_ascend.entrypoints.serving import Serving, served_model_names, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
 OPENAI_BODY_MODELS = [
@@ -297,6 +298,7 @@ class OpenAIServing:
         body = await read_json(request)
         self.refuse_oversized(body, "prompt")
         obj = parse_body(CompletionRequest, body)
+        self.serving.check_model(obj.model)
         self.serving.check_prompt_count(num_prompts(obj.prompt) * obj.n)  # before tokenizing
         prompts, prompt_texts = await self._completion_prompts(obj)
         self.serving.admit(len(prompts) * obj.n)
@@ -355,26 +357,28 @@ class OpenAIServing:
 
     def refuse_oversized(self, body: Any, field: str) -> None:
         """Before the body is validated (pydantic holds the event loop for time linear in the
-        list): chat `messages` (each takes at least one token of the prompt) or a token-id
-        `prompt` longer than the context length cannot fit; RequestError (400)."""
+        list): chat `messages` (each takes at least one token of the prompt) more than the
+        tokenize bound (`tm.max_tokenize_tokens`), or a token-id `prompt` longer than the
+        context length, cannot fit; RequestError (400)."""
         value = body.get(field) if isinstance(body, dict) else None
-        if not isinstance(value, list) or len(value) <= self.tm.context_len:
+        if not isinstance(value, list) or not value:
             return
         if field == "messages":
-            unit = "messages"
+            unit, limit = "messages", self.tm.max_tokenize_tokens
+            bound = self.tm.tokenize_bound()
         elif isinstance(value[0], int):
-            unit = "tokens"
+            unit, limit = "tokens", self.tm.context_len
+            bound = f"the model's context length ({limit} tokens)"
         else:
             return  # a batch of prompts: each is checked once parsed
-        raise RequestError(
-            f"{field}: {len(value)} {unit} cannot fit the model's context length "
-            f"({self.tm.context_len} tokens)"
-        )
+        if len(value) > limit:
+            raise RequestError(f"{field}: {len(value)} {unit} cannot fit {bound}")
 
     async def chat_completions(self, request: Request):
         body = await read_json(request)
         self.refuse_oversized(body, "messages")
         obj = parse_body(ChatCompletionRequest, body)
+        self.serving.check_model(obj.model)
         self._check_max_completion_tokens(obj)
         ids = await self.chat_prompt(obj)
         self.serving.admit(obj.n)
@@ -488,9 +492,10 @@ class OpenAIServing:
         return {"object": "list", "data": [self.model_card()]}
 
     def model(self, model: str) -> ORJSONResponse:
-        """GET /v1/models/{model}: the served model's card; 404 for any other name."""
+        """GET /v1/models/{model}: the served model's card for any of its names
+        (`served_model_names`); 404 for any other name."""
         card = self.model_card()
-        if model != card["id"]:
+        if model not in served_model_names(self.serving.args):
             raise HTTPStatusError(404, f"The model '{model}' does not exist")
         return ORJSONResponse(card)
 

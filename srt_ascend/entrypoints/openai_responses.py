@@ -7,8 +7,11 @@ output, not its instructions). The chat template turns the conversation into the
 sampling fields go through the same check as every other route. With `truncation: "auto"` a
 conversation too long for the context loses its earliest turns (`"disabled"`, the default: the
 request is refused, 400). Responses with `store` (the default) are kept in memory, the most
-recent STORE_LIMIT of them within STORE_MAX_BYTES (response_store.py). Errors have the
-Responses API's shape (`ResponsesError`).
+recent STORE_LIMIT of them within STORE_MAX_BYTES (response_store.py); `metadata` and `user`
+are held to OpenAI's limits before the body is parsed (`check_openai_limits`). A response cut by
+max_output_tokens is `incomplete` (OpenAI's; SGLang says completed); its usage carries SGLang's
+prompt/completion token names beside OpenAI's. Errors have the Responses API's shape
+(`ResponsesError`).
 """
 
 from __future__ import annotations
@@ -39,6 +42,51 @@ from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
 ChatIds = Callable[[list[dict]], Awaitable[list[int]]]  # chat messages -> prompt token ids
+# OpenAI's limits on a response's `metadata` (string keys and values) and `user`
+METADATA_MAX_KEYS, METADATA_MAX_KEY_CHARS, METADATA_MAX_VALUE_CHARS = 16, 64, 512
+USER_MAX_CHARS = 64
+
+
+def check_openai_limits(body: object) -> None:
+    """OpenAI's bounds on `metadata` (at most 16 string keys of at most 64 characters, string
+    values of at most 512) and `user` (at most 64 characters), checked on the raw body before
+    it is validated or copied; RequestError (400) naming the field past them."""
+    if not isinstance(body, dict):
+        return
+    metadata, user = body.get("metadata"), body.get("user")
+    if isinstance(user, str) and len(user) > USER_MAX_CHARS:
+        raise RequestError(
+            f"Invalid 'user': string too long. Expected a string with maximum length "
+            f"{USER_MAX_CHARS}, but got a string with length {len(user)} instead.",
+            param="user",
+        )
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise RequestError("metadata must be an object of strings", param="metadata")
+    if len(metadata) > METADATA_MAX_KEYS:
+        raise RequestError(
+            f"Invalid 'metadata': too many properties. Expected an object with at most "
+            f"{METADATA_MAX_KEYS} properties, but got an object with {len(metadata)} "
+            "properties instead.",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_KEY_CHARS:
+            raise RequestError(
+                f"Invalid 'metadata': a key is {len(key)} characters long; keys may have at "
+                f"most {METADATA_MAX_KEY_CHARS}",
+                param="metadata",
+            )
+        if not isinstance(value, str):
+            raise RequestError(f"metadata.{key}: values must be strings", param="metadata")
+        if len(value) > METADATA_MAX_VALUE_CHARS:
+            raise RequestError(
+                f"Invalid 'metadata.{key}': string too long. Expected a string with maximum "
+                f"length {METADATA_MAX_VALUE_CHARS}, but got a string with length "
+                f"{len(value)} instead.",
+                param="metadata",
+            )
 
 
 class InputText(BaseModel):
@@ -111,7 +159,7 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     text: TextConfig | None = None
-    metadata: dict | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's limits: check_openai_limits
     user: str | None = None
     tool_choice: Literal["none", "auto"] = "auto"
     tools: list[dict] | None = None
@@ -165,7 +213,10 @@ class ResponsesServing:
         return history + obj.messages()
 
     async def create(self, request: Request):
-        obj = parse_body(ResponsesRequest, await read_json(request))
+        body = await read_json(request)
+        check_openai_limits(body)
+        obj = parse_body(ResponsesRequest, body)
+        self.serving.check_model(obj.model)
         ids, conversation = await self._prompt(obj, self._conversation(obj))
         sp = clean_sampling_params(obj.sampling_params(), prefix="")
         if obj.max_output_tokens is None:
@@ -233,13 +284,9 @@ class ResponsesServing:
             "status": "incomplete" if reason == "length" else "completed",
             "incomplete_details": ({"reason": "max_output_tokens"} if reason == "length" else None),
             "output": [_message(head["id"], out["text"], "completed")],
-            "usage": {
-                "input_tokens": meta["prompt_tokens"],
-                "input_tokens_details": {"cached_tokens": meta["cached_tokens"]},
-                "output_tokens": meta["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
-                "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"],
-            },
+            "usage": _usage(
+                meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]
+            ),
         }
         if obj.store:
             turn = conversation + [{"role": "assistant", "content": out["text"]}]
@@ -314,6 +361,20 @@ def _response_head(obj: ResponsesRequest) -> dict:
         "metadata": obj.metadata or {},
         "store": obj.store,
         "user": obj.user,
+    }
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict:
+    """OpenAI's Responses usage, and beside it SGLang's names for the same counts
+    (`prompt_tokens`, `completion_tokens`), which SGLang's clients read."""
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
     }
 
 

@@ -72,6 +72,7 @@ class ScoreServing:
                 f"items: {len(items)} items; a request takes at most {MAX_SCORE_ITEMS}"
             )
         obj = parse_body(ScoreRequest, body)
+        self.serving.check_model(obj.model)
         prompts = await self._prompts(obj)
         labels = obj.label_token_ids
         vocab = self.tm.runner.vocab_size

@@ -52,7 +52,7 @@ class TokenizeServing:
     def __init__(self, serving: Serving, api) -> None:
         """`api`: the OpenAIServing whose chat template rendering (`chat_ids`) and body checks
         (`refuse_oversized`) chat completions use."""
-        self.tm, self.api = serving.tm, api
+        self.serving, self.tm, self.api = serving, serving.tm, api
 
     async def tokenize(self, request: Request) -> ORJSONResponse:
         body = await read_json(request)
@@ -61,6 +61,7 @@ class TokenizeServing:
         if isinstance(prompts, list):
             self._check_count("prompt", len(prompts), "texts")
         obj = parse_body(TokenizeRequest, body)
+        self.serving.check_model(obj.model)
         if (obj.prompt is None) == (obj.messages is None):
             raise RequestError("exactly one of 'prompt' or 'messages' must be given")
         if obj.messages is not None:
@@ -97,6 +98,7 @@ class TokenizeServing:
                     f"({self.tm.context_len} tokens)"
                 )
         obj = parse_body(DetokenizeRequest, body)
+        self.serving.check_model(obj.model)
         nested = bool(obj.tokens) and isinstance(obj.tokens[0], list)
         lists = obj.tokens if nested else [obj.tokens]
         texts = await self.tm.off_loop(self._decode, lists, obj.skip_special_tokens)

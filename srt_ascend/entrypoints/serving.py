@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -21,6 +22,15 @@ from srt_ascend.metrics import RequestStats, ServerMetrics
 from srt_ascend.server_args import ServerArgs
 
 DISCONNECT_POLL_S = 0.5
+DEFAULT_MODEL_NAME = "default"  # SGLang's `model` when a request names none
+
+
+def served_model_names(args: ServerArgs) -> frozenset[str]:
+    """The names a request's `model` may give this server's model: --served-model-name, the
+    model path and its last component, and SGLang's default name (a request naming none)."""
+    path = args.model_path.rstrip("/")
+    names = {args.model_name, path, os.path.basename(path), DEFAULT_MODEL_NAME}
+    return frozenset(n for n in names if n)
 
 
 class ClientDisconnected(Exception):
@@ -36,6 +46,26 @@ class Serving:
         self.metrics = ServerMetrics(server_args.model_name, server_args.spec_enabled)
 
     # ---- building requests --------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        """RequestError (400, SGLang's words) unless `model` names the served model
+        (`served_model_names`); SGLang's `name:adapter` names a LoRA adapter, which this
+        server does not serve."""
+        names = served_model_names(self.args)
+        if model in names:
+            return
+        base, _, adapter = model.partition(":")
+        if adapter and base in names:
+            raise RequestError(
+                f"LoRA adapter '{adapter}' was requested, but LoRA is not enabled: this "
+                "server serves no adapters",
+                param="model",
+            )
+        raise RequestError(
+            f"The model `{model}` does not exist. The served model name is "
+            f"`{self.args.model_name}`.",
+            param="model",
+        )
 
     def make_request(self, input_ids: list[int], sampling_params: dict, **kw: Any):
         """TokenizerManager.make_request, always streaming inside the server (so the first

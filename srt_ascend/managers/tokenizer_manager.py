@@ -112,8 +112,10 @@ class TokenizerManager:
         self.runner = self.scheduler.runner
         self.context_len = self.runner.context_len
         # Tokenization runs here, off the event loop; texts that cannot fit are refused first.
+        # One bound for every route that tokenizes: --max-tokenize-tokens, else the context.
         self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
-        self.max_text_chars = self.context_len * _max_token_chars(self.tokenizer)
+        self.max_tokenize_tokens = self.args.max_tokenize_tokens or self.context_len
+        self.max_text_chars = self.max_tokenize_tokens * _max_token_chars(self.tokenizer)
         # Grammars compile in its threads, cached by grammar (see attach_grammar).
         self.grammars = GrammarBackend(
             self.tokenizer,
@@ -163,14 +165,25 @@ class TokenizerManager:
 
     async def tokenize_async(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """`tokenize` in the tokenizer thread, so the event loop keeps serving (/health).
-        A text too long to fit the context whatever its tokens is refused before tokenizing
-        (RequestError, the same message as an over-long token input)."""
+        Every route tokenizes through here, under one bound (`max_tokenize_tokens`): a text
+        with more characters than that many tokens can cover is refused before tokenizing,
+        one with more tokens right after (RequestError, 400), before the route's work."""
         if len(text) > self.max_text_chars:
             raise RequestError(
-                f"the input ({len(text)} characters) is longer than the model's context length "
-                f"({self.context_len} tokens)"
+                f"the input ({len(text)} characters) is longer than {self.tokenize_bound()}"
             )
-        return await self.off_loop(self.tokenize, text, add_special_tokens)
+        ids = await self.off_loop(self.tokenize, text, add_special_tokens)
+        if len(ids) > self.max_tokenize_tokens:
+            raise RequestError(
+                f"the input ({len(ids)} tokens) is longer than {self.tokenize_bound()}"
+            )
+        return ids
+
+    def tokenize_bound(self) -> str:
+        """The tokenize bound in words, for refusals."""
+        if self.args.max_tokenize_tokens is None:
+            return f"the model's context length ({self.context_len} tokens)"
+        return f"--max-tokenize-tokens ({self.max_tokenize_tokens} tokens)"
 
     async def off_loop(self, fn: Callable[..., T], *args) -> T:
         """`fn(*args)` in the tokenizer thread, so that the event loop keeps serving (/health,

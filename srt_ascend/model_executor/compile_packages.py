@@ -71,6 +71,8 @@ SERVING_ONLY_ARGS = frozenset(
         "api_key",
         "admin_api_key",
         "max_request_body_mb",
+        "max_payload_size",
+        "max_tokenize_tokens",
         "request_read_timeout",
         "max_queued_requests",
         "max_prompts_per_request",

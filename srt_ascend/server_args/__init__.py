@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -88,6 +89,11 @@ class ServerArgs(
     max_queued_requests: int | None = None
     max_prompts_per_request: int = 4096  # generations one HTTP request may ask (prompts x n)
     shutdown_timeout: float = 20.0
+    # request bounds (issue 46): SGLang's body bound in bytes, one bound with
+    # --max-request-body-mb (None: that flag's); the most tokens a text any route tokenizes
+    # may have (None: the context length)
+    max_payload_size: int | None = None
+    max_tokenize_tokens: int | None = None
     # memory and scheduling
     max_running_requests: int = 64
     max_total_tokens: int | None = None
@@ -213,6 +219,7 @@ class ServerArgs(
             raise ValueError("--max-prompts-per-request must be >= 1")
         if not self.max_request_body_mb > 0:
             raise ValueError("--max-request-body-mb must be > 0")
+        self._check_request_bounds()
         if not self.shutdown_timeout >= 0:
             raise ValueError("--shutdown-timeout must be >= 0")
         if not self.request_read_timeout > 0:
@@ -276,6 +283,10 @@ class ServerArgs(
             raise ValueError(
                 f"--grammar-backend {self.grammar_backend!r} is not available here "
                 f"(accepted: {', '.join(GRAMMAR_BACKENDS)})"
+            )
+        if self.grammar_backend == "llguidance" and importlib.util.find_spec("llguidance") is None:
+            raise ValueError(
+                "--grammar-backend llguidance needs the llguidance package (pip install llguidance)"
             )
         if self.enable_custom_logit_processor:
             raise ValueError(

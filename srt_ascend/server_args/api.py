@@ -1,5 +1,6 @@
-"""ServerArgs' API and admission flags: keys, body size, read deadline, queue and batch limits,
-shutdown; the secrets no route returns."""
+"""ServerArgs' API and admission flags: keys, body size (--max-request-body-mb or SGLang's
+--max-payload-size), the tokenize bound, read deadline, queue and batch limits, shutdown; the
+secrets no route returns."""
 
 from __future__ import annotations
 
@@ -27,7 +28,24 @@ class ApiArgsMixin:
 
     @property
     def max_request_body_bytes(self) -> int:
+        if self.max_payload_size is not None:
+            return self.max_payload_size
         return int(self.max_request_body_mb * (1 << 20))
+
+    def _check_request_bounds(self) -> None:
+        """--max-payload-size and --max-request-body-mb name one bound: both set (the MiB one
+        off its default) to different sizes is an error; --max-tokenize-tokens >= 1."""
+        payload, mb = self.max_payload_size, self.max_request_body_mb
+        if payload is not None and payload < 1:
+            raise ValueError("--max-payload-size must be >= 1 (bytes)")
+        default_mb = self.__dataclass_fields__["max_request_body_mb"].default
+        if payload is not None and mb != default_mb and int(mb * (1 << 20)) != payload:
+            raise ValueError(
+                f"--max-payload-size {payload} and --max-request-body-mb {mb:g} give two "
+                "different request body bounds: give one of them"
+            )
+        if self.max_tokenize_tokens is not None and self.max_tokenize_tokens < 1:
+            raise ValueError("--max-tokenize-tokens must be >= 1")
 
 
 def add_api_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]) -> None:
@@ -47,6 +65,21 @@ def add_api_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.F
         type=float,
         default=d["max_request_body_mb"].default,
         help="largest request body accepted (MiB); larger ones get HTTP 413",
+    )
+    a(
+        "--max-payload-size",
+        type=int,
+        default=None,
+        help="SGLang's spelling of the request body bound, in bytes (one bound with "
+        "--max-request-body-mb: giving both with different sizes is an error)",
+    )
+    a(
+        "--max-tokenize-tokens",
+        type=int,
+        default=None,
+        help="most tokens a text may have on any route that tokenizes (/generate, "
+        "/v1/*, /tokenize, chat templates, score, responses); more get HTTP 400 "
+        "(default: the context length)",
     )
     a(
         "--request-read-timeout",

@@ -7,9 +7,9 @@ import argparse
 import dataclasses
 from collections.abc import Mapping
 
-# --grammar-backend values served here: xgrammar (SGLang's default). SGLang's outlines,
-# llguidance and none are not available.
-GRAMMAR_BACKENDS = ("xgrammar",)
+# --grammar-backend values served here: xgrammar (SGLang's default) and llguidance
+# (constrained/compilers.py). SGLang's outlines and none are not available.
+GRAMMAR_BACKENDS = ("xgrammar", "llguidance")
 
 
 def add_constrained_flags(
@@ -25,8 +25,8 @@ def add_constrained_flags(
     a(
         "--grammar-backend",
         default=d["grammar_backend"].default,
-        help="constrained-generation backend: xgrammar (the only one here; SGLang's "
-        "outlines, llguidance and none are refused)",
+        help="constrained-generation backend: xgrammar or llguidance (SGLang's outlines "
+        "and none are refused)",
     )
     a(
         "--enable-custom-logit-processor",

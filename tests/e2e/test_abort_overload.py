@@ -132,7 +132,7 @@ def test_queue_full_is_503_and_counted(small_server):
         r = small_server.post("/generate", json={"text": "a", "sampling_params": {}})
         assert r.status_code == 503
         assert "queue is full" in r.json()["error"]["message"]
-        r = small_server.post("/v1/completions", json={"model": "m", "prompt": "a"})
+        r = small_server.post("/v1/completions", json={"model": "tiny-mtp", "prompt": "a"})
         assert r.status_code == 503 and r.json()["code"] == 503
         assert small_server.metric("sglang:num_rejected_requests_total") == before + 2
     finally:

@@ -39,7 +39,7 @@ def test_api_key_is_required(keyed_server):
         r = s.post("/generate", json=GEN, headers=headers)
         assert r.status_code == 401, r.text
         assert "API key" in r.json()["error"]["message"]
-        r = s.post("/v1/completions", json={"model": "m", "prompt": "a"}, headers=headers)
+        r = s.post("/v1/completions", json={"model": "tiny-mtp", "prompt": "a"}, headers=headers)
         assert r.status_code == 401 and r.json()["code"] == 401
         assert s.get("/server_info", headers=headers).status_code == 401
         assert s.get("/v1/models", headers=headers).status_code == 401

@@ -147,7 +147,7 @@ def test_prompt_longer_than_context(server):
     r = server.post("/generate", json={"input_ids": [5] * (ctx + 1), "sampling_params": OK_SP})
     assert r.status_code == 400
     assert "longer than the model's context length" in r.json()["error"]["message"]
-    r = server.post("/v1/completions", json={"model": "m", "prompt": [5] * (ctx + 1)})
+    r = server.post("/v1/completions", json={"model": "tiny-mtp", "prompt": [5] * (ctx + 1)})
     assert r.status_code == 400
     assert "context length" in r.json()["message"]
     # A text that cannot fit whatever its tokens is refused before it is tokenized.
@@ -197,51 +197,51 @@ CHAT = [{"role": "user", "content": "hi"}]
 OPENAI_CASES = {
     "out-of-vocab-ids": (
         "/v1/completions",
-        {"model": "m", "prompt": [1, -1]},
+        {"model": "tiny-mtp", "prompt": [1, -1]},
         "input_ids must be integers in",
     ),
     "out-of-vocab-id-batch": (
         "/v1/completions",
-        {"model": "m", "prompt": [[1, 2], [10**9]]},
+        {"model": "tiny-mtp", "prompt": [[1, 2], [10**9]]},
         "input_ids must be integers in",
     ),
     "malformed-regex-v1": (
         "/v1/completions",
-        {"model": "m", "prompt": "a", "regex": "(a|b"},
+        {"model": "tiny-mtp", "prompt": "a", "regex": "(a|b"},
         "invalid regex",
     ),
     "unknown-field": (
         "/v1/chat/completions",
-        {"model": "m", "messages": CHAT, "max_tokenz": 3},
+        {"model": "tiny-mtp", "messages": CHAT, "max_tokenz": 3},
         "max_tokenz is not supported",
     ),
     "top-logprobs-over-cap": (
         "/v1/chat/completions",
-        {"model": "m", "messages": CHAT, "logprobs": True, "top_logprobs": 21},
+        {"model": "tiny-mtp", "messages": CHAT, "logprobs": True, "top_logprobs": 21},
         "top_logprobs",
     ),
     "malformed-json": ("/v1/completions", b"{", "not valid JSON"),
     "max-tokens-type": (
         "/v1/completions",
-        {"model": "m", "prompt": "a", "max_tokens": "x"},
+        {"model": "tiny-mtp", "prompt": "a", "max_tokens": "x"},
         "max_tokens",
     ),
-    "no-prompt": ("/v1/completions", {"model": "m"}, "prompt: Field required"),
-    "empty-messages": ("/v1/chat/completions", {"model": "m", "messages": []}, "messages"),
+    "no-prompt": ("/v1/completions", {"model": "tiny-mtp"}, "prompt: Field required"),
+    "empty-messages": ("/v1/chat/completions", {"model": "tiny-mtp", "messages": []}, "messages"),
     "bad-role-content": (
         "/v1/chat/completions",
-        {"model": "m", "messages": [{"role": "user", "content": 3}]},
+        {"model": "tiny-mtp", "messages": [{"role": "user", "content": 3}]},
         "content",
     ),
     "unknown-role": (
         "/v1/chat/completions",
-        {"model": "m", "messages": [{"role": "bogus", "content": "hi"}]},
+        {"model": "tiny-mtp", "messages": [{"role": "bogus", "content": "hi"}]},
         "role",
     ),
     "tools": (
         "/v1/chat/completions",
         {
-            "model": "m",
+            "model": "tiny-mtp",
             "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"type": "function", "function": {"name": "f"}}],
         },
@@ -262,7 +262,7 @@ def test_openai_bad_input_is_400(server, case):
 
 
 def test_openai_null_extension_fields_are_accepted(server):
-    body = {"model": "m", "prompt": "a", "max_tokens": 2, "regex": None, "lora_path": None}
+    body = {"model": "tiny-mtp", "prompt": "a", "max_tokens": 2, "regex": None, "lora_path": None}
     r = server.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 2
@@ -271,7 +271,7 @@ def test_openai_null_extension_fields_are_accepted(server):
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/abort_request"])
 def test_json_content_type_is_required(server, path):
     """A form or text/plain POST (what a web page can send cross-site) is refused: 415."""
-    body = b'{"abort_all": true, "text": "a", "prompt": "a", "model": "m"}'
+    body = b'{"abort_all": true, "text": "a", "prompt": "a", "model": "tiny-mtp"}'
     for ctype in ("text/plain", "application/x-www-form-urlencoded", None):
         headers = {"Content-Type": ctype} if ctype else {}
         r = server.post(path, data=body, headers=headers)

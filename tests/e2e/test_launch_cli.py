@@ -64,6 +64,16 @@ def test_bad_grammar_limits_exit_2(launch_cli, argv, line):
     assert error_lines(proc) == [PREFIX + line]
 
 
+def test_two_different_body_bounds_exit_2(launch_cli):
+    """--max-payload-size (SGLang's, bytes) and --max-request-body-mb are one bound."""
+    proc = launch_cli("--max-payload-size", "1000", "--max-request-body-mb", "2")
+    assert proc.returncode == 2
+    assert error_lines(proc) == [
+        PREFIX + "--max-payload-size 1000 and --max-request-body-mb 2 give two different "
+        "request body bounds: give one of them"
+    ]
+
+
 def test_nnodes_without_dist_init_addr_exit_2(launch_cli):
     proc = launch_cli("--tp-size", "2", "--nnodes", "2")
     assert proc.returncode == 2
@@ -109,7 +119,7 @@ def test_moe_a2a_backend_refused_exit_2(launch_cli, argv, line):
     [
         (
             ("--grammar-backend", "outlines"),
-            "--grammar-backend 'outlines' is not available here (accepted: xgrammar)",
+            "--grammar-backend 'outlines' is not available here (accepted: xgrammar, llguidance)",
         ),
         (
             ("--enable-custom-logit-processor",),

@@ -64,8 +64,14 @@ def _routes(server, v1_fields: dict, native_sp: dict, native_top: dict):
     sp = {"max_new_tokens": 2, **native_sp}
     bodies = [
         ("/generate", {"text": "def f(", "sampling_params": sp, **native_top}),
-        ("/v1/completions", {"model": "m", "prompt": "def f(", "max_tokens": 2, **v1_fields}),
-        ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": 2, **v1_fields}),
+        (
+            "/v1/completions",
+            {"model": "tiny-mtp", "prompt": "def f(", "max_tokens": 2, **v1_fields},
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mtp", "messages": CHAT, "max_tokens": 2, **v1_fields},
+        ),
     ]
     out = []
     for path, body in bodies:
@@ -96,7 +102,7 @@ def test_request_field_is_decided_alike_on_every_route(server, field):
 def test_openai_client_sees_the_same_decision(server):
     client = _client(server)
     native = server.post("/generate", json={"text": "a", "sampling_params": {"regex": "[0-9]"}})
-    call = dict(model="m", messages=CHAT, max_tokens=2, extra_body={"regex": "[0-9]"})
+    call = dict(model="tiny-mtp", messages=CHAT, max_tokens=2, extra_body={"regex": "[0-9]"})
     if native.status_code == 400:
         with pytest.raises(openai.BadRequestError, match="regex is not supported"):
             client.chat.completions.create(**call)
@@ -108,15 +114,17 @@ def test_openai_client_sees_the_same_decision(server):
     )
     if native.status_code == 400:
         with pytest.raises(openai.BadRequestError, match="json_schema is not supported"):
-            client.chat.completions.create(model="m", messages=CHAT, response_format=fmt)
+            client.chat.completions.create(model="tiny-mtp", messages=CHAT, response_format=fmt)
 
 
 def test_honoured_extensions_change_the_output(srv):
     """top_k=1 is greedy, min_tokens holds back EOS, stop_token_ids stop: as on /generate."""
     client = _client(srv)
-    greedy = client.completions.create(model="m", prompt="def f(", max_tokens=6, temperature=0)
+    greedy = client.completions.create(
+        model="tiny-mtp", prompt="def f(", max_tokens=6, temperature=0
+    )
     top1 = client.completions.create(
-        model="m", prompt="def f(", max_tokens=6, temperature=1.0, extra_body={"top_k": 1}
+        model="tiny-mtp", prompt="def f(", max_tokens=6, temperature=1.0, extra_body={"top_k": 1}
     )
     assert top1.choices[0].text == greedy.choices[0].text
     native = srv.post(
@@ -125,7 +133,7 @@ def test_honoured_extensions_change_the_output(srv):
     ).json()
     stop_id = native["output_ids"][2]
     stopped = client.completions.create(
-        model="m",
+        model="tiny-mtp",
         prompt="def f(",
         max_tokens=6,
         temperature=0,
@@ -137,7 +145,7 @@ def test_honoured_extensions_change_the_output(srv):
 
 def test_continue_final_message_extends_the_assistant_turn(srv, tokenizer):
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "def f("}]
-    body = {"model": "m", "messages": messages, "max_tokens": 4, "temperature": 0}
+    body = {"model": "tiny-mtp", "messages": messages, "max_tokens": 4, "temperature": 0}
     cont = srv.post("/v1/chat/completions", json={**body, "continue_final_message": True}).json()
     plain = srv.post("/v1/chat/completions", json=body).json()
     open_end = tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
@@ -164,7 +172,7 @@ def test_chat_without_max_tokens_is_not_capped(srv):
     """No 128-token cap (SGLang generates up to the context): the stream is still going past
     128 tokens when the client leaves (which aborts it). Completions keep OpenAI's 16."""
     stream = _client(srv).chat.completions.create(
-        model="m",
+        model="tiny-mtp",
         messages=CHAT,
         stream=True,
         logprobs=True,
@@ -178,7 +186,7 @@ def test_chat_without_max_tokens_is_not_capped(srv):
             if tokens > 130:
                 break
     assert tokens > 130
-    r = srv.post("/v1/completions", json={"model": "m", "prompt": "a", "ignore_eos": True})
+    r = srv.post("/v1/completions", json={"model": "tiny-mtp", "prompt": "a", "ignore_eos": True})
     assert r.json()["usage"]["completion_tokens"] == 16
     srv.wait_idle()
 
@@ -187,10 +195,13 @@ def test_max_tokens_beyond_the_context_is_400_on_every_route(server):
     ctx = server.get("/model_info").json()["context_length"]
     cases = [
         ("/generate", {"text": "def f(", "sampling_params": {"max_new_tokens": ctx}}),
-        ("/v1/completions", {"model": "m", "prompt": "def f(", "max_tokens": ctx}),
-        ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_tokens": ctx}),
-        ("/v1/chat/completions", {"model": "m", "messages": CHAT, "max_completion_tokens": ctx}),
-        ("/v1/responses", {"model": "m", "input": "def f(", "max_output_tokens": ctx}),
+        ("/v1/completions", {"model": "tiny-mtp", "prompt": "def f(", "max_tokens": ctx}),
+        ("/v1/chat/completions", {"model": "tiny-mtp", "messages": CHAT, "max_tokens": ctx}),
+        (
+            "/v1/chat/completions",
+            {"model": "tiny-mtp", "messages": CHAT, "max_completion_tokens": ctx},
+        ),
+        ("/v1/responses", {"model": "tiny-mtp", "input": "def f(", "max_output_tokens": ctx}),
     ]
     for path, body in cases:
         r = server.post(path, json=body)
@@ -198,7 +209,7 @@ def test_max_tokens_beyond_the_context_is_400_on_every_route(server):
         err = r.json()["error"] if path in ("/generate", "/v1/responses") else r.json()
         assert TOO_LONG in err["message"] and f"of {ctx} tokens" in err["message"]
     with pytest.raises(openai.BadRequestError, match=TOO_LONG):
-        _client(server).completions.create(model="m", prompt="a", max_tokens=ctx)
+        _client(server).completions.create(model="tiny-mtp", prompt="a", max_tokens=ctx)
 
 
 # ---- 4. cache_salt ----------------------------------------------------------------------------
@@ -214,14 +225,14 @@ def test_cache_salt_isolates_cached_prefixes(srv):
             return srv.post("/generate", json=body).json()["meta_info"]["cached_tokens"]
         if route == "chat":
             out = client.chat.completions.create(
-                model="m",
+                model="tiny-mtp",
                 messages=[{"role": "user", "content": text}],
                 max_tokens=1,
                 extra_body={"cache_salt": salt},
             )
         else:
             out = client.completions.create(
-                model="m", prompt=text, max_tokens=1, extra_body={"cache_salt": salt}
+                model="tiny-mtp", prompt=text, max_tokens=1, extra_body={"cache_salt": salt}
             )
         return out.usage.prompt_tokens_details.cached_tokens
 
@@ -252,13 +263,13 @@ def test_model_by_id(server):
 
 def test_responses_create_stream_retrieve_and_follow_up(srv):
     client = _client(srv)
-    call = dict(model="m", max_output_tokens=6, temperature=0, instructions="Write Python.")
+    call = dict(model="tiny-mtp", max_output_tokens=6, temperature=0, instructions="Write Python.")
     first = client.responses.create(input="def f(", **call)
     assert (first.status == "incomplete") == (first.usage.output_tokens == 6)
     native = srv.post(
         "/v1/chat/completions",
         json={
-            "model": "m",
+            "model": "tiny-mtp",
             "messages": [
                 {"role": "system", "content": "Write Python."},
                 {"role": "user", "content": "def f("},
@@ -296,7 +307,7 @@ def test_responses_create_stream_retrieve_and_follow_up(srv):
 
 def test_score_is_the_label_probability(srv, tokenizer):
     query, items, labels = "def f(x):\n    return ", ["x", "x + 1"], [87, 88, 89]
-    body = {"model": "m", "query": query, "items": items, "label_token_ids": labels}
+    body = {"model": "tiny-mtp", "query": query, "items": items, "label_token_ids": labels}
     scores = srv.post("/v1/score", json=body).json()["scores"]
     soft = srv.post("/v1/score", json={**body, "apply_softmax": True}).json()["scores"]
     for item, row, soft_row in zip(items, scores, soft):
@@ -324,7 +335,7 @@ def test_score_is_the_label_probability(srv, tokenizer):
 
 
 def test_echo_with_logprobs_returns_the_prompt_logprobs(srv):
-    body = {"model": "m", "prompt": "def f(x):", "max_tokens": 3, "temperature": 0}
+    body = {"model": "tiny-mtp", "prompt": "def f(x):", "max_tokens": 3, "temperature": 0}
     out = srv.post("/v1/completions", json={**body, "echo": True, "logprobs": 1}).json()
     choice, usage = out["choices"][0], out["usage"]
     lp = choice["logprobs"]
@@ -354,7 +365,7 @@ def _assert_offsets_point_at_tokens(text: str, lp: dict) -> None:
 
 
 def test_echo_with_logprobs_streams_the_prompt_first(server):
-    body = {"model": "m", "prompt": "x = ", "max_tokens": 3, "echo": True, "logprobs": 0}
+    body = {"model": "tiny-mtp", "prompt": "x = ", "max_tokens": 3, "echo": True, "logprobs": 0}
     body["temperature"] = 0
     r = server.post("/v1/completions", json={**body, "stream": True}, stream=True)
     chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
@@ -386,7 +397,7 @@ def test_a_matched_stop_token_is_trimmed_from_the_text(srv, tokenizer):
     sp["no_stop_trim"] = True
     out = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()
     assert out["text"] == kept
-    body = {"model": "m", "prompt": prompt, "max_tokens": 6, "temperature": 0}
+    body = {"model": "tiny-mtp", "prompt": prompt, "max_tokens": 6, "temperature": 0}
     body["stop_token_ids"] = [stop_id]
     out = srv.post("/v1/completions", json=body).json()
     assert out["choices"][0]["text"] == trimmed and out["usage"]["completion_tokens"] == k + 1
@@ -402,7 +413,13 @@ def test_streamed_chunks_add_up_to_the_text_a_stop_string_trims(srv, tokenizer):
     sp = {"max_new_tokens": 8, "temperature": 0}
     ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
     stop = tokenizer.decode(ids[1:3])  # spans two tokens: its first arrives a step early
-    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop": [stop],
+    }
     whole = srv.post("/v1/completions", json=body).json()["choices"][0]["text"]
     r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
     chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith(b"data: {")]
@@ -421,7 +438,13 @@ def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
     sp = {"max_new_tokens": 8, "temperature": 0}
     ids = srv.post("/generate", json={"text": prompt, "sampling_params": sp}).json()["output_ids"]
     stop = tokenizer.decode(ids[1:2]) + "QQQZZZ"  # begins like the second token, never completes
-    body = {"model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": prompt,
+        "max_tokens": 8,
+        "temperature": 0,
+        "stop": [stop],
+    }
     body["logprobs"] = 1
     whole = srv.post("/v1/completions", json=body).json()["choices"][0]
     r = srv.post("/v1/completions", json={**body, "stream": True}, stream=True)
@@ -431,7 +454,7 @@ def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
         streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
         assert streamed == whole["logprobs"][key], key
 
-    chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
+    chat = {"model": "tiny-mtp", "messages": [{"role": "user", "content": prompt}], "max_tokens": 8}
     chat.update(temperature=0, logprobs=True)
     first = srv.post("/v1/chat/completions", json=chat).json()["choices"][0]
     chat["stop"] = [first["logprobs"]["content"][1]["token"] + "QQQZZZ"]
@@ -445,7 +468,12 @@ def test_streamed_logprobs_survive_a_held_back_stop_prefix(srv, tokenizer):
 def test_cached_tokens_count_each_prompt_once(server):
     """usage.prompt_tokens_details.cached_tokens counts a prompt's cache hit once, however
     many samples share it (SGLang's count), streamed or not: never above prompt_tokens."""
-    body = {"model": "m", "prompt": [_unique("x ="), _unique("y =")], "max_tokens": 1, "n": 3}
+    body = {
+        "model": "tiny-mtp",
+        "prompt": [_unique("x ="), _unique("y =")],
+        "max_tokens": 1,
+        "n": 3,
+    }
     server.post("/v1/completions", json=body)  # caches both prompts
     used = server.post("/v1/completions", json=body).json()["usage"]
     assert used["prompt_tokens_details"]["cached_tokens"] == used["prompt_tokens"] - 2
@@ -462,7 +490,7 @@ def test_top_logprobs_cost_about_what_the_tokens_do(server):
     """A step's response costs the new tokens' logprobs, not all of them so far again: 8
     samples of 160 tokens with 20 top logprobs each take about as long as without (was 3-4x,
     with the event loop, and so every other request, held for the difference)."""
-    body = {"model": "m", "prompt": "a", "max_tokens": 160, "n": 8, "ignore_eos": True}
+    body = {"model": "tiny-mtp", "prompt": "a", "max_tokens": 160, "n": 8, "ignore_eos": True}
     start = time.monotonic()
     assert server.post("/v1/completions", json=body).status_code == 200
     plain = time.monotonic() - start
@@ -481,7 +509,7 @@ def test_out_of_vocab_stop_token_ids_are_accepted(server):
         ),
         (
             "/v1/completions",
-            {"model": "m", "prompt": "a", "max_tokens": 2, "stop_token_ids": [10**9]},
+            {"model": "tiny-mtp", "prompt": "a", "max_tokens": 2, "stop_token_ids": [10**9]},
         ),
     ]:
         r = server.post(path, json=body)

@@ -42,8 +42,9 @@ def _auth(key: str | None) -> dict:
 
 
 def _routes() -> list[tuple[str, str]]:
-    """(method, path) of every route registered on the app (GET and POST), path parameters
-    filled in. The app is built without a runtime: routes are registered at creation."""
+    """(method, path) of every route registered on the app (every method but HEAD), path
+    parameters filled in. The app is built without a runtime: routes are registered at
+    creation."""
     app = create_app(None, ServerArgs())
     found, todo = [], list(app.routes)
     while todo:
@@ -52,9 +53,81 @@ def _routes() -> list[tuple[str, str]]:
             todo += route.original_router.routes
             continue
         path = re.sub(r"\{[^}]+\}", "tiny-mtp", route.path)
-        for method in sorted(set(getattr(route, "methods", ())) & {"GET", "POST"}):
+        for method in sorted(set(getattr(route, "methods", ())) - {"HEAD"}):
             found.append((method, path))
     return sorted(found)
+
+
+# Who may call each route: OPEN without a key, ADMIN_OP with the admin key when one is set (else
+# as USER), USER with the API key when one is set. /abort_request is two operations: by rid a
+# user's, abort_all an admin's. Every route must be listed here, so a new route (and a new
+# admin operation) is classified before it ships.
+OPEN, USER, ADMIN_OP = "open", "user", "admin"
+ROUTE_LEVELS = {
+    ("GET", "/health"): OPEN,
+    ("GET", "/health_generate"): OPEN,
+    ("GET", "/metrics"): OPEN,
+    ("POST", "/flush_cache"): ADMIN_OP,
+    ("GET", "/ready"): USER,  # SGLang's /ready is behind --api-key too (http_server.health)
+    ("GET", "/docs"): USER,
+    ("GET", "/docs/oauth2-redirect"): USER,
+    ("GET", "/redoc"): USER,
+    ("GET", "/openapi.json"): USER,
+    ("GET", "/get_model_info"): USER,
+    ("GET", "/model_info"): USER,
+    ("GET", "/get_server_info"): USER,
+    ("GET", "/server_info"): USER,
+    ("POST", "/generate"): USER,
+    ("PUT", "/generate"): USER,
+    ("POST", "/tokenize"): USER,
+    ("POST", "/detokenize"): USER,
+    ("GET", "/v1/models"): USER,
+    ("GET", "/v1/models/tiny-mtp"): USER,
+    ("POST", "/v1/completions"): USER,
+    ("POST", "/v1/chat/completions"): USER,
+    ("POST", "/v1/responses"): USER,
+    ("GET", "/v1/responses/tiny-mtp"): USER,
+    ("POST", "/v1/score"): USER,
+    ("POST", "/v1/tokenize"): USER,
+    ("POST", "/v1/detokenize"): USER,
+}
+ABORT_OPERATIONS = {
+    "by rid": ({"rid": "no-such-request"}, USER),
+    "all": ({"abort_all": True}, ADMIN_OP),
+}
+
+
+def _calls() -> list[tuple[str, str, str, dict | None, str]]:
+    """(method, path, operation, body, level) of every route (/abort_request: each of its
+    operations)."""
+    calls = []
+    for method, path in _routes():
+        if path == "/abort_request":
+            for op, (body, level) in ABORT_OPERATIONS.items():
+                calls.append((method, path, op, body, level))
+        else:
+            body = {} if method in ("POST", "PUT") else None
+            calls.append((method, path, "", body, ROUTE_LEVELS[(method, path)]))
+    return calls
+
+
+_WALKS: dict[str, list[tuple[tuple, str | None, requests.Response]]] = {}
+
+
+def _walk(server) -> list[tuple[tuple, str | None, requests.Response]]:
+    """Every call of `_calls` with no key, the API key and the admin key: (call, key,
+    response), once per server."""
+    if server.url not in _WALKS:
+        answers = []
+        for call in _calls():
+            method, path, _, body, _ = call
+            for key in (None, KEY, ADMIN):
+                r = requests.request(
+                    method, server.url + path, headers=_auth(key), json=body, timeout=60
+                )
+                answers.append((call, key, r))
+        _WALKS[server.url] = answers
+    return _WALKS[server.url]
 
 
 def test_the_route_walk_sees_every_kind_of_route():
@@ -69,6 +142,34 @@ def test_the_route_walk_sees_every_kind_of_route():
         ("GET", "/openapi.json"),
     ):
         assert expected in routes
+    # every route is classified (a new one fails here until it is given its level)
+    assert set(routes) - {("POST", "/abort_request")} == set(ROUTE_LEVELS)
+
+
+def _allowed_keys(level: str, path: str, which: str) -> set[str | None]:
+    """The keys a call of `level` is let through with, on a server with both keys or with the
+    admin key alone."""
+    every = {None, KEY, ADMIN}
+    if level == OPEN:
+        return every
+    if level == ADMIN_OP:
+        return {ADMIN}
+    if which == "admin_key_only":
+        return every  # no API key: user operations are open
+    return {KEY, ADMIN} if path == "/abort_request" else {KEY}
+
+
+@pytest.mark.parametrize("which", ["both_keys", "admin_key_only"])
+def test_every_route_answers_401_exactly_without_its_key(which, request):
+    """Each route x operation x key kind: 401 where the key does not open it (abort_all
+    without the admin key included), never 401 where it does."""
+    fixture = "keyed_server" if which == "both_keys" else "admin_only_server"
+    wrong = []
+    for (method, path, op, _, level), key, r in _walk(request.getfixturevalue(fixture)):
+        allowed = key in _allowed_keys(level, path, which)
+        if (r.status_code == 401) == allowed:
+            wrong.append(f"{method} {path} {op} key={key}: {r.status_code} {r.text[:80]}")
+    assert not wrong, "\n".join(wrong)
 
 
 @pytest.mark.parametrize("which", ["both_keys", "admin_key_only"])
@@ -77,21 +178,40 @@ def test_no_route_returns_a_secret(which, request):
     server = request.getfixturevalue(fixture)
     secrets = [ADMIN] if which == "admin_key_only" else [KEY, ADMIN]
     answered = 0
-    for method, path in _routes():
-        for key in (None, KEY, ADMIN):
-            kw = {"headers": _auth(key), "timeout": 60}
-            if method == "POST":
-                kw["json"] = {}
-            r = requests.request(method, server.url + path, **kw)
-            seen = r.text + repr(dict(r.headers))
-            for secret in secrets:
-                assert secret not in seen, f"{method} {path} (key {key}) returned a secret"
-            answered += r.status_code == 200
+    for (method, path, _, _, _), key, r in _walk(server):
+        seen = r.text + repr(dict(r.headers))
+        for secret in secrets:
+            assert secret not in seen, f"{method} {path} (key {key}) returned a secret"
+        answered += r.status_code == 200
     assert answered > 10  # the walk got past the key check on many routes
     info_key = KEY if which == "both_keys" else None
     info = server.get("/server_info", headers=_auth(info_key)).json()
     assert info["admin_api_key"] == REDACTED
     assert info["api_key"] == (REDACTED if which == "both_keys" else None)
+
+
+def test_a_keyless_abort_all_leaves_other_clients_requests_running(admin_only_server):
+    """The issue's reproduction: with only --admin-api-key set, a keyless abort_all is refused
+    and another client's generation runs to its length; the admin key aborts it."""
+    s = admin_only_server
+    body = {"text": "def f(", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    done: list[requests.Response] = []
+    thread = threading.Thread(target=lambda: done.append(s.post("/generate", json=body)))
+    thread.start()
+    while s.get("/server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+        time.sleep(0.05)
+    r = s.post("/abort_request", json={"abort_all": True})
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", r.text
+    thread.join(timeout=120)
+    meta = done[0].json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "length" and meta["completion_tokens"] == 400
+    thread = threading.Thread(target=lambda: done.append(s.post("/generate", json=body)))
+    thread.start()
+    while s.get("/server_info").json()["internal_states"][0]["num_running_reqs"] == 0:
+        time.sleep(0.05)
+    assert s.post("/abort_request", json={"abort_all": True}, headers=_auth(ADMIN)).ok
+    thread.join(timeout=120)
+    assert done[1].json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def _long_prompt() -> str:

@@ -29,11 +29,11 @@ def test_responses_take_truncation_and_the_penalties(server):
     on chat (the same output at temperature 0, and not the unpenalised one)."""
     client = _client(server)
     prompt = "def f(x):\n    return x + x + x + x"
-    call = dict(model="m", max_output_tokens=24, temperature=0, truncation="disabled")
+    call = dict(model="tiny-mtp", max_output_tokens=24, temperature=0, truncation="disabled")
     penalties = {"frequency_penalty": 1.5, "presence_penalty": 1.0}  # SGLang's extensions
     penalised = client.responses.create(input=prompt, extra_body=penalties, **call)
     assert penalised.truncation == "disabled"
-    chat = dict(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=24)
+    chat = dict(model="tiny-mtp", messages=[{"role": "user", "content": prompt}], max_tokens=24)
     chat["temperature"] = 0
     same = client.chat.completions.create(**penalties, **chat)
     plain = client.chat.completions.create(**chat)
@@ -42,7 +42,7 @@ def test_responses_take_truncation_and_the_penalties(server):
 
 
 def test_responses_errors_have_the_responses_shape(server):
-    r = server.post("/v1/responses", json={"model": "m", "input": "a", "bogus": 1})
+    r = server.post("/v1/responses", json={"model": "tiny-mtp", "input": "a", "bogus": 1})
     assert r.status_code == 400
     assert r.json() == {
         "error": {
@@ -61,12 +61,14 @@ def test_responses_errors_have_the_responses_shape(server):
         "code": 404,
     }
     with pytest.raises(openai.BadRequestError) as bad:
-        _client(server).responses.create(model="m", input="a", truncation="sometimes")
+        _client(server).responses.create(model="tiny-mtp", input="a", truncation="sometimes")
     assert (bad.value.type, bad.value.param) == ("invalid_request_error", "truncation")
     no_schema = {"format": {"type": "json_schema", "name": "x"}}
-    r = server.post("/v1/responses", json={"model": "m", "input": "a", "text": no_schema})
+    r = server.post("/v1/responses", json={"model": "tiny-mtp", "input": "a", "text": no_schema})
     assert r.status_code == 400 and "needs its schema" in r.json()["error"]["message"]
-    chat = server.post("/v1/chat/completions", json={"model": "m", "messages": CHAT, "bogus": 1})
+    chat = server.post(
+        "/v1/chat/completions", json={"model": "tiny-mtp", "messages": CHAT, "bogus": 1}
+    )
     assert chat.json()["object"] == "error"  # the other /v1 routes keep SGLang's shape
 
 
@@ -78,7 +80,7 @@ def test_responses_truncation_auto_drops_the_earliest_turns(server):
     while sum(len(t["content"]) for t in turns) < 6 * ctx:  # well past the context
         turns += [{"role": "user", "content": TURN}, {"role": "assistant", "content": TURN}]
     turns.append({"role": "user", "content": "def g("})
-    body = {"model": "m", "max_output_tokens": out, "temperature": 0}
+    body = {"model": "tiny-mtp", "max_output_tokens": out, "temperature": 0}
     refused = server.post("/v1/responses", json={**body, "input": turns, "truncation": "disabled"})
     assert refused.status_code == 400 and "context length" in refused.json()["error"]["message"]
     auto = server.post("/v1/responses", json={**body, "input": turns, "truncation": "auto"})
@@ -115,7 +117,7 @@ def _chunks(server, path: str, body: dict) -> list[dict]:
 def test_continuous_usage_stats_on_every_chunk(server, path, body, choices):
     """Every choice chunk carries its choice's usage so far (SGLang 0.5.23); the per-choice
     totals add up to the final usage chunk. Control: without it only the last chunk has one."""
-    body = {"model": "m", "max_tokens": 6, "n": 2, "temperature": 0, **body}
+    body = {"model": "tiny-mtp", "max_tokens": 6, "n": 2, "temperature": 0, **body}
     options = {"include_usage": True, "continuous_usage_stats": True}
     chunks = _chunks(server, path, {**body, "stream_options": options})
     *choice_chunks, final = chunks
@@ -139,7 +141,7 @@ def test_continuous_usage_stats_on_every_chunk(server, path, body, choices):
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
 def test_chat_max_tokens_past_the_context_in_sglang_words(server, field):
     ctx = _context(server)
-    body = {"model": "m", "messages": CHAT, field: ctx + 1}
+    body = {"model": "tiny-mtp", "messages": CHAT, field: ctx + 1}
     r = server.post("/v1/chat/completions", json=body)
     assert r.status_code == 400
     assert r.json()["message"] == (
@@ -153,7 +155,7 @@ def test_score_out_of_vocabulary_label_in_sglang_words(server):
         "/v1/score", json={"query": "a", "items": ["b"], "label_token_ids": [10**9]}
     ).json()["message"]
     assert vocab.startswith("Token ID 1000000000 is out of vocabulary (vocab size: ")
-    body = {"model": "m", "query": "a", "items": ["b"], "label_token_ids": [-1]}
+    body = {"model": "tiny-mtp", "query": "a", "items": ["b"], "label_token_ids": [-1]}
     assert server.post("/v1/score", json=body).json()["message"] == (
         "label_token_ids must contain nonnegative integers"
     )

@@ -108,14 +108,15 @@ def test_sglang_parallelism_flags_pass_through(sglang_python):
 def test_sglang_grammar_backend_passes_through_and_others_exit_2(sglang_python):
     """--grammar-backend reaches srt_ascend's ServerArgs (not the ignored-flags warning);
     a backend this server lacks is one error line, exit 2, as on srt_ascend's own CLI."""
-    kwargs, unsupported = _translate(sglang_python, "--grammar-backend", "xgrammar")
-    assert kwargs["grammar_backend"] == "xgrammar" and unsupported == []
+    for name in ("xgrammar", "llguidance"):
+        kwargs, unsupported = _translate(sglang_python, "--grammar-backend", name)
+        assert kwargs["grammar_backend"] == name and unsupported == []
     proc = _run(
-        *_launch(sglang_python, "--grammar-backend", "llguidance", "--port", str(free_port()))
+        *_launch(sglang_python, "--grammar-backend", "outlines", "--port", str(free_port()))
     )
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "error: --grammar-backend 'llguidance'" in lines[0], proc.stderr
+    assert len(lines) == 1 and "error: --grammar-backend 'outlines'" in lines[0], proc.stderr
 
 
 def test_srt_ascend_bounds_and_sglang_serving_flags_pass_through(sglang_python):

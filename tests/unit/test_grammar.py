@@ -1,6 +1,7 @@
-"""Grammar-constrained generation below the scheduler: xgrammar compiles with a cache and
-xgrammar's messages, per-request matchers look ahead over drafts without moving, bitmasks
-cut logits exactly as xgrammar's own kernel does, and sampling parameters carry one grammar."""
+"""Grammar-constrained generation below the scheduler, for both grammar backends (xgrammar and
+llguidance): compiles are cached and refusals carry the library's messages, per-request
+matchers look ahead over drafts without moving, bitmasks cut logits exactly as xgrammar's own
+kernel does, and sampling parameters carry one grammar."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from srt_ascend.constrained import (
     Grammar,
     GrammarBackend,
     GrammarError,
+    GrammarOptions,
     apply_token_bitmask,
     fill_grammar_bitmask,
 )
@@ -30,9 +32,9 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(SHIPPED_MODEL, local_files_only=True)
 
 
-@pytest.fixture(scope="module")
-def backend(tokenizer):
-    b = GrammarBackend(tokenizer, VOCAB, [EOS])
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(tokenizer, request):
+    b = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(backend=request.param))
     yield b
     b.shutdown()
 
@@ -57,18 +59,28 @@ def test_bitmask_matches_xgrammar_kernel():
     assert torch.equal(got[~torch.isinf(got)], logits[~torch.isinf(got)])
 
 
-def test_compile_is_cached_and_errors_carry_xgrammar_messages(backend):
+XGRAMMAR_ERRORS = {
+    ("regex", "(a|b"): "invalid regex: Regex parsing error at position 5: The parenthesis",
+    ("json_schema", "{not json"): "invalid json_schema: Failed to parse JSON",
+    ("json_schema", '{"type": "foo"}'): 'invalid json_schema: Unsupported type "foo"',
+    ("ebnf", "root ::= "): "invalid ebnf: EBNF parser error",
+    ("structural_tag", "[]"): "invalid structural_tag",
+}
+LLGUIDANCE_ERRORS = {
+    ("regex", "(a|b"): "invalid regex: ",
+    ("json_schema", "{not json"): "invalid json_schema: ",
+    ("json_schema", '{"type": "foo"}'): "invalid json_schema: ",
+    ("ebnf", "root ::= ("): "invalid ebnf: ",
+    ("structural_tag", "[]"): "structural_tag is not served by --grammar-backend llguidance",
+}
+
+
+def test_compile_is_cached_and_errors_carry_the_librarys_messages(backend):
     spec = ("regex", "(a|b|c)d?")
     assert backend.compile(spec) is backend.compile(spec)
     assert backend.compile(spec).result() is not None
-    cases = {
-        ("regex", "(a|b"): "invalid regex: Regex parsing error at position 5: The parenthesis",
-        ("json_schema", "{not json"): "invalid json_schema: Failed to parse JSON",
-        ("json_schema", '{"type": "foo"}'): 'invalid json_schema: Unsupported type "foo"',
-        ("ebnf", "root ::= "): "invalid ebnf: EBNF parser error",
-        ("structural_tag", "[]"): "invalid structural_tag",
-    }
-    for spec, message in cases.items():
+    errors = XGRAMMAR_ERRORS if backend.options.backend == "xgrammar" else LLGUIDANCE_ERRORS
+    for spec, message in errors.items():
         with pytest.raises(GrammarError) as e:
             backend.compile(spec).result()
         assert str(e.value).startswith(message), str(e.value)
@@ -146,8 +158,14 @@ def test_sampling_params_take_at_most_one_grammar():
         SamplingParams(regex=["a"]).verify(VOCAB)
 
 
+NOTHING = {  # a grammar that allows no text, in each library's syntax
+    "xgrammar": ("ebnf", r"root ::= [^\x00-\U0010FFFF]"),
+    "llguidance": ("regex", r"[^\x00-\x{10FFFF}]"),
+}
+
+
 def test_a_grammar_that_allows_nothing_allows_only_stop_tokens(backend):
-    g = Grammar(backend.compile(("ebnf", r"root ::= [^\x00-\U0010FFFF]")).result())
+    g = Grammar(backend.compile(NOTHING[backend.options.backend]).result())
     bitmask = torch.zeros(1, VOCAB // 32, dtype=torch.int32)
     g.fill_bitmask(bitmask, 0, [])
     assert allowed(bitmask) == {EOS}

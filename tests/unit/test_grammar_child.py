@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from srt_ascend.constrained import compile_worker
 from srt_ascend.constrained.compile_worker import CompileLane, GrammarError, JsonWhitespace
+from srt_ascend.constrained.compilers import XGrammarCompiler, XGrammarSetup
 from srt_ascend.server_args import SHIPPED_MODEL
 
 
@@ -59,7 +60,7 @@ def _run_child(payload: bytes, read_answers: bool = True) -> subprocess.Complete
 
 
 def test_child_exits_quietly_when_cut_mid_start(info_json):
-    whole = _message((info_json, JsonWhitespace()))
+    whole = _message((XGrammarSetup(info_json), JsonWhitespace()))
     done = _run_child(whole[: len(whole) // 2])  # killed while sending the tokenizer info
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""
@@ -67,20 +68,21 @@ def test_child_exits_quietly_when_cut_mid_start(info_json):
 
 def test_child_exits_quietly_when_cut_mid_job(info_json):
     job = _message(("regex", "[a-z]+"))
-    done = _run_child(_message((info_json, JsonWhitespace())) + job[:6])
+    done = _run_child(_message((XGrammarSetup(info_json), JsonWhitespace())) + job[:6])
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""
 
 
 def test_child_exits_quietly_when_its_answer_meets_a_closed_pipe(info_json):
-    payload = _message((info_json, JsonWhitespace())) + _message(("regex", "[a-z]+"))
+    payload = _message((XGrammarSetup(info_json), JsonWhitespace())) + _message(("regex", "[a-z]+"))
     done = _run_child(payload, read_answers=False)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""
 
 
 def _lane(info_json: str) -> CompileLane:
-    return CompileLane(xgr.TokenizerInfo.deserialize_json(info_json), JsonWhitespace(), 60, "t")
+    info = xgr.TokenizerInfo.deserialize_json(info_json)
+    return CompileLane(XGrammarCompiler(info), JsonWhitespace(), 60, "t")
 
 
 def test_lane_says_started_once_its_child_has_imported(info_json):
@@ -143,7 +145,7 @@ def test_an_idle_closed_lanes_child_serves_the_next_lane_with_its_tokenizer(info
     compact = JsonWhitespace(any_whitespace=False)
     schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
     own = compile_worker.compile_grammar(xgr.GrammarCompiler(info), "json_schema", schema, compact)
-    nxt = CompileLane(info, compact, 60, "t2")
+    nxt = CompileLane(XGrammarCompiler(info), compact, 60, "t2")
     try:
         nxt.start()
         assert nxt.wait_started(120)

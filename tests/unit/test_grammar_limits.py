@@ -1,8 +1,8 @@
-"""Grammar compile limits: a source over --grammar-max-size is refused at once with a message
-naming the flag; a compile past --grammar-compile-timeout is stopped and refused; and a small
-grammar does not queue behind a large one that compiles for ever (its child stopped), and
-the large lane recovers; and JSON schemas
-bound runs of whitespace (--constrained-json-max-whitespace-cnt, 16 by default)."""
+"""Grammar compile limits, for both grammar backends: a source over --grammar-max-size is
+refused at once with a message naming the flag; a compile past --grammar-compile-timeout is
+stopped and refused; a small grammar does not queue behind a large one that compiles for ever
+(its child stopped), and the large lane recovers; and JSON schemas bound runs of whitespace
+(--constrained-json-max-whitespace-cnt, 16 by default)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,13 @@ import xgrammar as xgr
 from proc_children import grammar_children
 from transformers import AutoTokenizer
 
-from srt_ascend.constrained import GrammarBackend, GrammarError, GrammarOptions, grammar_backend
+from srt_ascend.constrained import (
+    Grammar,
+    GrammarBackend,
+    GrammarError,
+    GrammarOptions,
+    grammar_backend,
+)
 from srt_ascend.constrained.grammar_backend import SMALL_SOURCE
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
 
@@ -37,8 +43,13 @@ def tokenizer():
     return AutoTokenizer.from_pretrained(SHIPPED_MODEL, local_files_only=True)
 
 
-def test_oversized_grammar_is_refused_before_compiling(tokenizer):
-    backend = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(max_size=1000))
+BACKENDS = ["xgrammar", "llguidance"]  # --grammar-backend: the same lanes and bounds
+
+
+@pytest.mark.parametrize("name", BACKENDS)
+def test_oversized_grammar_is_refused_before_compiling(tokenizer, name):
+    options = GrammarOptions(max_size=1000, backend=name)
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS], options)
     try:
         started = time.monotonic()
         with pytest.raises(GrammarError) as e:
@@ -50,14 +61,16 @@ def test_oversized_grammar_is_refused_before_compiling(tokenizer):
         backend.shutdown()
 
 
-def test_grammar_storm_small_grammar_does_not_wait_and_large_ones_stop(tokenizer):
+@pytest.mark.parametrize("name", BACKENDS)
+def test_grammar_storm_small_grammar_does_not_wait_and_large_ones_stop(tokenizer, name):
     """A large grammar that compiles for ever: the large lane's child is stopped (SIGSTOP)
     before it is given one, so its compile runs past the timeout on any machine (a grammar
     merely big enough to be slow compiled in time on a faster one). A small grammar sent
     meanwhile compiles at once in its own lane; the stuck compile fails with the timeout's
     message after TIMEOUT s, its child killed, and the grammar queued behind it compiles on
     the fresh child that replaces it."""
-    backend = GrammarBackend(tokenizer, VOCAB, [EOS], GrammarOptions(compile_timeout=TIMEOUT))
+    options = GrammarOptions(compile_timeout=TIMEOUT, backend=name)
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS], options)
     try:
         backend.compile(("regex", "x+")).result(timeout=120)  # the small lane's child is up
         before = set(grammar_children())
@@ -99,6 +112,20 @@ def test_json_whitespace_runs_are_bounded(tokenizer):
         unbounded.shutdown()
 
 
+def test_llguidance_json_whitespace_runs_are_bounded(tokenizer):
+    schema = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}})
+    options = GrammarOptions(json_max_whitespace=4, backend="llguidance")
+    backend = GrammarBackend(tokenizer, VOCAB, [EOS], options)
+    try:
+        compiled = backend.compile(("json_schema", schema)).result(timeout=120)
+        for n, ok in ((1, True), (4, True), (5, False)):
+            g = Grammar(compiled)
+            ids = tokenizer.encode("{" + " " * n + '"a": 1}', add_special_tokens=False)
+            assert all(g.accept(t) for t in ids) is ok, n
+    finally:
+        backend.shutdown()
+
+
 def test_options_from_server_args():
     args = ServerArgs()
     assert args.constrained_json_max_whitespace_cnt == 16  # bounded by default
@@ -108,6 +135,11 @@ def test_options_from_server_args():
     assert GrammarOptions.from_args(args, bounded=False).compile_timeout is None
     unbounded = dataclasses.replace(args, constrained_json_max_whitespace_cnt=0)
     assert GrammarOptions.from_args(unbounded).json_max_whitespace is None
+    assert opts.backend == "xgrammar"
+    llg = ServerArgs(grammar_backend="llguidance")
+    assert GrammarOptions.from_args(llg).backend == "llguidance"
+    with pytest.raises(ValueError, match="accepted: xgrammar, llguidance"):
+        ServerArgs(grammar_backend="outlines")
 
 
 def test_cache_is_bounded_by_compiled_bytes(tokenizer, monkeypatch):

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from srt_ascend.entrypoints.auth import is_authorized
+from srt_ascend.entrypoints.auth import admin_allowed, is_authorized
 from srt_ascend.entrypoints.generate_input import (
     IGNORED_SAMPLING,
     RENAMED_SAMPLING,
@@ -47,10 +47,30 @@ K, A = "k", "a"
         ("/flush_cache", "Bearer k", K, None, True),
         ("/flush_cache", None, None, A, False),
         ("/generate", None, None, A, True),  # admin key only: normal endpoints stay open
+        # /abort_request: either key passes; the route asks admin_allowed for abort_all
+        ("/abort_request", "Bearer a", K, A, True),
+        ("/abort_request", "Bearer k", K, A, True),
+        ("/abort_request", None, K, A, False),
+        ("/abort_request", None, None, A, True),
     ],
 )
 def test_api_key_decision(path, header, api_key, admin_key, allowed):
     assert is_authorized(path, "POST", header, api_key, admin_key) is allowed
+
+
+@pytest.mark.parametrize(
+    "header, api_key, admin_key, allowed",
+    [
+        (None, None, None, True),
+        (None, None, A, False),
+        ("Bearer k", K, A, False),
+        ("Bearer a", K, A, True),
+        ("Bearer k", K, None, True),
+        (None, K, None, False),
+    ],
+)
+def test_admin_operations_need_the_admin_key_when_one_is_set(header, api_key, admin_key, allowed):
+    assert admin_allowed(header, api_key, admin_key) is allowed
 
 
 def test_options_is_always_allowed():
@@ -280,3 +300,23 @@ def test_parallel_samples_get_their_own_seeds():
     assert parallel_samples({"seed": "x"}, 2) == [{"seed": "x"}] * 2  # refused later, by name
     for sp in parallel_samples({"seed": 7}, 2):
         SamplingParams.from_dict(sp).verify(100)
+
+
+def test_max_payload_size_is_the_body_bound_with_max_request_body_mb():
+    """SGLang's --max-payload-size (bytes) and --max-request-body-mb are one bound: either
+    sets it, both agreeing is fine, both differing is a one-line start error."""
+    assert prepare_server_args(["--max-payload-size", "1000"]).max_request_body_bytes == 1000
+    same = ["--max-payload-size", str(2 << 20), "--max-request-body-mb", "2"]
+    assert prepare_server_args(same).max_request_body_bytes == 2 << 20
+    assert ServerArgs().max_request_body_bytes == 32 << 20
+    with pytest.raises(ValueError, match="--max-payload-size 1000 and --max-request-body-mb 2 "):
+        ServerArgs(max_payload_size=1000, max_request_body_mb=2.0)
+    with pytest.raises(ValueError, match="--max-payload-size must be >= 1"):
+        ServerArgs(max_payload_size=0)
+
+
+def test_max_tokenize_tokens_flag():
+    assert prepare_server_args(["--max-tokenize-tokens", "64"]).max_tokenize_tokens == 64
+    assert ServerArgs().max_tokenize_tokens is None  # the context length
+    with pytest.raises(ValueError, match="--max-tokenize-tokens must be >= 1"):
+        ServerArgs(max_tokenize_tokens=0)

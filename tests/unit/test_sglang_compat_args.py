@@ -84,7 +84,8 @@ def test_continuous_usage_stats_is_read(model):
 def test_grammar_backend_flag():
     assert prepare_server_args(["--grammar-backend", "xgrammar"]).grammar_backend == "xgrammar"
     assert ServerArgs().grammar_backend == "xgrammar"  # SGLang's default
-    for other in ("outlines", "llguidance", "none"):
+    assert prepare_server_args(["--grammar-backend", "llguidance"]).grammar_backend == "llguidance"
+    for other in ("outlines", "none"):
         with pytest.raises(ValueError, match=f"^--grammar-backend '{other}' is not available"):
             ServerArgs(grammar_backend=other)
 
