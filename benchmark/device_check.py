@@ -300,7 +300,7 @@ def check_kernels(rep: Report, device: str) -> None:
             dots = "bf16" if t["LOW_PRECISION_DOT"] else "fp32 ieee"
             tile = (
                 f"{t['BLOCK_Q'] * t['BLOCK_H']} rows x {t['BLOCK_DV']} latent, {dots} dots, "
-                f"splits {t['NUM_SPLITS']}"
+                f"{'split KV' if t['SPLIT'] else 'one part'}"
             )
             figure = f"{r['shared_bytes']} B shared, {r['registers']} regs, {r['spills']} spills"
             rep.add("attention kernel resources (<= 100 KiB, no spills)", tile, figure, r["ok"])
