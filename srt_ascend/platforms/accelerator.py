@@ -11,6 +11,9 @@ from srt_ascend.platforms.base import DeviceGraph, Platform
 
 class AcceleratorPlatform(Platform):
     graph_class: type[DeviceGraph]
+    # Triton kernels compile at their first launch here: every variant is launched once at
+    # start, before the server says ready (model_executor/kernel_warmup.py).
+    compiles_kernels = True
 
     @property
     def module(self) -> ModuleType:

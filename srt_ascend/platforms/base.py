@@ -76,6 +76,7 @@ class EagerReplayGraph(DeviceGraph):
 class Platform(ABC):
     name: str
     graphs_by_default = True  # capture decode/verify/draft forwards unless disabled
+    compiles_kernels = False  # whether ops launch kernels that compile on first use
     dist_backend = "gloo"  # torch.distributed backend of the tensor collectives
 
     def set_device(self, index: int) -> None:  # noqa: B027 - one CPU device
