@@ -33,9 +33,8 @@ def warm_up_runs(runner: ModelRunner) -> list[tuple[str, tuple]]:
     variant, ("accept", (K,)) per draft length acceptance can run with, ("write", ())."""
     cfg = runner.config
     heads = cfg.num_attention_heads // runner.server_args.attn_tp_size
-    runs = [("extend", lengths) for lengths in runner.attn_backend.warm_up_lengths(
-        heads, runner.context_len
-    )]  # fmt: skip
+    lengths = runner.attn_backend.warm_up_lengths(heads, runner.context_len)
+    runs = [("extend", (q, kv)) for q, kv in lengths if kv <= runner.context_len]
     if runner.mtp is not None:  # adaptive K runs any 0..num_steps
         runs += [("accept", (k,)) for k in range(runner.server_args.speculative_num_steps + 1)]
     runs.append(("write", ()))

@@ -240,6 +240,12 @@ BLOCK_DV = 128
 # loads in shared memory (3 by default: 241 KiB at float32, over every GPU's limit). One stage:
 # the budget above, as the former `while` loop had (pipelining it is issue 43's new kernel).
 NUM_STAGES = 1
+# Warps per program: float32 tiles (IEEE dots on the FMA units, 4-byte operands) spread over
+# 8 warps: at DeepSeek-V3's shapes ptxas (Triton 3.3, sm_90) then leaves 8 / 0 / 1192 bytes
+# of stack per thread for 16 / 32 / 64-row tiles instead of 32 / 240 / 7984 at 4 warps
+# (`python -m srt_ascend.layers.ops.triton_offline`); bf16 tiles keep 4 warps and spill
+# nothing on sm_90. (The 64-row float32 tile still spills: issue 43's new kernel.)
+NUM_WARPS = {True: 4, False: 8}  # by LOW_PRECISION_DOT
 SHARED_MEMORY_BUDGET = 100 * 1024
 
 # Compiled attention kernels launched in this process, by launch constants (filled on a GPU;
@@ -364,7 +370,8 @@ def mla_attention(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
         target.stride(0), target.stride(1), so, sl[0], sl[1],
-        h, rank, rope, num_q_blocks, splits, **consts, num_stages=NUM_STAGES,
+        h, rank, rope, num_q_blocks, splits, **consts,
+        num_stages=NUM_STAGES, num_warps=NUM_WARPS[low_precision],
     )  # fmt: skip
     if kernel is not None and not INTERPRETED:
         _COMPILED.setdefault(tuple(sorted(consts.items())), kernel)

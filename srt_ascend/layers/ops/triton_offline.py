@@ -37,8 +37,8 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
 @dataclass(frozen=True)
 class CompiledVariant:
     """One compiled kernel variant: its name, launch constants, target, and what the compiler
-    reports - shared memory (bytes), registers per thread, and the stack frame (bytes; ptxas
-    puts spilled registers there, so 0 means no spills)."""
+    reports - shared memory (bytes), registers per thread, the stack frame (bytes; ptxas
+    puts spilled registers there, so 0 means no spills) - and the warps per program."""
 
     kernel: str
     constants: dict
@@ -46,6 +46,7 @@ class CompiledVariant:
     shared: int
     registers: int
     stack: int
+    num_warps: int
 
 
 class _NoDeviceUtils:
@@ -126,7 +127,10 @@ def resources(kernel, capability: int) -> CompiledVariant:
     regs, stack = (int(found.group(1)), int(found.group(2))) if found else (-1, -1)
     names = kernel.src.fn.arg_names  # constants are keyed by argument position paths
     constants = {names[path[0]]: v for path, v in kernel.src.constants.items()}
-    return CompiledVariant(kernel.name, constants, capability, kernel.metadata.shared, regs, stack)
+    meta = kernel.metadata
+    return CompiledVariant(
+        kernel.name, constants, capability, meta.shared, regs, stack, meta.num_warps
+    )
 
 
 @dataclass(frozen=True)
