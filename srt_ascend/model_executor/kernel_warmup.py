@@ -16,19 +16,16 @@ create one (tests/unit/test_kernel_variants.py checks it under the interpreter).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from tqdm import tqdm
 
 from srt_ascend.layers.ops import spec_accept
 from srt_ascend.model_executor.forward_batch import ForwardMode
 
-if TYPE_CHECKING:
-    from srt_ascend.model_executor.model_runner import ModelRunner
+# `runner` below is the ModelRunner that calls in (model_runner imports this module).
 
 
-def warm_up_runs(runner: ModelRunner) -> list[tuple[str, tuple]]:
+def warm_up_runs(runner) -> list[tuple[str, tuple]]:
     """What `warm_up_kernels` runs: ("extend", (query length, KV length)) per attention
     variant, ("accept", (K,)) per draft length acceptance can run with, ("write", ())."""
     cfg = runner.config
@@ -42,7 +39,7 @@ def warm_up_runs(runner: ModelRunner) -> list[tuple[str, tuple]]:
 
 
 @torch.inference_mode()
-def warm_up_kernels(runner: ModelRunner, progress: bool = True) -> int:
+def warm_up_kernels(runner, progress: bool = True) -> int:
     """Launches every run of `warm_up_runs` (a tqdm bar on stderr) and waits for the device;
     returns how many ran. Writes only the padding slot 0 and request row 0's first
     position, which no request owns before the server starts."""
@@ -58,7 +55,7 @@ def warm_up_kernels(runner: ModelRunner, progress: bool = True) -> int:
     return len(runs)
 
 
-def _extend(runner: ModelRunner, q_len: int, kv_len: int) -> None:
+def _extend(runner, q_len: int, kv_len: int) -> None:
     """One row extending `q_len` tokens at the end of `kv_len` positions (row 0, slot 0
     throughout), then each MTP layer over the same positions, and the LM head."""
     zeros = torch.zeros(q_len, dtype=torch.int64)
@@ -72,7 +69,7 @@ def _extend(runner: ModelRunner, q_len: int, kv_len: int) -> None:
         runner.compute_logits(runner.forward_eager(draft, step, hidden)[-1:])
 
 
-def _accept(runner: ModelRunner, k: int) -> None:
+def _accept(runner, k: int) -> None:
     """Both acceptance ops over one request with `k` drafts (float32 distributions)."""
     dev, vocab = runner.device, runner.vocab_size
     drafts = torch.zeros(1, k, dtype=torch.int64, device=dev)
@@ -81,3 +78,21 @@ def _accept(runner: ModelRunner, k: int) -> None:
     probs = torch.full((1, k + 1, vocab), 1.0 / vocab, device=dev)
     uniforms = torch.zeros(1, k + 1, device=dev)
     spec_accept.rejection_sample(drafts, probs[:, :k], probs, uniforms)
+
+
+def compiled_variants() -> int:
+    """Kernel variants compiled (or loaded from Triton's cache) in this process so far, over
+    every Triton kernel of `layers/ops` imported: what a device check reads before and after
+    serving (equal: nothing compiled after ready). 0 where no kernel module was imported or
+    the kernels are interpreted."""
+    import sys
+
+    from srt_ascend.layers.ops import KERNEL_MODULES
+
+    total = 0
+    for name in KERNEL_MODULES:
+        module = sys.modules.get(name)
+        for fn in vars(module).values() if module is not None else ():
+            for caches in getattr(fn, "device_caches", {}).values():
+                total += len(caches[0])  # (kernels by key, target, backend, binder)
+    return total

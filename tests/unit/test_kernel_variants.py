@@ -190,3 +190,28 @@ def test_every_query_length_picks_a_warmed_tile():
             }
             for q in range(1, 9000, 7):
                 assert attn_triton.tile_shape(heads, q, fixed) in warmed, (heads, q)
+
+
+def test_start_warms_kernels_where_they_compile(monkeypatch):
+    """The scheduler's one call before ready (`capture_graphs`) runs the warm-up where
+    kernels compile at first launch (CUDA, NPU), graphs on or off; not on CPU."""
+    from srt_ascend.model_executor import model_runner as model_runner_module
+    from srt_ascend.server_args import SHIPPED_MODEL
+
+    calls = []
+    monkeypatch.setattr(model_runner_module, "warm_up_kernels", calls.append)
+    cpu = type(get_platform("cpu"))
+
+    class Compiling(cpu):
+        compiles_kernels = True
+
+    args = ServerArgs(model_path=SHIPPED_MODEL, dtype="float32", context_length=64)
+    for platform, warmed in ((get_platform("cpu"), 0), (Compiling(), 1)):
+        runner = ModelRunner(args, platform)
+        runner.capture_graphs([])
+        assert len(calls) == warmed
+    assert calls == [runner]
+    assert get_platform("cpu").compiles_kernels is False
+    from srt_ascend.platforms.cuda import CudaPlatform
+
+    assert CudaPlatform.compiles_kernels is True

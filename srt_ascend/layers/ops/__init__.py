@@ -34,6 +34,12 @@ from collections.abc import Callable
 
 import torch
 
+# The modules holding Triton kernels (imported only where used).
+KERNEL_MODULES = tuple(
+    f"srt_ascend.layers.ops.{m}_triton"
+    for m in ("mla_attention", "kv_cache", "spec_accept", "matmul")
+)
+
 
 def triton_available() -> bool:
     """Whether the `triton` module (upstream Triton or Triton-Ascend) can be imported."""
