@@ -18,6 +18,8 @@ In-process engines on the shipped checkpoint (no HTTP: faster, same scheduler an
    batch-invariant kernels (fixed-tile GEMM, attention with fixed KV parts) give a row the
    same bits in any batch, with controls for cuBLAS / rms_norm / log_softmax
    (`kernels.check_batch_invariant`);
+0. no kernel variant compiled after an engine is ready, across random-length requests
+   (finish reasons checked);
 7. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
    true float32 dots, not TF32), their timings, and each compiled attention kernel's shared
    memory, registers and spills (within 100 KiB, no spills) (`kernels.py`).
@@ -90,8 +92,15 @@ def engine(device: str, dtype: str, graphs: bool, size: dict, **kw) -> Engine:
     return Engine(model_path=SHIPPED_MODEL, device=device, dtype=dtype, **flags, **kw)
 
 
+def finished_outputs(outs: list[dict]) -> list[list[int] | None]:
+    """Each request's output tokens, None for one that did not end by length or stop (an
+    aborted request's tokens equal another aborted request's: never compare those)."""
+    ok = [o["meta_info"]["finish_reason"]["type"] in ("length", "stop") for o in outs]
+    return [o["output_ids"] if fine else None for o, fine in zip(outs, ok)]
+
+
 def generate(eng: Engine, prompts, params):
-    return [o["output_ids"] for o in eng.generate(prompts, params)]
+    return finished_outputs(eng.generate(prompts, params))
 
 
 def check_lossless(rep: Report, device: str, size: dict) -> None:
@@ -115,8 +124,8 @@ def check_lossless(rep: Report, device: str, size: dict) -> None:
                 ) as eng:
                     raw = eng.generate(prompts, params)
                     state = eng.get_internal_state()
-                outs = [o["output_ids"] for o in raw]
-                same = sum(o == b for o, b in zip(outs, base))
+                outs = finished_outputs(raw)
+                same = sum(o is not None and o == b for o, b in zip(outs, base))
                 replays = sum(state["graph_replays"].values())
                 name = f"K={k} {verify} graphs {'on' if graphs else 'off'}"
                 rep.data.setdefault("lossless", []).append(
@@ -128,6 +137,42 @@ def check_lossless(rep: Report, device: str, size: dict) -> None:
                 rep.add("lossless fp32", name, figure, same == len(base))
 
 
+def check_no_compiles_after_ready(rep: Report, device: str, size: dict) -> None:
+    """Issue 43: kernel variants compiled (or loaded from Triton's cache) after the engine is
+    ready, across requests of random prompt lengths with repeated prefixes (radix hits),
+    chunked prefills, MTP K = 2 over both verify paths, greedy and sampled (seeded and not);
+    every request must end by length or stop (an aborted one fails the check)."""
+    import random
+
+    from srt_ascend.model_executor.kernel_warmup import compiled_variants
+
+    rng = random.Random(0)
+    words = " ".join(held_out_prompts(size["prompts"])).split()
+    n = 8 if device == "cpu" else 200
+    prompts, params = [], []
+    for i in range(n):
+        start = rng.randrange(4) * 8 if i % 3 else rng.randrange(len(words) // 2)
+        prompts.append(" ".join(words[start : start + rng.randint(1, 300)]))
+        temp = rng.choice([0.0, 1.0])
+        params.append({"max_new_tokens": rng.randint(1, size["max_new"]), "temperature": temp}
+                      | ({"seed": i} if temp and i % 2 else {}))  # fmt: skip
+    for verify in ("expand", "fia"):
+        spec = dict(speculative_algorithm="MTP", speculative_num_steps=2, speculative_verify=verify)
+        dtype = size["speed_dtype"]
+        with engine(device, dtype, True, size, chunked_prefill_size=256, **spec) as eng:
+            ready = compiled_variants()
+            outs = eng.generate(prompts, params)
+            after = compiled_variants()
+        ends = [o["meta_info"]["finish_reason"]["type"] for o in outs]
+        bad = sum(e not in ("length", "stop") for e in ends)
+        rep.data.setdefault("compiles_after_ready", []).append(
+            dict(verify=verify, at_ready=ready, after=after, requests=n, not_finished=bad)
+        )
+        rep.add("no compiles after ready", f"MTP K=2 {verify}, {n} random requests",
+                f"{after - ready} variants compiled after ready ({ready} at ready), "
+                f"{bad} requests aborted", after == ready and not bad)  # fmt: skip
+
+
 def check_seeded(rep: Report, device: str, size: dict) -> None:
     prompts = held_out_prompts(size["prompts"])
     params = {"max_new_tokens": size["max_new"], "temperature": 0.9, "seed": 1234}
@@ -137,7 +182,7 @@ def check_seeded(rep: Report, device: str, size: dict) -> None:
         again = generate(e, prompts[:1], params)[0]
         others = [{**params, "seed": i} for i in range(1, len(prompts))]
         batched = generate(e, prompts, [params, *others])
-    ok = alone == again == batched[0]
+    ok = alone is not None and alone == again == batched[0]
     rep.data["seeded"] = dict(alone=alone, again=again, in_batch=batched[0])
     rep.add("seeded sampling", "MTP K=2, alone / again / in a batch", "same tokens", ok)
 
@@ -300,7 +345,7 @@ def check_kernels(rep: Report, device: str) -> None:
             dots = "bf16" if t["LOW_PRECISION_DOT"] else "fp32 ieee"
             tile = (
                 f"{t['BLOCK_Q'] * t['BLOCK_H']} rows x {t['BLOCK_DV']} latent, {dots} dots, "
-                f"splits {t['NUM_SPLITS']}"
+                f"{'split KV' if t['SPLIT'] else 'one part'}"
             )
             figure = f"{r['shared_bytes']} B shared, {r['registers']} regs, {r['spills']} spills"
             rep.add("attention kernel resources (<= 100 KiB, no spills)", tile, figure, r["ok"])
@@ -323,8 +368,10 @@ def check_deterministic(rep: Report, device: str, size: dict) -> None:
             outs = [eng.generate(p, params, return_logprob=True) for p in prompts]
         else:
             outs = eng.generate(prompts, params, return_logprob=True)
-        return [
+        return [  # an aborted request: None, equal to nothing (its tokens prove nothing)
             (o["output_ids"], [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]])
+            if o["meta_info"]["finish_reason"]["type"] in ("length", "stop")
+            else None
             for o in outs
         ]
 
@@ -332,7 +379,7 @@ def check_deterministic(rep: Report, device: str, size: dict) -> None:
     with engine(device, "bfloat16", False, size, **det) as eng:
         base = outputs(eng, True)
         alone, batched = outputs(eng, True, seeded), outputs(eng, False, seeded)
-    same = sum(o == b for o, b in zip(batched, alone))
+    same = sum(o is not None and o == b for o, b in zip(batched, alone))
     rep.add("deterministic bf16", "seeded sampling (top-p), all at once vs one at a time",
             f"{same}/{len(alone)} bit-identical", same == len(alone))  # fmt: skip
     mtp = dict(speculative_algorithm="MTP")
@@ -350,7 +397,7 @@ def check_deterministic(rep: Report, device: str, size: dict) -> None:
     for name, (graphs, kw) in configs.items():
         with engine(device, "bfloat16", graphs, size, **det, **kw) as eng:
             outs = outputs(eng, False)
-        same = sum(o == b for o, b in zip(outs, base))
+        same = sum(o is not None and o == b for o, b in zip(outs, base))
         rep.data.setdefault("deterministic", []).append(dict(config=name, identical=same))
         rep.add("deterministic bf16", f"{name}, all at once vs one at a time",
                 f"{same}/{len(base)} bit-identical", same == len(base))  # fmt: skip
@@ -366,7 +413,14 @@ def main() -> int:
     rep = Report()
     t0 = time.perf_counter()
     check_kernels(rep, device)  # first: on CPU, Triton's interpreter is chosen before any import
-    steps = (check_lossless, check_seeded, check_tpot, check_replay, check_kv_window)
+    steps = (
+        check_no_compiles_after_ready,
+        check_lossless,
+        check_seeded,
+        check_tpot,
+        check_replay,
+        check_kv_window,
+    )
     for step in (*steps, check_deterministic):
         step(rep, device, size)
     rep.data["seconds"] = time.perf_counter() - t0

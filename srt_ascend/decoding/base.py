@@ -112,7 +112,8 @@ class LaunchedStep:
 
     reqs: list[StepRequest]
     starts: list[int]  # each request's kv_len before the step: where it rolls back to
-    result: Future  # -> SampledTokens: the tokens [B] on the device, logprobs if asked
+    result: Future  # -> the decoder's step output: tokens on the device and on their way
+    # to the host (a HostCopy, which `finish` waits on alone)
     index: dict[int, int] = field(init=False)  # id(req) -> its row
 
     def __post_init__(self) -> None:

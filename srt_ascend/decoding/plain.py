@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, LaunchedStep, StepRequest
 from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.penalty_state import has_penalties
-from srt_ascend.sampling.sample_step import sample_tokens
+from srt_ascend.sampling.sample_step import SampledTokens, sample_tokens
 from srt_ascend.utils import HOST_READS, to_device
+
+
+@dataclass
+class LaunchedOut:
+    """What a launched step's closure leaves: the sampled tokens on the device (the next
+    step's inputs) and their copy on the way to the host (its finish's read)."""
+
+    sampled: SampledTokens
+    tokens: HostCopy  # [B] int64
 
 
 @DECODERS.register(PLAIN)
@@ -71,16 +83,21 @@ class PlainDecoder(Decoder):
         @torch.inference_mode()
         def run():
             if prev is not None:  # the future-token gather: prev's tokens, still on the device
-                tokens = prev.result.result().token_ids
+                tokens = prev.result.result().sampled.token_ids
                 inputs.copy_(tokens if rows is None else tokens.index_select(0, rows))
             _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head
-            return sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)
+            sampled = sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)
+            # enqueued now, before the next step's forward: its finish waits for this alone
+            return LaunchedOut(sampled, self.runner.platform.copy_to_host(sampled.token_ids))
 
         return LaunchedStep(batch, starts, self.h.worker.submit(run))
 
     def finish(self, step: LaunchedStep) -> list[StepRequest]:
-        res = step.result.result()
-        token_ids = HOST_READS.read(res.token_ids)
+        """Reads the step's tokens - waiting for its own copy only, while the step launched
+        after it runs - and commits them."""
+        out: LaunchedOut = step.result.result()
+        res = out.sampled
+        token_ids = HOST_READS.read(out.tokens.wait())
         committed = []
         for i, r in enumerate(step.reqs):
             if r.finished:  # finished one step late or aborted: this step's token is dropped

@@ -27,6 +27,7 @@ from srt_ascend.model_executor.graph_runner import (
     Replayed,
     graph_buckets,
 )
+from srt_ascend.model_executor.kernel_warmup import warm_up_kernels
 from srt_ascend.model_executor.torch_compile import compile_max_bs, set_intra_op_threads
 from srt_ascend.models.loader import load_config, load_model
 from srt_ascend.platforms import Platform
@@ -133,8 +134,14 @@ class ModelRunner:
         Under data-parallel attention the graphs hold the MLPs' collectives over all ranks
         (every rank captures the same shapes in the same order) and are never compiled:
         torch.compile over those collectives is untested. Collectives inside CUDA graphs
-        need NCCL (HCCL for aclgraphs), which this CPU-tested code has not run."""
+        need NCCL (HCCL for aclgraphs), which this CPU-tested code has not run.
+
+        First, where kernels compile at their first launch (CUDA, NPU), every kernel variant
+        the server can launch is launched once (kernel_warmup), graphs on or off: this is
+        the scheduler's one call before the server says ready."""
         args = self.server_args
+        if self.platform.compiles_kernels:
+            warm_up_kernels(self)
         if not args.graphs_enabled(self.platform) or not kinds:
             return
         compile_on = args.enable_torch_compile

@@ -6,11 +6,17 @@ from __future__ import annotations
 
 from types import ModuleType
 
+import torch
+
 from srt_ascend.platforms.base import DeviceGraph, Platform
+from srt_ascend.platforms.device_worker import HostCopy
 
 
 class AcceleratorPlatform(Platform):
     graph_class: type[DeviceGraph]
+    # Triton kernels compile at their first launch here: every variant is launched once at
+    # start, before the server says ready (model_executor/kernel_warmup.py).
+    compiles_kernels = True
 
     @property
     def module(self) -> ModuleType:
@@ -30,6 +36,16 @@ class AcceleratorPlatform(Platform):
 
     def stream(self, stream):
         return self.module.stream(stream)
+
+    def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
+        """A non-blocking copy into pinned host memory (torch's caching host allocator keeps
+        the block until the copy is done) and an event recorded after it on the current
+        stream: waiting on the event waits for this result, not for what is enqueued next."""
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        ready = self.module.Event()
+        ready.record()
+        return HostCopy(host, ready)
 
     def mem_get_info(self) -> tuple[int, int]:
         return self.module.mem_get_info()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
+from srt_ascend.platforms.device_worker import DeviceWorker, HostCopy, InlineWorker
 from srt_ascend.registry import Registry
 
 if TYPE_CHECKING:
@@ -76,6 +76,7 @@ class EagerReplayGraph(DeviceGraph):
 class Platform(ABC):
     name: str
     graphs_by_default = True  # capture decode/verify/draft forwards unless disabled
+    compiles_kernels = False  # whether ops launch kernels that compile on first use
     dist_backend = "gloo"  # torch.distributed backend of the tensor collectives
 
     def set_device(self, index: int) -> None:  # noqa: B027 - one CPU device
@@ -119,6 +120,11 @@ class Platform(ABC):
         """Where the overlap scheduler's step closures run (`platforms/device_worker.py`):
         inline on a device whose streams run asynchronously to the host."""
         return InlineWorker()
+
+    def copy_to_host(self, tensor: torch.Tensor) -> HostCopy:
+        """Starts `tensor`'s way to the host, ordered after the work enqueued so far and
+        before any enqueued later (`HostCopy`). CPU: the tensor itself, nothing copied."""
+        return HostCopy(tensor)
 
     # memory ----------------------------------------------------------------------------
     def mem_get_info(self) -> tuple[int, int]:

@@ -8,6 +8,10 @@ has run. The overlap scheduler submits step N+1 and then commits step N while it
   thread. On an accelerator it only enqueues kernels on the current stream and returns; the
   host read of its result (`utils.HOST_READS`) is where the host waits for the device, as a
   CUDA/NPU stream and its events order work without a thread.
+- `HostCopy` (`Platform.copy_to_host`): a step's result on its way to the host. On an
+  accelerator the closure ends with a non-blocking copy into pinned memory and an event
+  recorded after it, both enqueued before the next step's forward; the finish that reads
+  the result waits on that event alone, while the next step runs. On CPU it is the tensor.
 - `ThreadWorker` (CPU): there is no asynchronous device, so the closures run on one thread,
   the CPU analogue of a stream. `start_scheduler_thread` has the thread that built the model
   serve it (`serve`), so every forward keeps running in that thread, whose OpenMP team the
@@ -22,7 +26,10 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 
 class DeviceWorker(ABC):
@@ -95,3 +102,19 @@ class ThreadWorker(DeviceWorker):
 
     def close(self) -> None:
         self._queue.put(None)
+
+
+@dataclass
+class HostCopy:
+    """A device result on its way to the host. `data` is a host tensor (pinned memory that a
+    non-blocking copy writes, on an accelerator; the result itself on CPU), valid once `ready`
+    - an event recorded on the stream after the copy, None when valid now - has completed.
+    `wait` blocks on that event alone, never on work enqueued after it (the next step)."""
+
+    data: torch.Tensor
+    ready: Any = None  # torch.cuda.Event / torch.npu.Event, or None
+
+    def wait(self) -> torch.Tensor:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.data

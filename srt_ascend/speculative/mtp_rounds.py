@@ -14,6 +14,7 @@ import torch
 from srt_ascend.decoding.base import LaunchedStep, StepRequest
 from srt_ascend.layers.sampler import TokenLogprobs
 from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import sample_tokens
 from srt_ascend.speculative.acceptance import AcceptResult
@@ -42,6 +43,7 @@ class RoundOut:
     starts: torch.Tensor  # [B] this round's first positions
     hidden: torch.Tensor | None = None  # K = 0: [B, D] the target hidden, deferred at finish
     logprobs: TokenLogprobs | None = None  # K = 0: the sampled tokens' logprobs, when asked
+    verdict: HostCopy | None = None  # [B, 1+K+1] accept_len | emitted, on the way to the host
 
 
 @dataclass
@@ -158,8 +160,9 @@ class OverlappedRoundsMixin:
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
             res, logits, hidden = self._verify(batch, k, loc, at, tail, first, counts, rows)
+            verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
             nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
-            return RoundOut(res, logits, nxt, start)
+            return RoundOut(res, logits, nxt, start, verdict=verdict)
 
         # with prev in flight the starts are filled in by prev's finish; until then (should
         # prev fail) prev's own: the KV before them is all that is surely valid
@@ -190,7 +193,8 @@ class OverlappedRoundsMixin:
         sampled = sample_tokens(logits, reqs, self.vocab, self.h.eos_ids, lower(counts))
         tokens = sampled.token_ids.view(-1, 1)
         res = AcceptResult(torch.zeros_like(at.device), tokens)
-        return RoundOut(res, None, None, at.device, hidden.clone(), sampled.logprobs)
+        verdict = self._copy_verdict(res)
+        return RoundOut(res, None, None, at.device, hidden.clone(), sampled.logprobs, verdict)
 
     def finish(self, step: LaunchedStep) -> list[StepRequest]:
         """Reads the round's verdict (the one host read) and commits it; fills in the starts
@@ -206,7 +210,7 @@ class OverlappedRoundsMixin:
         after = self._latest if self._latest is not step else None
         if after is None:
             self._latest = None
-        verdict = self._read(out.res, out.logits)
+        verdict = self._read(out.res, out.logits, out.verdict)
         if step.k:
             logprobs = self._logprobs(step.reqs, verdict)
         else:

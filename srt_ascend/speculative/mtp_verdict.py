@@ -10,6 +10,7 @@ import torch
 
 from srt_ascend.decoding.base import StepRequest
 from srt_ascend.layers.sampler import TokenLogprobs, processed_probs, token_logprobs
+from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.sample_step import all_plain_greedy, verify_logits
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.speculative.acceptance import AcceptResult, greedy_accept
@@ -65,9 +66,18 @@ class VerdictMixin:
         res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
         return res, logits
 
-    def _read(self, res: AcceptResult, logits: torch.Tensor) -> Verdict:
-        """The step's one host read of the acceptance result (`agree`d across ranks)."""
-        read = HOST_READS.read(torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1))
+    def _copy_verdict(self, res: AcceptResult) -> HostCopy:
+        """accept_len | emitted [B, 1+K+1] on their way to the host (`Platform.copy_to_host`:
+        on a device, enqueued now - before the next round - and waited for alone)."""
+        verdict = torch.cat([res.accept_len.view(-1, 1), res.emitted], dim=1)
+        return self.runner.platform.copy_to_host(verdict)
+
+    def _read(
+        self, res: AcceptResult, logits: torch.Tensor, copy: HostCopy | None = None
+    ) -> Verdict:
+        """The step's one host read of the acceptance result (`agree`d across ranks): of
+        `copy` when an overlapped round started it, else of a copy started now."""
+        read = HOST_READS.read((copy or self._copy_verdict(res)).wait())
         both = self.agree(read)
         return Verdict([row[0] for row in both], [row[1:] for row in both], logits)
 

@@ -44,6 +44,12 @@ class AttentionBackend(ABC):
     # capturable: then that layout needs no FIA op on this device.
     serves_multi_query_verify: bool = False
 
+    def warm_up_lengths(self, num_heads: int, max_kv_len: int) -> list[tuple[int, int]]:
+        """(query length, KV length) of one single-row extend per compiled kernel variant
+        this backend can launch (`ModelRunner.warm_up_kernels` runs them before the server
+        says ready). None for backends that compile nothing."""
+        return []
+
     def takes_length_bounds(self, device: torch.device) -> bool:
         """Whether it runs batches whose host lengths are upper bounds only (ForwardBatch
         `host_lengths_exact` False; an overlapped MTP round), reading each row's length on

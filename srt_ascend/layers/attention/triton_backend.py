@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from srt_ascend.layers.attention.base import AttentionBackend, register_attention_backend
-from srt_ascend.layers.ops.mla_attention import plan_kv_splits
+from srt_ascend.layers.ops.mla_attention import MIN_PART_KEYS, plan_kv_splits
 
 if TYPE_CHECKING:
     from srt_ascend.model_executor.forward_batch import ForwardBatch
@@ -73,6 +73,21 @@ class TritonMLABackend(AttentionBackend):
             **self.kv_parts(fb.batch_size, q_latent.shape[1], meta),
         )
 
+    fixed_tile = False  # the batch-invariant variant's tile ignores the query length
+
+    def warm_up_lengths(self, num_heads: int, max_kv_len: int) -> list[tuple[int, int]]:
+        """Per tile height (`q_len_buckets`): the query alone (one KV part) and, where the
+        context holds more than one part's keys, over up to 512 keys (a lone row splits them
+        into parts of at most 256, `plan_kv_splits` and `INVARIANT_KV_SPLIT` alike). The
+        launch's other values (query blocks, parts) are plain kernel arguments."""
+        long = min(max_kv_len, 2 * MIN_PART_KEYS)
+        lengths = []
+        for q in self._attn.q_len_buckets(num_heads, self.fixed_tile):
+            lengths.append((q, q))
+            if long > max(MIN_PART_KEYS, self._attn.INVARIANT_KV_SPLIT, q):
+                lengths.append((q, long))
+        return lengths
+
     def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
         """The kernel's KV split arguments: as many parts as fill the GPU (plan_kv_splits)."""
         block_q, block_h = self._attn.tile_shape(heads, meta.max_q_len)
@@ -89,6 +104,8 @@ class TritonBatchInvariantMLABackend(TritonMLABackend):
     tile fixed and its KV parts at fixed key positions (`INVARIANT_KV_SPLIT` keys each, as
     many as cover the longest KV, merged one by one in key order), so every query's result is
     a function of its own query and keys alone, in every forward mode and graph bucket."""
+
+    fixed_tile = True
 
     def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
         size = self._attn.INVARIANT_KV_SPLIT

@@ -11,9 +11,15 @@ this package imports on machines without Triton. Attention on NPU stays with FIA
 Triton subset (kept so that the same sources compile for CUDA and for Triton-Ascend, and run
 under `TRITON_INTERPRET=1` on CPU, where the tests run them):
 - loops whose bounds are read from device memory are `while` loops: Triton 3.3's interpreter
-  keeps every scalar as a 1-element array, which `range()` rejects (numpy >= 2.4), and a
-  `while` compiles on both backends (it is not software-pipelined; the attention kernel hides
-  latency with many programs in flight instead);
+  keeps every scalar as a 1-element array, which `range()` rejects (numpy >= 2.4). A loop
+  around `tl.dot` is a `for` when compiled (Triton 3.3 cannot fence Hopper's wgmma inside a
+  `while`), its body a jitted helper that a `WHILE_LOOP` constexpr (the interpreter) runs in
+  a `while` instead;
+- values that follow a batch's lengths (row and block counts, KV parts, draft counts,
+  strides of per-batch buffers, views at batch-dependent offsets) are plain arguments kept
+  out of Triton's specialisation (`do_not_specialize`, `do_not_specialize_on_alignment`), so
+  a server's variants are a fixed set, compiled at start (`model_executor/kernel_warmup.py`)
+  and for sm_90 / sm_80 on CPU by the tests (`triton_offline.py`);
 - no `tl.atomic_*`, inline PTX, `tl.make_block_ptr`/TMA descriptors, autotuning or float64:
   Ascend's vector units lack float64, its Triton has no PTX and a different block-pointer
   story, and autotuning would make results depend on the tuner's choice;
@@ -27,6 +33,12 @@ import importlib.util
 from collections.abc import Callable
 
 import torch
+
+# The modules holding Triton kernels (imported only where used).
+KERNEL_MODULES = tuple(
+    f"srt_ascend.layers.ops.{m}_triton"
+    for m in ("mla_attention", "kv_cache", "spec_accept", "matmul")
+)
 
 
 def triton_available() -> bool:

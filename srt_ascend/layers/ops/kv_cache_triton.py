@@ -1,6 +1,9 @@
 """Triton kernels for `kv_cache` (contracts there): the KV store and req_to_token assignment.
 
-Both read every index and length on the device, so they can be captured in a CUDA graph."""
+Both read every index and length on the device, so they can be captured in a CUDA graph.
+Index arguments are often views at a batch-dependent offset of one host-to-device copy
+(`ReqToTokenPool.write`): their pointers' alignment is not specialised, so a batch's size
+never picks a kernel variant."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["loc_ptr"])
 def _store_kv_kernel(
     ckv_buf_ptr, kpe_buf_ptr, loc_ptr, ckv_ptr, kpe_ptr,
     stride_cb, stride_kb, stride_c, stride_k, rank, rope_dim,
@@ -51,7 +54,9 @@ def store_kv(c_kv_buf, k_pe_buf, loc, c_kv, k_pe) -> None:
     )  # fmt: skip
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize_on_alignment=["rows_ptr", "starts_ptr", "ends_ptr", "offsets_ptr", "loc_ptr"]
+)
 def _assign_kernel(
     r2t_ptr, rows_ptr, starts_ptr, ends_ptr, offsets_ptr, loc_ptr, stride_r2t,
     BLOCK: tl.constexpr,

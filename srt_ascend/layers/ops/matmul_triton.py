@@ -36,11 +36,33 @@ BLOCK_K = 32
 
 
 @triton.jit
+def _gemm_step(a_rows, b_cols, acc, offs_m, offs_n, k, M, N, K, stride_ak, stride_bk,
+               LOW_PRECISION_DOT: tl.constexpr):  # fmt: skip
+    """acc + a[:, k] @ b[k, :] for one BLOCK_K-wide slice `k` of the reduction."""
+    a = tl.load(
+        a_rows + k[None, :] * stride_ak,
+        mask=(offs_m[:, None] < M) & (k[None, :] < K),
+        other=0.0,
+    )
+    b = tl.load(
+        b_cols + k[:, None] * stride_bk,
+        mask=(k[:, None] < K) & (offs_n[None, :] < N),
+        other=0.0,
+    )
+    if LOW_PRECISION_DOT:
+        return tl.dot(a, b, acc)
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+
+
+# M (the rows: the batch's tokens) is never specialised: Triton would compile a variant for
+# M = 1 (a one-token decode) and another for multiples of 16. The reduction's step count is a
+# plain argument too, so one variant serves every weight of a dtype (and bias or none).
+@triton.jit(do_not_specialize=["M", "num_k"])
 def _bmm_kernel(
-    a_ptr, b_ptr, bias_ptr, out_ptr, M, N, K,
+    a_ptr, b_ptr, bias_ptr, out_ptr, M, N, K, num_k,
     stride_ab, stride_am, stride_ak, stride_bb, stride_bk, stride_bn,
     stride_ob, stride_om, stride_on,
-    NUM_K: tl.constexpr, HAS_BIAS: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+    HAS_BIAS: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     batch = tl.program_id(2)
@@ -50,22 +72,16 @@ def _bmm_kernel(
     a_rows = a_ptr + batch * stride_ab + offs_m[:, None] * stride_am
     b_cols = b_ptr + batch * stride_bb + offs_n[None, :] * stride_bn
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for step in range(0, NUM_K):  # a constexpr bound: the interpreter rejects K here
-        k = step * BLOCK_K + offs_k
-        a = tl.load(
-            a_rows + k[None, :] * stride_ak,
-            mask=(offs_m[:, None] < M) & (k[None, :] < K),
-            other=0.0,
-        )
-        b = tl.load(
-            b_cols + k[:, None] * stride_bk,
-            mask=(k[:, None] < K) & (offs_n[None, :] < N),
-            other=0.0,
-        )
-        if LOW_PRECISION_DOT:
-            acc = tl.dot(a, b, acc)
-        else:
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    if WHILE_LOOP:  # the interpreter: its range() rejects a bound passed as an argument
+        step = 0
+        while step < num_k:
+            acc = _gemm_step(a_rows, b_cols, acc, offs_m, offs_n, step * BLOCK_K + offs_k,
+                             M, N, K, stride_ak, stride_bk, LOW_PRECISION_DOT)  # fmt: skip
+            step += 1
+    else:  # a `for`, software-pipelined (and Hopper's wgmma needs one, not a `while`)
+        for step in range(0, num_k):
+            acc = _gemm_step(a_rows, b_cols, acc, offs_m, offs_n, step * BLOCK_K + offs_k,
+                             M, N, K, stride_ak, stride_bk, LOW_PRECISION_DOT)  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -85,9 +101,9 @@ def _launch(a, b, bias, out, strides_a, strides_b) -> torch.Tensor:
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N), batch)
     low_precision = a.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     _bmm_kernel[grid](
-        a, b, out if bias is None else bias, out, m, n, k,
+        a, b, out if bias is None else bias, out, m, n, k, triton.cdiv(k, BLOCK_K),
         *strides_a, *strides_b, *out.stride(),
-        NUM_K=triton.cdiv(k, BLOCK_K), HAS_BIAS=bias is not None, LOW_PRECISION_DOT=low_precision,
+        HAS_BIAS=bias is not None, LOW_PRECISION_DOT=low_precision, WHILE_LOOP=INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out

@@ -82,6 +82,9 @@ def mla_attention(
     )  # fmt: skip
 
 
+MIN_PART_KEYS = 256  # a KV part is never shorter: a row's KV up to this length is one part
+
+
 def plan_kv_splits(batch: int, num_q_blocks: int, num_head_blocks: int, max_kv_len: int) -> int:
     """How many parts each row's KV is split into (flash-decoding), from host values only.
 
@@ -90,5 +93,5 @@ def plan_kv_splits(batch: int, num_q_blocks: int, num_head_blocks: int, max_kv_l
     they save."""
     programs = max(1, batch * num_q_blocks * num_head_blocks)
     by_occupancy = max(1, 256 // programs)
-    by_length = max(1, -(-max_kv_len // 256))
+    by_length = max(1, -(-max_kv_len // MIN_PART_KEYS))
     return min(by_occupancy, by_length, 64)

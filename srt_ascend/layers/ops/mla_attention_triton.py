@@ -31,19 +31,88 @@ def _dot(a, b, LOW_PRECISION_DOT: tl.constexpr):
 
 
 @triton.jit
+def _attend_keys(
+    start, hi, m_i, l_i, acc, q_pe, q_lat_rows, m_valid, q_pos, row, r2t_ptr, ckv_ptr, kpe_ptr,
+    stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_K: tl.constexpr,
+    BLOCK_DV: tl.constexpr, BLOCK_P: tl.constexpr, dv, LOW_PRECISION_DOT: tl.constexpr,
+):  # fmt: skip
+    """One step of the key loop: keys start .. start + BLOCK_N (those below `hi`) folded into
+    the online softmax (m_i, l_i) and the output accumulator `acc`."""
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < hi
+    slots = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
+    kpe = tl.load(
+        kpe_ptr + slots[:, None] * stride_kpe + offs_p[None, :],
+        mask=n_valid[:, None] & (offs_p[None, :] < rope_dim),
+        other=0.0,
+    )
+    if not LOW_PRECISION_DOT:
+        kpe = kpe.to(tl.float32)
+    s = _dot(q_pe, tl.trans(kpe), LOW_PRECISION_DOT)
+    # The latent part of the scores, BLOCK_K columns at a time (the query chunk is
+    # reloaded from L1/L2: a whole [rows, rank] query tile would not fit in registers).
+    for kk in tl.static_range(NUM_K):
+        cols = kk * BLOCK_K + offs_k
+        q_lat = tl.load(
+            q_lat_rows + cols[None, :],
+            mask=m_valid[:, None] & (cols[None, :] < rank),
+            other=0.0,
+        )
+        ckv = tl.load(
+            ckv_ptr + slots[:, None] * stride_ckv + cols[None, :],
+            mask=n_valid[:, None] & (cols[None, :] < rank),
+            other=0.0,
+        )
+        if not LOW_PRECISION_DOT:
+            q_lat = q_lat.to(tl.float32)
+            ckv = ckv.to(tl.float32)
+        s += _dot(q_lat, tl.trans(ckv), LOW_PRECISION_DOT)
+    s = s * scale
+    visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep zeros
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(
+        ckv_ptr + slots[:, None] * stride_ckv + offs_v[None, :],
+        mask=n_valid[:, None] & (offs_v[None, :] < rank),
+        other=0.0,
+    )
+    if LOW_PRECISION_DOT:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOW_PRECISION_DOT)
+    else:
+        acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), LOW_PRECISION_DOT)
+    return m_new, l_i, acc
+
+
+# Arguments that follow each batch's lengths (the query blocks, the KV parts and the strides
+# of the per-part log-sum-exp) are never specialised: Triton would compile a variant for the
+# value 1 and another for multiples of 16, so they would pick kernel variants mid-request.
+# Per-row scalars (lengths, rows, query starts) may be views at any offset of a larger tensor:
+# their pointers' alignment is not specialised either (a scalar load gains nothing from it).
+@triton.jit(
+    do_not_specialize=["num_q_blocks", "num_splits", "stride_lt", "stride_lh"],
+    do_not_specialize_on_alignment=["rows_ptr", "seq_lens_ptr", "q_lens_ptr", "q_starts_ptr"],
+)
 def _mla_attention_kernel(
     q_lat_ptr, q_pe_ptr, ckv_ptr, kpe_ptr, r2t_ptr, rows_ptr, seq_lens_ptr, q_lens_ptr,
     q_starts_ptr, out_ptr, lse_ptr, scale,
     stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ckv, stride_kpe, stride_r2t,
     stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    num_heads, rank, rope_dim,
+    num_heads, rank, rope_dim, num_q_blocks, num_splits,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, NUM_K: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
-    BLOCK_P: tl.constexpr, NUM_Q_BLOCKS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, SPLIT_SIZE: tl.constexpr, LOW_PRECISION_DOT: tl.constexpr,
+    BLOCK_P: tl.constexpr, SPLIT: tl.constexpr, SPLIT_SIZE: tl.constexpr,
+    LOW_PRECISION_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0) // NUM_Q_BLOCKS
-    q_block = tl.program_id(0) % NUM_Q_BLOCKS
+    b = tl.program_id(0) // num_q_blocks
+    q_block = tl.program_id(0) % num_q_blocks
     split = tl.program_id(2) // NUM_DV
     dv = tl.program_id(2) % NUM_DV  # this program's BLOCK_DV columns of the output latent
     seq_len = tl.load(seq_lens_ptr + b)
@@ -58,7 +127,6 @@ def _mla_attention_kernel(
     m_valid = (qi < q_len) & (head < num_heads)
     tok = q_start + qi
     q_pos = seq_len - q_len + qi  # query i sees keys 0 .. q_pos
-    offs_k = tl.arange(0, BLOCK_K)
     offs_v = dv * BLOCK_DV + tl.arange(0, BLOCK_DV)
     offs_p = tl.arange(0, BLOCK_P)
     q_lat_rows = q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh
@@ -75,7 +143,7 @@ def _mla_attention_kernel(
     if SPLIT_SIZE > 0:
         part = SPLIT_SIZE
     else:
-        part = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        part = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     lo = split * part
     last_q = tl.minimum(q_block * BLOCK_Q + BLOCK_Q, q_len) - 1
     hi = tl.minimum(tl.minimum(lo + part, seq_len), seq_len - q_len + last_q + 1)
@@ -83,61 +151,27 @@ def _mla_attention_kernel(
     m_i = tl.full([BLOCK_Q * BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_Q * BLOCK_H, BLOCK_DV], tl.float32)
-    start = lo
-    while start < hi:
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < hi
-        slots = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
-        kpe = tl.load(
-            kpe_ptr + slots[:, None] * stride_kpe + offs_p[None, :],
-            mask=n_valid[:, None] & (offs_p[None, :] < rope_dim),
-            other=0.0,
-        )
-        if not LOW_PRECISION_DOT:
-            kpe = kpe.to(tl.float32)
-        s = _dot(q_pe, tl.trans(kpe), LOW_PRECISION_DOT)
-        # The latent part of the scores, BLOCK_K columns at a time (the query chunk is
-        # reloaded from L1/L2: a whole [rows, rank] query tile would not fit in registers).
-        for kk in tl.static_range(NUM_K):
-            cols = kk * BLOCK_K + offs_k
-            q_lat = tl.load(
-                q_lat_rows + cols[None, :],
-                mask=m_valid[:, None] & (cols[None, :] < rank),
-                other=0.0,
-            )
-            ckv = tl.load(
-                ckv_ptr + slots[:, None] * stride_ckv + cols[None, :],
-                mask=n_valid[:, None] & (cols[None, :] < rank),
-                other=0.0,
-            )
-            if not LOW_PRECISION_DOT:
-                q_lat = q_lat.to(tl.float32)
-                ckv = ckv.to(tl.float32)
-            s += _dot(q_lat, tl.trans(ckv), LOW_PRECISION_DOT)
-        s = s * scale
-        visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep zeros
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            ckv_ptr + slots[:, None] * stride_ckv + offs_v[None, :],
-            mask=n_valid[:, None] & (offs_v[None, :] < rank),
-            other=0.0,
-        )
-        if LOW_PRECISION_DOT:
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, LOW_PRECISION_DOT)
-        else:
-            acc = acc * alpha[:, None] + _dot(p, v.to(tl.float32), LOW_PRECISION_DOT)
-        m_i = m_new
-        start += BLOCK_N
+    if WHILE_LOOP:  # the interpreter: its range() rejects bounds read from the device
+        start = lo
+        while start < hi:
+            m_i, l_i, acc = _attend_keys(
+                start, hi, m_i, l_i, acc, q_pe, q_lat_rows, m_valid, q_pos, row, r2t_ptr,
+                ckv_ptr, kpe_ptr, stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+                BLOCK_N, BLOCK_K, NUM_K, BLOCK_DV, BLOCK_P, dv, LOW_PRECISION_DOT,
+            )  # fmt: skip
+            start += BLOCK_N
+    else:  # a `for`: Triton 3.3 cannot place Hopper's wgmma fences inside a `while`
+        for start in range(lo, hi, BLOCK_N):
+            m_i, l_i, acc = _attend_keys(
+                start, hi, m_i, l_i, acc, q_pe, q_lat_rows, m_valid, q_pos, row, r2t_ptr,
+                ckv_ptr, kpe_ptr, stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+                BLOCK_N, BLOCK_K, NUM_K, BLOCK_DV, BLOCK_P, dv, LOW_PRECISION_DOT,
+            )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_v[None, :]
     out_mask = m_valid[:, None] & (offs_v[None, :] < rank)
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
@@ -146,52 +180,38 @@ def _mla_attention_kernel(
             tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, num_heads, rank,
+    part_ptr, lse_ptr, out_ptr, num_heads, rank, num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr,
-    ORDERED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     # out = sum_s exp(lse_s - max lse) * part_s / sum_s exp(lse_s - max lse); zeros if no key.
-    # ORDERED: both sums run over the parts one by one in key order (a tree sum's shape would
-    # follow NUM_SPLITS, i.e. the batch's longest KV; parts a query does not reach add exact
-    # zeros), so the result depends on the query's own parts alone.
+    # Both sums run over the parts one by one in key order (a tree sum's shape would follow
+    # the number of parts, i.e. the batch's longest KV; parts a query does not reach add exact
+    # zeros), so the result depends on the query's own parts alone, and the number of parts
+    # is a plain argument: one compiled variant serves every split count.
     t = tl.program_id(0) // num_heads
     h = tl.program_id(0) % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
     offs_r = tl.arange(0, BLOCK_R)
-    lse = tl.load(
-        lse_ptr + t * stride_lt + h * stride_lh + offs_s,
-        mask=offs_s < NUM_SPLITS,
-        other=float("-inf"),
-    )
-    top = tl.max(lse, 0)
-    w = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))
+    lse_row = lse_ptr + t * stride_lt + h * stride_lh + tl.zeros([1], tl.int32)
+    top = tl.full([1], float("-inf"), tl.float32)
+    s = 0
+    while s < num_splits:
+        top = tl.maximum(top, tl.load(lse_row + s))
+        s += 1
+    shift = tl.where(top == float("-inf"), 0.0, top)
     head_parts = part_ptr + t * stride_pt + h * stride_ph
-    if ORDERED:
-        shift = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros([1], tl.float32)
-        acc = tl.zeros([BLOCK_R], tl.float32)
-        for s in range(0, NUM_SPLITS):
-            lse_s = tl.load(lse_ptr + t * stride_lt + h * stride_lh + s + tl.zeros([1], tl.int32))
-            w_s = tl.exp(lse_s - shift)
-            part = tl.load(
-                head_parts + s * stride_ps + offs_r,
-                mask=offs_r < rank,
-                other=0.0,
-            )
-            total += w_s
-            acc += part * w_s
-        out = acc / tl.where(total > 0, total, 1.0)
-    else:
-        total = tl.sum(w, 0)
-        parts = tl.load(
-            head_parts + offs_s[:, None] * stride_ps + offs_r[None, :],
-            mask=(offs_s[:, None] < NUM_SPLITS) & (offs_r[None, :] < rank),
-            other=0.0,
-        )
-        out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    total = tl.zeros([1], tl.float32)
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    s = 0
+    while s < num_splits:
+        w_s = tl.exp(tl.load(lse_row + s) - shift)
+        part = tl.load(head_parts + s * stride_ps + offs_r, mask=offs_r < rank, other=0.0)
+        total += w_s
+        acc += part * w_s
+        s += 1
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + offs_r,
         out.to(out_ptr.dtype.element_ty),
@@ -216,6 +236,16 @@ def _merge_splits_kernel(
 BLOCK_N = 32
 BLOCK_K = 64
 BLOCK_DV = 128
+# The key loop is a `for`, which Triton software-pipelines with `num_stages` copies of its
+# loads in shared memory (3 by default: 241 KiB at float32, over every GPU's limit). One stage:
+# the budget above, as the former `while` loop had (pipelining it is issue 43's new kernel).
+NUM_STAGES = 1
+# Warps per program: float32 tiles (IEEE dots on the FMA units, 4-byte operands) spread over
+# 8 warps: at DeepSeek-V3's shapes ptxas (Triton 3.3, sm_90) then leaves 8 / 0 / 1192 bytes
+# of stack per thread for 16 / 32 / 64-row tiles instead of 32 / 240 / 7984 at 4 warps
+# (`python -m srt_ascend.layers.ops.triton_offline`); bf16 tiles keep 4 warps and spill
+# nothing on sm_90. (The 64-row float32 tile still spills: issue 43's new kernel.)
+NUM_WARPS = {True: 4, False: 8}  # by LOW_PRECISION_DOT
 SHARED_MEMORY_BUDGET = 100 * 1024
 
 # Compiled attention kernels launched in this process, by launch constants (filled on a GPU;
@@ -232,6 +262,22 @@ def tile_shape(num_heads: int, max_q_len: int, fixed: bool = False) -> tuple[int
     if not fixed:
         block_q = min(triton.next_power_of_2(max(max_q_len, 1)), block_q)
     return max(block_q, 16 // block_h), block_h
+
+
+def q_len_buckets(num_heads: int, fixed: bool = False) -> list[int]:
+    """One query length per tile height (`tile_shape`'s BLOCK_Q) a launch can choose: 1, 2,
+    4, ... up to the tallest tile. With the query blocks and KV parts plain arguments, a
+    launch's variant is its BLOCK_Q, whether it splits the KV, and the model's dtypes and
+    shapes: these lengths, each over one KV part and over several, launch every variant."""
+    tallest = tile_shape(num_heads, 1 << 30, fixed)[0]
+    by_tile: dict[int, int] = {}
+    q = 1
+    while True:
+        block_q = tile_shape(num_heads, q, fixed)[0]
+        by_tile.setdefault(block_q, q)
+        if block_q == tallest:
+            return list(by_tile.values())
+        q *= 2
 
 
 def latent_tiles(rank: int, block_k: int = BLOCK_K, block_dv: int = BLOCK_DV):
@@ -315,8 +361,8 @@ def mla_attention(
     consts = dict(
         BLOCK_Q=block_q, BLOCK_H=block_h, BLOCK_N=BLOCK_N, BLOCK_K=bk, NUM_K=num_k,
         BLOCK_DV=bdv, NUM_DV=num_dv, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        NUM_Q_BLOCKS=num_q_blocks, NUM_SPLITS=splits, SPLIT_SIZE=kv_split_size or 0,
-        LOW_PRECISION_DOT=low_precision,
+        SPLIT=splits > 1, SPLIT_SIZE=kv_split_size or 0,
+        LOW_PRECISION_DOT=low_precision, WHILE_LOOP=INTERPRETED,
     )  # fmt: skip
     kernel = _mla_attention_kernel[grid](
         q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
@@ -324,16 +370,15 @@ def mla_attention(
         q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
         c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
         target.stride(0), target.stride(1), so, sl[0], sl[1],
-        h, rank, rope, **consts,
+        h, rank, rope, num_q_blocks, splits, **consts,
+        num_stages=NUM_STAGES, num_warps=NUM_WARPS[low_precision],
     )  # fmt: skip
     if kernel is not None and not INTERPRETED:
         _COMPILED.setdefault(tuple(sorted(consts.items())), kernel)
     if splits > 1:
         _merge_splits_kernel[(t * h,)](
-            target, lse, out, h, rank,
+            target, lse, out, h, rank, splits,
             target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1),
-            NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-            BLOCK_R=max(16, triton.next_power_of_2(rank)), ORDERED=kv_split_size is not None,
+            out.stride(0), out.stride(1), BLOCK_R=max(16, triton.next_power_of_2(rank)),
         )  # fmt: skip
     return out

@@ -11,23 +11,36 @@ import torch
 import triton
 import triton.language as tl
 
-TINY = 1.1754943508222875e-38  # torch.finfo(torch.float32).tiny
+# torch.finfo(torch.float32).tiny. A constexpr: a jitted function may read a module global only
+# when it is one (Triton refuses a plain float at compile time; the interpreter accepted it, so
+# sampled MTP aborted every request on CUDA while the CPU tests passed).
+TINY = tl.constexpr(1.1754943508222875e-38)
 
 
-@triton.jit
-def _greedy_kernel(draft_ptr, target_ptr, accept_ptr, emitted_ptr, K: tl.constexpr):
+# Token and length arguments are read as scalars and may be views at any offset: their
+# pointers' alignment is not specialised, and the draft count K is a plain argument (loops
+# over it are `while` loops), so neither a batch's layout nor adaptive K picks a variant.
+@triton.jit(
+    do_not_specialize=["K"],
+    do_not_specialize_on_alignment=["draft_ptr", "target_ptr", "accept_ptr", "emitted_ptr"],
+)
+def _greedy_kernel(draft_ptr, target_ptr, accept_ptr, emitted_ptr, K):
     b = tl.program_id(0)
     accept = 0
     run = 1
-    for i in tl.static_range(K):
+    i = 0
+    while i < K:
         d = tl.load(draft_ptr + b * K + i)
         t = tl.load(target_ptr + b * (K + 1) + i)
         run = run * (d == t).to(tl.int32)
         accept += run
+        i += 1
     tl.store(accept_ptr + b, accept.to(tl.int64))
-    for j in tl.static_range(K + 1):
+    j = 0
+    while j <= K:
         t = tl.load(target_ptr + b * (K + 1) + j).to(tl.int64)
         tl.store(emitted_ptr + b * (K + 1) + j, tl.where(j <= accept, t, -1))
+        j += 1
 
 
 @triton.jit
@@ -42,22 +55,27 @@ def _final_value(tp_row, dp_row, offs, vocab, has_draft, mass, pt_sum):
     return tl.where(valid, tl.where(mass > 0, normalised, fallback), 0.0)
 
 
-@triton.jit
+@triton.jit(
+    do_not_specialize=["K", "stride_db", "stride_tb"],
+    do_not_specialize_on_alignment=["draft_ptr", "u_ptr", "accept_ptr", "emitted_ptr"],
+)
 def _rejection_kernel(
     draft_ptr, dprobs_ptr, tprobs_ptr, u_ptr, accept_ptr, emitted_ptr, vocab,
-    stride_db, stride_dk, stride_tb, stride_tk,
-    K: tl.constexpr, BLOCK_V: tl.constexpr,
+    stride_db, stride_dk, stride_tb, stride_tk, K,
+    BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     accept = 0
     run = 1
-    for i in tl.static_range(K):
+    i = 0
+    while i < K:
         d = tl.load(draft_ptr + b * K + i).to(tl.int64)
         p_t = tl.load(tprobs_ptr + b * stride_tb + i * stride_tk + d).to(tl.float32)
         p_d = tl.load(dprobs_ptr + b * stride_db + i * stride_dk + d).to(tl.float32)
         u = tl.load(u_ptr + b * (K + 1) + i).to(tl.float32)
         run = run * ((p_t > 0) & (u * p_d <= p_t)).to(tl.int32)
         accept += run
+        i += 1
     has_draft = accept < K  # the bonus position has no draft distribution
     tp_row = tprobs_ptr + b * stride_tb + accept * stride_tk
     dp_row = dprobs_ptr + b * stride_db + tl.minimum(accept, K - 1) * stride_dk
@@ -97,13 +115,12 @@ def _rejection_kernel(
         carry += tl.sum(values, 0)
         v0 += BLOCK_V
     tl.store(accept_ptr + b, accept.to(tl.int64))
-    for j in tl.static_range(K + 1):
-        if j < K:
-            d = tl.load(draft_ptr + b * K + j).to(tl.int64)
-        else:
-            d = -1
+    j = 0
+    while j <= K:
+        d = tl.load(draft_ptr + b * K + j, mask=j < K, other=-1).to(tl.int64)
         out = tl.where(j < accept, d, tl.where(j == accept, token.to(tl.int64), -1))
         tl.store(emitted_ptr + b * (K + 1) + j, out)
+        j += 1
 
 
 def greedy_accept(draft_tokens, target_argmax) -> tuple[torch.Tensor, torch.Tensor]:
