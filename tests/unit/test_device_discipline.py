@@ -37,7 +37,7 @@ from srt_ascend.models import loader
 from srt_ascend.platforms.base import Platform
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
-from srt_ascend.speculative import mtp_decoder  # noqa: F401  (registers "MTP")
+from srt_ascend.speculative import draft_length, mtp_decoder  # noqa: F401  (registers "MTP")
 from srt_ascend.utils import HOST_READS, to_device
 
 DEVICE = torch.device("lazy", 0)
@@ -203,6 +203,8 @@ def _commit(req, tokens, logprobs=None) -> None:
 )
 def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k, extra):
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
+    if extra.get("speculative_adaptive"):
+        _fix_profiled_costs(monkeypatch)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
     spec = algorithm == "MTP"
@@ -272,6 +274,21 @@ def _run_steps(runner, args, reads: Counted) -> None:
     if args.speculative_algorithm == "MTP":
         assert reads.accepted > 0
         _check_round_order(decoder, runner, reqs, reads)
+
+
+def _fix_profiled_costs(monkeypatch) -> None:
+    """Adaptive K's start profile runs its forwards (their discipline is checked), but the
+    times it measures over fake tensors follow the machine's load, and a profile in which
+    drafts did not pay chose K = 0 throughout (nothing accepted). Its table is replaced by
+    one where they pay, far above any real step: observed steps then scale every entry by
+    the same floor, and the choice no longer depends on timing."""
+    real = draft_length.profile_costs
+
+    def profile(buckets, max_k, run_step_forwards, synchronize):
+        real(buckets, max_k, run_step_forwards, synchronize)
+        return {(b, k): 1.0 + 0.25 * k for b in buckets for k in range(max_k + 1)}
+
+    monkeypatch.setattr(draft_length, "profile_costs", profile)
 
 
 def _check_round_order(decoder, runner, reqs, reads: Counted) -> None:
@@ -370,6 +387,8 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
     flight: still one read per step, the first launch none, the last read when the step in
     flight is finished."""
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
+    if extra.get("speculative_adaptive"):
+        _fix_profiled_costs(monkeypatch)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
     args = ServerArgs(
