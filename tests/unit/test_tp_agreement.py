@@ -19,6 +19,7 @@ from srt_ascend.decoding.base import DecoderHandles
 from srt_ascend.decoding.plain import PlainDecoder
 from srt_ascend.distributed import DistInit, init_tp_group
 from srt_ascend.managers.schedule_batch import Req
+from srt_ascend.platforms.cpu import CpuPlatform
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
 from srt_ascend.speculative.acceptance import AcceptResult
@@ -42,7 +43,7 @@ def _rank(local_rank: int, addr: str, world: int, dp: int) -> None:
     torch.set_num_threads(1)
     tp = init_tp_group(DistInit(addr, world), local_rank, "gloo", False, dp)
     try:
-        runner = SimpleNamespace(vocab_size=4, tp=tp, attn_backend=None)
+        runner = SimpleNamespace(vocab_size=4, tp=tp, attn_backend=None, platform=CpuPlatform())
         committed = []
         handles = DecoderHandles(runner, None, lambda r, t, lp: committed.append(t), [0])
         decoder = PlainDecoder(ServerArgs(model_path=SHIPPED_MODEL), handles)
@@ -54,7 +55,8 @@ def _rank(local_rank: int, addr: str, world: int, dp: int) -> None:
         # an MTP verdict: this rank accepted tp.rank drafts; the leader's verdict wins
         n = tp.rank
         res = AcceptResult(torch.tensor([n]), torch.tensor([[7] * (n + 1) + [-1] * (3 - n)]))
-        verdict = MTPDecoder._read(decoder, res, torch.zeros(1, 4, 4))
+        copy = MTPDecoder._copy_verdict(decoder, res)
+        verdict = MTPDecoder._read(decoder, res, torch.zeros(1, 4, 4), copy)
         leader = tp.dp_rank * (world // dp)
         assert verdict.accept_len == [leader], (tp.rank, verdict)
         assert verdict.emitted == [[7] * (leader + 1) + [-1] * (3 - leader)]
