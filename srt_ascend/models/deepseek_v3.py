@@ -86,8 +86,10 @@ class MLAAttention(nn.Module):
 
     def fuse_weights(self) -> None:
         """q_a_proj and kv_a_proj_with_mqa read the same input: one stacked linear (SGLang's
-        fused_qkv_a_proj_with_mqa). Not with biases (DeepSeek-V3 has none)."""
-        if self.q_lora_rank is not None and self.q_a_proj.bias is None:
+        fused_qkv_a_proj_with_mqa). Not with biases (DeepSeek-V3 has none), nor quantized
+        projections (`layers.quantization`)."""
+        plain = (self.q_a_proj, self.kv_a_proj_with_mqa) if self.q_lora_rank is not None else ()
+        if plain and all(isinstance(m, nn.Linear) for m in plain) and self.q_a_proj.bias is None:
             if self.kv_a_proj_with_mqa.bias is None:
                 self.qkv_a = WeightStack.concat(
                     [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]

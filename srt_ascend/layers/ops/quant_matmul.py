@@ -1,0 +1,185 @@
+"""Quantized matmuls: ModelSlim's W8A8 (static) and W8A8_DYNAMIC, DeepSeek's block FP8.
+
+The references below state each format's arithmetic; the integer parts are exact (int8
+products accumulated in int32, as the NPU's and the CPU's integer units do):
+
+- W8A8 static (per-tensor activation, per-channel weight):
+    xq  = clamp(round(x / input_scale + input_offset), -128, 127)          int8 [M, K]
+    y   = (xq @ wq^T + quant_bias) * deq_scale                             wq int8 [N, K]
+  quant_bias (int32 [N]) folds the activation offset (and any float bias) into the integer
+  sum: quant_bias = round(bias / deq_scale) - input_offset * sum_k wq[n, k];
+  deq_scale = input_scale * weight_scale.
+- W8A8_DYNAMIC (per-token symmetric activation, per-channel weight):
+    s   = max_k |x[m, k]| / 127;   xq = clamp(round(x / s), -127, 127)
+    y   = (xq @ wq^T) * s[m] * weight_scale[n]
+- block FP8 (DeepSeek-V3: weight float8_e4m3fn in bn x bk blocks, `weight_scale_inv`
+  [ceil(N/bn), ceil(K/bk)] the factor each block dequantises by; activations per token per bk
+  channels, s = max |x| / 448, xq = fp8(x / s)):
+    y[m, n] = sum_j (xq[m, Kj] . wq[n, Kj]) * s[m, j] * weight_scale_inv[n // bn, j]
+  (float32 products of fp8 values: exact; the sum over K in float32).
+
+Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's integer path
+(`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
+`torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
+`npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (imported when first used, the same
+semantics as the references). Block FP8 has no fp8 GEMM here: CPU, CUDA and NPU dequantise
+the weight tile by tile into the activation dtype per call (`fp8_block_linear_dequant`, the
+same value as the reference up to float summation order); the weights stay fp8 in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from srt_ascend.layers.ops import pick
+
+INT8_MIN, INT8_MAX = -128, 127
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+_TINY = 1e-12  # scale floor: an all-zero row quantises to zeros, not NaN
+
+
+# ---- references (the formats' definitions) ----
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+    """W8A8 static: clamp(round(x / scale + offset)) as int8 (round half to even)."""
+    q = torch.round(x.float() / scale.float() + offset.float())
+    return q.clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8_DYNAMIC: x [M, K] -> (xq int8 [M, K], s float32 [M, 1]), s = max|x| / 127."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / INT8_MAX
+    return torch.round(xf / s).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), s
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8's activations: x [M, K] -> (xq fp8 [M, K], s float32 [M, ceil(K/group)]),
+    per token per `group` channels, s = max|x| / 448."""
+    m, k = x.shape
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)
+    s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    xq = (xf / s).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
+    return xq, s.squeeze(-1)
+
+
+def int8_matmul_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq int8 [M, K] @ wq int8 [N, K]^T -> int32 [M, N], exact (int32 accumulation)."""
+    return xq.to(torch.int32) @ wq.to(torch.int32).t()
+
+
+def w8a8_static_reference(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    """The W8A8 static formula (module docstring): x [M, K] -> float32 [M, N]."""
+    acc = int8_matmul_reference(quantize_per_tensor(x, input_scale, input_offset), wq)
+    return (acc + quant_bias).float() * deq_scale.float()
+
+
+def w8a8_dynamic_reference(x, wq, weight_scale):
+    """The W8A8_DYNAMIC formula: x [M, K], weight_scale [N] -> float32 [M, N]."""
+    xq, s = quantize_per_token(x)
+    return int8_matmul_reference(xq, wq).float() * s * weight_scale.float()
+
+
+def fp8_block_reference(x, wq, scale_inv, block: tuple[int, int]):
+    """The block-FP8 formula: x [M, K], wq fp8 [N, K] -> float32 [M, N], block by block."""
+    bn, bk = block
+    n, k = wq.shape
+    xq, s = quantize_fp8_groups(x, bk)
+    ws = scale_inv.float().repeat_interleave(bn, 0)[:n]  # [N, K blocks]
+    out = x.new_zeros(x.shape[0], n, dtype=torch.float32)
+    for j in range(-(-k // bk)):
+        cols = slice(j * bk, (j + 1) * bk)
+        part = xq[:, cols].float() @ wq[:, cols].float().t()
+        out += part * s[:, j : j + 1] * ws[:, j]
+    return out
+
+
+# ---- device implementations ----
+
+
+def _int8_mm_torch(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm (int32 accumulation). CUDA's kernel wants more than 16 rows and K, N
+    multiples of 8: rows are zero-padded (the pad rows are dropped)."""
+    m = xq.shape[0]
+    if xq.device.type == "cuda" and m <= 16:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
+    return torch._int_mm(xq, wq.t())[:m]
+
+
+def _torch_table() -> dict:
+    return {"cpu": lambda: _int8_mm_torch, "cuda": lambda: _int8_mm_torch}
+
+
+def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq int8 [M, K] @ wq int8 [N, K]^T -> int32 [M, N] on the device's integer path."""
+    if xq.shape[0] == 0:
+        return xq.new_zeros(0, wq.shape[0], dtype=torch.int32)
+    return pick(_torch_table(), xq.device, int8_matmul_reference)(xq, wq)
+
+
+def w8a8_static_linear(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    """W8A8 static: x [..., K] -> [..., N] in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.device.type == "npu":
+        y = _npu_w8a8_static(flat, wq, input_scale, input_offset, quant_bias, deq_scale)
+    else:
+        acc = int8_matmul(quantize_per_tensor(flat, input_scale, input_offset), wq)
+        y = (acc + quant_bias).float() * deq_scale
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def w8a8_dynamic_linear(x, wq, weight_scale):
+    """W8A8_DYNAMIC: x [..., K], weight_scale float32 [N] -> [..., N] in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.device.type == "npu":
+        y = _npu_w8a8_dynamic(flat, wq, weight_scale)
+    else:
+        xq, s = quantize_per_token(flat)
+        y = int8_matmul(xq, wq).float() * s * weight_scale
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
+    """Block FP8 without an fp8 GEMM: the activation quantised as the format says, both
+    operands dequantised tile by tile, one matmul in float32. x [..., K] -> [..., N]."""
+    bn, bk = block
+    n, k = wq.shape
+    flat = x.reshape(-1, k)
+    xq, s = quantize_fp8_groups(flat, bk)
+    xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    y = xd @ (wq.float() * scale).t()
+    return y.to(x.dtype).view(*x.shape[:-1], n)
+
+
+def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
+    return fp8_block_linear_dequant(x, wq, scale_inv, block)
+
+
+# ---- NPU (torch_npu imported when first used) ----
+
+
+def _npu_w8a8_static(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    """npu_quantize divides by the scale (div_mode=True) and adds the offset, saturating to
+    int8; npu_quant_matmul adds the int32 bias before dequantising by deq_scale."""
+    import torch_npu
+
+    k = x.shape[-1]
+    xq = torch_npu.npu_quantize(
+        x, input_scale.expand(k), input_offset.expand(k), torch.qint8, -1, True
+    )
+    return torch_npu.npu_quant_matmul(
+        xq, wq.t(), deq_scale, bias=quant_bias, output_dtype=torch.float32
+    )
+
+
+def _npu_w8a8_dynamic(x, wq, weight_scale):
+    """npu_dynamic_quant: per-token symmetric int8 (scale = max|x| / 127)."""
+    import torch_npu
+
+    xq, s = torch_npu.npu_dynamic_quant(x)
+    return torch_npu.npu_quant_matmul(
+        xq, wq.t(), weight_scale, pertoken_scale=s, output_dtype=torch.float32
+    )
