@@ -9,6 +9,7 @@ from torch import nn
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_sum, row_tile
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
+from srt_ascend.layers.quantization import QuantStack, stack_linears
 from srt_ascend.layers.weight_stack import WeightStack
 
 # Batch-invariant mode: the dense expert path while the stacked experts number at most this
@@ -24,16 +25,16 @@ class DenseMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: WeightStack | None = None  # run time: [gate; up] read by one linear
+        # run time: [gate; up] read by one linear
+        self.gate_up: WeightStack | QuantStack | None = None
 
     def fuse_weights(self) -> None:
-        """[gate; up] as one float weight (not for quantized projections)."""
-        if isinstance(self.gate_proj, nn.Linear) and isinstance(self.up_proj, nn.Linear):
-            self.gate_up = WeightStack.concat([self.gate_proj.weight, self.up_proj.weight])
+        """[gate; up] as one linear, float or quantized (`stack_linears`)."""
+        self.gate_up = stack_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.intact():
-            gate, up = linear(x, self.gate_up.tensor).chunk(2, dim=-1)
+            gate, up = self.gate_up.linear(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 

@@ -9,11 +9,9 @@ branch on the scheme.
 
 - `QuantLinear`: a linear layer's quantized weight (no bias: DeepSeek-V3's projections have
   none).
-- `QuantRoutedExperts`: the routed experts' stacks w13 [E, 2I, H] / w2 [E, H, I] in the
-  scheme's dtype with per-expert scale stacks (`w13_weight_scale`, ...). Every MoE path runs
-  each expert's two quantized linears: sparse and ordered over the tokens that chose the
-  expert, dense and gathered (fixed shapes: graphs, accelerators) every expert over every
-  token with weight zero where unchosen.
+- `QuantStack`: several QuantLinears of one input as one matmul (the run-time stacks
+  `stack_linears` builds, as `WeightStack` does for float layers).
+- `QuantRoutedExperts` (layers/moe_quant.py): the routed experts.
 """
 
 from __future__ import annotations
@@ -21,11 +19,10 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers.moe import RoutedExperts
 from srt_ascend.layers.ops import quant_matmul as qm
+from srt_ascend.layers.weight_stack import WeightStack
 
 FP8 = torch.float8_e4m3fn
 QUANT_METHODS: dict[str, type[QuantMethod]] = {}
@@ -63,6 +60,16 @@ class QuantMethod:
         """The float32 weight [n, k] the quantized one stands for."""
         raise NotImplementedError
 
+    # tensors whose rows are the output channels (stacked by concatenation) ...
+    per_row: ClassVar[tuple[str, ...]] = ("weight",)
+
+    def stackable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
+        """Whether layers with these tensors compute one stacked layer's output rows: every
+        tensor that is not per row is equal in all of them."""
+        first = parts[0]
+        shared = [k for k in first if k not in self.per_row]
+        return all(torch.equal(p[k], first[k]) for p in parts[1:] for k in shared)
+
 
 @register("W8A8")
 class W8A8Static(QuantMethod):
@@ -79,6 +86,8 @@ class W8A8Static(QuantMethod):
             "quant_bias": ((n,), torch.int32),
             "deq_scale": ((n,), f32),
         }
+
+    per_row = ("weight", "weight_scale", "weight_offset", "quant_bias", "deq_scale")
 
     def linear(self, x, t):
         return qm.w8a8_static_linear(
@@ -101,6 +110,8 @@ class W8A8Dynamic(QuantMethod):
             "weight_offset": ((n, 1), f32),
         }
 
+    per_row = ("weight", "weight_scale", "weight_offset")
+
     def finish(self, t):
         return {**t, "scale_row": t["weight_scale"].view(-1)}
 
@@ -120,6 +131,11 @@ class Fp8Block(QuantMethod):
         blocks = (-(-n // bn), -(-k // bk))
         return {"weight": ((n, k), FP8), "weight_scale_inv": (blocks, torch.float32)}
 
+    per_row = ("weight", "weight_scale_inv")
+
+    def stackable(self, parts):
+        return all(p["weight"].shape[0] % self.block[0] == 0 for p in parts)
+
     def linear(self, x, t):
         return qm.fp8_block_linear(x, t["weight"], t["weight_scale_inv"], self.block)
 
@@ -130,7 +146,7 @@ class Fp8Block(QuantMethod):
         return t["weight"].float() * s.repeat_interleave(bk, 1)[:, :k]
 
 
-def _parameter(shape, dtype) -> nn.Parameter:
+def quant_parameter(shape, dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
 
 
@@ -151,7 +167,7 @@ class QuantLinear(QuantModule):
         super().__init__()
         self.in_features, self.out_features, self.method = in_features, out_features, method
         for name, (shape, dtype) in method.tensors(out_features, in_features).items():
-            self.register_parameter(name, _parameter(shape, dtype))
+            self.register_parameter(name, quant_parameter(shape, dtype))
         self._run: dict[str, torch.Tensor] | None = None
 
     def finish(self) -> None:
@@ -172,49 +188,50 @@ class QuantLinear(QuantModule):
         return f"{self.in_features}, {self.out_features}, {self.method.name}"
 
 
-class QuantRoutedExperts(RoutedExperts, QuantModule):
-    """RoutedExperts whose stacks hold `method`'s tensors: `w13` / `w2` the quantized weights
-    [E, 2I, H] / [E, H, I], `w13_<name>` / `w2_<name>` each per-expert scale tensor stacked
-    (the loader maps them to `experts.{e}.{gate,up,down}_proj.<name>`)."""
+class QuantStack:
+    """QuantLinears of one input stacked along their output rows: one quantized matmul.
+    Their per-row tensors are re-pointed at views of the stacked ones (no second copy);
+    `intact()` is False once one of them gets new storage (WeightStack's rule)."""
 
-    stackable = False  # the shared expert is not appended as row E (DeepseekMoE.fuse_weights)
+    def __init__(self, layers: list[QuantLinear]) -> None:
+        method = layers[0].method
+        parts = [dict(m.named_parameters(recurse=False)) for m in layers]
+        tensors = dict(parts[0])
+        with torch.inference_mode(False), torch.no_grad():
+            for key in method.per_row:
+                stacked = torch.cat([p[key].data for p in parts])
+                tensors[key] = stacked
+                views = stacked.split([p[key].shape[0] for p in parts])
+                for p, view in zip(parts, views):
+                    p[key].data = view
+        for m in layers:
+            m.finish()
+        self.method, self._run = method, method.finish(tensors)
+        self._weights = [p["weight"] for p in parts]
+        self._ptrs = [w.data_ptr() for w in self._weights]
+        self._linked = True
 
-    def __init__(self, experts: RoutedExperts, method: QuantMethod) -> None:
-        e, two_i, h = experts.w13.shape
-        inter = experts.intermediate_size
-        super().__init__(e, h, inter, experts.first_expert, experts.partitioned)
-        self.method = method
-        for stack, (n, k) in (("w13", (two_i, h)), ("w2", (h, inter))):
-            for name, (shape, dtype) in method.tensors(n, k).items():
-                key = stack if name == "weight" else f"{stack}_{name}"
-                self.register_parameter(key, _parameter((e, *shape), dtype))
-        self._run: list[tuple[dict, dict]] | None = None
+    def intact(self) -> bool:
+        if not torch.compiler.is_compiling():
+            self._linked = all(w.data_ptr() == p for w, p in zip(self._weights, self._ptrs))
+        return self._linked
 
-    def finish(self) -> None:
-        """Per expert: the method's view of its w13 and w2 tensors."""
-        params = dict(self.named_parameters(recurse=False))
-        per_expert = []
-        for e in range(self.n_experts):
-            pair = []
-            for stack in ("w13", "w2"):
-                t = {
-                    ("weight" if k == stack else k[len(stack) + 1 :]): v[e]
-                    for k, v in params.items()
-                    if k == stack or k.startswith(stack + "_")
-                }
-                pair.append(self.method.finish(t))
-            per_expert.append(tuple(pair))
-        self._run = per_expert
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.linear(x, self._run)
 
-    def _expert_at(self, x, e: int, w13, w2) -> torch.Tensor:
-        if self._run is None:
-            self.finish()
-        t13, t2 = self._run[e]
-        gate, up = self.method.linear(x, t13).chunk(2, dim=-1)
-        return self.method.linear(F.silu(gate) * up, t2)
 
-    def forward_dense(self, x, topk_weights, topk_ids, stacks=None) -> torch.Tensor:
-        """Every expert over every token (fixed shapes), as `forward_ordered_dense`."""
-        return self.forward_ordered(x, topk_weights, topk_ids, None, every_token=True)
-
-    forward_gathered = forward_dense
+def stack_linears(layers: list[nn.Module]) -> WeightStack | QuantStack | None:
+    """One stack computing the outputs of `layers` (which read the same input) in one matmul,
+    or None where they cannot be stacked: biases, float and quantized layers mixed, schemes
+    that differ or whose shared tensors differ (W8A8's input scales), FP8 blocks that do not
+    align."""
+    if all(type(m) is not QuantLinear and isinstance(m, nn.Linear) for m in layers):
+        if all(m.bias is None for m in layers):
+            return WeightStack.concat([m.weight for m in layers])
+        return None
+    if not all(isinstance(m, QuantLinear) for m in layers):
+        return None
+    if len({m.method.name for m in layers}) > 1:
+        return None
+    parts = [dict(m.named_parameters(recurse=False)) for m in layers]
+    return QuantStack(layers) if layers[0].method.stackable(parts) else None

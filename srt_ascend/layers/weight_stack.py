@@ -42,6 +42,12 @@ class WeightStack:
             tensor = params[0].data.new_empty(shape)
         return cls(tensor, list(zip(params, tensor.split(sizes, dim=dim))))
 
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] times the stack's rows (`layers.linear.linear`)."""
+        from srt_ascend.layers.linear import linear
+
+        return linear(x, self.tensor)
+
     def intact(self) -> bool:
         if not torch.compiler.is_compiling():
             self._linked = all(p.data_ptr() == ptr for p, ptr in zip(self._params, self._ptrs))

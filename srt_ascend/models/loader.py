@@ -32,7 +32,8 @@ from tqdm import tqdm
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear
 from srt_ascend.layers.moe import RoutedExperts
-from srt_ascend.layers.quantization import QuantLinear, QuantModule, QuantRoutedExperts
+from srt_ascend.layers.moe_quant import QuantRoutedExperts
+from srt_ascend.layers.quantization import QuantLinear, QuantModule
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
 from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MLAAttention
 from srt_ascend.models.quant_config import QuantConfig

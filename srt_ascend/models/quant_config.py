@@ -72,9 +72,11 @@ def detect_quantization(model_path: str, config) -> str | None:
     return "fp8"
 
 
-def resolve_quantization(model_path: str, config, forced: str | None) -> QuantConfig | None:
+def resolve_quantization(
+    model_path: str, config, forced: str | None, shards: list[str]
+) -> QuantConfig | None:
     """The QuantConfig the model is built with: detected, or `forced` (--quantization), which
-    must be what the checkpoint holds."""
+    must be what the checkpoint holds. `shards`: the checkpoint's safetensors files."""
     found = detect_quantization(model_path, config)
     if forced is not None and forced != found:
         what = f"a {found} checkpoint" if found else "not a quantized checkpoint"
@@ -82,7 +84,7 @@ def resolve_quantization(model_path: str, config, forced: str | None) -> QuantCo
     if found == "modelslim":
         return _modelslim(model_path)
     if found == "fp8":
-        return _fp8(config, _shards(model_path))
+        return _fp8(config, shards)
     return None
 
 
@@ -96,12 +98,6 @@ def refused_with(quantization: QuantConfig, server_args) -> str | None:
     if server_args.enable_torch_compile:
         return f"{name} with --enable-torch-compile is not supported yet"
     return None
-
-
-def _shards(model_path: str) -> list[str]:
-    from srt_ascend.models.loader import shard_files  # (the loader imports this module)
-
-    return shard_files(model_path)
 
 
 def _modelslim(model_path: str) -> QuantConfig:

@@ -14,8 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from srt_ascend.layers.quantization import QuantLinear, QuantRoutedExperts
-from srt_ascend.models.loader import CheckpointError, load_config, load_model
+from srt_ascend.layers.moe_quant import QuantRoutedExperts
+from srt_ascend.layers.quantization import QuantLinear
+from srt_ascend.models.loader import CheckpointError, load_config, load_model, shard_files
 from srt_ascend.models.quant_config import (
     MODELSLIM_DESCRIPTION,
     QuantConfigError,
@@ -38,9 +39,13 @@ def quantized(tmp_path_factory):
     }
 
 
+def _resolve(path, forced=None):
+    return resolve_quantization(path, load_config(path), forced, shard_files(path))
+
+
 def _load(path, **kw):
     config = load_config(path)
-    q = resolve_quantization(path, config, kw.pop("forced", None))
+    q = resolve_quantization(path, config, kw.pop("forced", None), shard_files(path))
     return load_model(path, torch.float32, load_mtp=True, config=config, quantization=q)
 
 
@@ -79,12 +84,12 @@ def test_detection(quantized):
         assert detect_quantization(path, load_config(path)) == fmt
     assert detect_quantization(SHIPPED_MODEL, load_config(SHIPPED_MODEL)) is None
     with pytest.raises(QuantConfigError, match="--quantization fp8: .* is a modelslim checkpoint"):
-        resolve_quantization(quantized["w8a8"], load_config(quantized["w8a8"]), "fp8")
+        _resolve(quantized["w8a8"], "fp8")
     with pytest.raises(QuantConfigError, match="not a quantized checkpoint"):
-        resolve_quantization(SHIPPED_MODEL, load_config(SHIPPED_MODEL), "modelslim")
+        _resolve(SHIPPED_MODEL, "modelslim")
     with pytest.raises(ValueError, match="--quantization 'awq' is not served"):
         ServerArgs(quantization="awq")
-    q = resolve_quantization(quantized["fp8_block"], load_config(quantized["fp8_block"]), "fp8")
+    q = _resolve(quantized["fp8_block"], "fp8")
     assert "--tp-size" in refused_with(q, ServerArgs(tp_size=2))
     assert refused_with(q, ServerArgs()) is None
 

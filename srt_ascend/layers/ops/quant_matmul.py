@@ -43,15 +43,17 @@ _TINY = 1e-12  # scale floor: an all-zero row quantises to zeros, not NaN
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
     """W8A8 static: clamp(round(x / scale + offset)) as int8 (round half to even)."""
-    q = torch.round(x.float() / scale.float() + offset.float())
-    return q.clamp(INT8_MIN, INT8_MAX).to(torch.int8)
+    q = x.float().div(scale.float()).add_(offset.float()).round_()
+    return q.clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W8A8_DYNAMIC: x [M, K] -> (xq int8 [M, K], s float32 [M, 1]), s = max|x| / 127."""
-    xf = x.float()
-    s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / INT8_MAX
-    return torch.round(xf / s).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), s
+    # max|x| is one of x's values (exact in x's dtype); |x / s| <= 127 by construction, so
+    # the clamp of the formula never binds (a last-ulp 127.00001 still rounds to 127)
+    s = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()
+    s = s.clamp_(min=_TINY).div_(INT8_MAX)
+    return torch.div(x, s).round_().to(torch.int8), s
 
 
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +128,7 @@ def w8a8_static_linear(x, wq, input_scale, input_offset, quant_bias, deq_scale):
         y = _npu_w8a8_static(flat, wq, input_scale, input_offset, quant_bias, deq_scale)
     else:
         acc = int8_matmul(quantize_per_tensor(flat, input_scale, input_offset), wq)
-        y = (acc + quant_bias).float() * deq_scale
+        y = acc.add_(quant_bias).float().mul_(deq_scale)
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
@@ -137,7 +139,7 @@ def w8a8_dynamic_linear(x, wq, weight_scale):
         y = _npu_w8a8_dynamic(flat, wq, weight_scale)
     else:
         xq, s = quantize_per_token(flat)
-        y = int8_matmul(xq, wq).float() * s * weight_scale
+        y = int8_matmul(xq, wq).float().mul_(s).mul_(weight_scale)
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
@@ -148,10 +150,15 @@ def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
     n, k = wq.shape
     flat = x.reshape(-1, k)
     xq, s = quantize_fp8_groups(flat, bk)
-    xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    y = xd @ (wq.float() * scale).t()
-    return y.to(x.dtype).view(*x.shape[:-1], n)
+    if k % bk == 0 and n % bn == 0:  # blocks as broadcast views, no expanded scale tensors
+        xd = (xq.float().view(-1, k // bk, bk) * s.unsqueeze(-1)).view(-1, k)
+        tiles = wq.float().view(n // bn, bn, k // bk, bk) * scale_inv.float()[:, None, :, None]
+        w = tiles.view(n, k)
+    else:
+        xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
+        scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        w = wq.float() * scale
+    return (xd @ w.t()).to(x.dtype).view(*x.shape[:-1], n)
 
 
 def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
