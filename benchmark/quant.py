@@ -9,9 +9,11 @@ Per scheme:
 - weight memory: bytes of the quantized layers' tensors (weights, scales, offsets, biases) as
   `load_model` builds them for the server, over the bytes the same layers take in bf16; and
   the whole model's (main + MTP) ratio;
-- quality: greedy agreement = share of output positions whose token equals bf16's, over
-  `--prompts` held-out prompts (corpus files the tiny model never trained on), 32 tokens each;
-  perplexity ratio over `--ppl-windows` held-out windows of 256 tokens (dense forward);
+- quality: greedy agreement (`agree`) = share of output positions whose token equals bf16's,
+  over `--prompts` held-out prompts (corpus files the tiny model never trained on), 32 tokens
+  each, free running (after a first difference the continuations part); `top1`: the share of
+  positions of the held-out windows whose argmax equals bf16's on the same text (teacher
+  forced); perplexity ratio over `--ppl-windows` held-out windows of 256 tokens (dense);
 - MTP: the accept length of K = 2 greedy decoding of those prompts, beside bf16's;
 - speed: decode throughput at each batch size (B random prompts of input-len tokens, one
   generate of output-len greedy tokens; engines alternate `rounds` times, best round kept:
@@ -70,15 +72,17 @@ def prompts_of(texts: list[str], n: int) -> list[str]:
 
 
 @torch.no_grad()
-def perplexity(model, tokenizer, texts: list[str], windows: int, seq: int = 256) -> float:
-    nll, count = 0.0, 0
+def perplexity(model, tokenizer, texts: list[str], windows: int, seq: int = 256):
+    """(perplexity, the argmax token at every position) over the held-out windows."""
+    nll, count, top1 = 0.0, 0, []
     for text in texts[:windows]:
         ids = tokenizer.encode(text[: 8 * seq]).ids[: seq + 1]
         x = torch.tensor([ids])
         logits = model.compute_logits(model(x[:, :-1], torch.arange(x.shape[1] - 1)))
         loss = torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum")
         nll, count = nll + float(loss), count + x.shape[1] - 1
-    return math.exp(nll / count)
+        top1.append(logits[0].argmax(-1))
+    return math.exp(nll / count), torch.cat(top1)
 
 
 def greedy(path: str, prompts: list[str]) -> tuple[list[list[int]], float]:
@@ -130,11 +134,12 @@ def main() -> None:
     prompts = prompts_of(texts, args.prompts)
     tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
     rows: dict[str, dict] = {}
-    ref_tokens = None
+    ref_tokens = ref_top1 = None
     for name, path in paths.items():
         model, mtp = load(path)
         quant, as_bf16, total = weight_bytes(model, mtp)
-        ppl = perplexity(model, tokenizer, texts[args.prompts :], args.ppl_windows)
+        ppl, top1 = perplexity(model, tokenizer, texts[args.prompts :], args.ppl_windows)
+        ref_top1 = top1 if ref_top1 is None else ref_top1
         del model, mtp
         tokens, accept = greedy(path, prompts)
         ref_tokens = ref_tokens or tokens
@@ -145,17 +150,20 @@ def main() -> None:
             "model_bytes": total,
             "ppl": ppl,
             "agreement": same / sum(len(x) for x in ref_tokens),
+            "top1_agreement": float((top1 == ref_top1).float().mean()),
             "accept_length": accept,
         }
     for name, tps in throughput(paths, args).items():
         rows[name]["tokens_per_s"] = tps
     base = rows["bf16"]
-    header = f"{'':14}{'mem(q)':>8}{'mem(all)':>9}{'agree':>7}{'ppl':>8}{'ppl x':>7}{'accept':>7}"
+    header = f"{'':14}{'mem(q)':>8}{'mem(all)':>9}{'agree':>7}{'top1':>7}{'ppl':>8}{'ppl x':>7}"
+    header += f"{'accept':>7}"
     header += "".join(f"{f'tok/s B={b}':>13}{'x':>6}" for b in args.batch_sizes)
     print(header)
     for name, r in rows.items():
         line = f"{name:14}{r['memory_ratio']:8.3f}{r['model_bytes'] / base['model_bytes']:9.3f}"
-        line += f"{r['agreement']:7.3f}{r['ppl']:8.3f}{r['ppl'] / base['ppl']:7.3f}"
+        line += f"{r['agreement']:7.3f}{r['top1_agreement']:7.3f}"
+        line += f"{r['ppl']:8.3f}{r['ppl'] / base['ppl']:7.3f}"
         line += f"{r['accept_length']:7.2f}"
         for b in args.batch_sizes:
             tps = r["tokens_per_s"][b]

@@ -177,9 +177,7 @@ def _npu_w8a8_static(x, wq, input_scale, input_offset, quant_bias, deq_scale):
     xq = torch_npu.npu_quantize(
         x, input_scale.expand(k), input_offset.expand(k), torch.qint8, -1, True
     )
-    return torch_npu.npu_quant_matmul(
-        xq, wq.t(), deq_scale, bias=quant_bias, output_dtype=torch.float32
-    )
+    return torch_npu.npu_quant_matmul(xq, wq.t(), deq_scale, bias=quant_bias, output_dtype=x.dtype)
 
 
 def _npu_w8a8_dynamic(x, wq, weight_scale):
@@ -188,5 +186,5 @@ def _npu_w8a8_dynamic(x, wq, weight_scale):
 
     xq, s = torch_npu.npu_dynamic_quant(x)
     return torch_npu.npu_quant_matmul(
-        xq, wq.t(), weight_scale, pertoken_scale=s, output_dtype=torch.float32
+        xq, wq.t(), weight_scale, pertoken_scale=s, output_dtype=x.dtype
     )
