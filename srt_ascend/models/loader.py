@@ -30,6 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 from srt_ascend.distributed import SINGLE, TPGroup
+from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.linear import Linear
 from srt_ascend.layers.moe import RoutedExperts
 from srt_ascend.layers.moe_quant import QuantRoutedExperts
@@ -295,8 +296,11 @@ def load_model(
     keep their tensors' own dtypes; everything else is cast to `dtype`.
     """
     config = config or load_config(model_path)
-    with torch.device("meta"):
+    layers = config.num_hidden_layers
+    with torch.device("meta"):  # quantized modules swapped in before anything is allocated
         model = DeepseekV3ForCausalLM(config, tp)
+        if quantization is not None:
+            quantize_modules(model, lambda path: path, quantization)
     model = _empty_on_cpu(model)
     if getattr(config, "tie_word_embeddings", False):  # the copy unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -306,10 +310,10 @@ def load_model(
             raise CheckpointError(f"{model_path}: checkpoint has no MTP layers")
         with torch.device("meta"):
             mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head, tp)
+            if quantization is not None:
+                quantize_modules(mtp, lambda path: mtp_checkpoint_name(path, layers), quantization)
         mtp = _empty_on_cpu(mtp)
         mtp._shared = (model.model.embed_tokens, model.lm_head)
-    if quantization is not None:
-        quantize_modules(model, mtp, quantization)
     _reset_rotary(model, mtp, config)
     loader = WeightLoader(model, mtp, tp, quantization)
     keep = frozenset(n for n, t in loader.pending.items() if t.tensor.dtype in _QUANTIZED)
@@ -325,30 +329,31 @@ def load_model(
     return model, mtp
 
 
-def quantize_modules(model, mtp, quantization: QuantConfig) -> None:
-    """Replaces each linear layer and routed-expert set the checkpoint quantizes (by its
-    checkpoint name) with the quantized module of its scheme. Run on the meta-device model,
-    before its parameters are allocated."""
-    layers = model.config.num_hidden_layers
+def mtp_checkpoint_name(path: str, num_layers: int) -> str:
+    """An MTP module's name in the checkpoint: its layer i's modules are model.layers.{L + i}.*
+    (the decoder block's `block.` dropped)."""
+    m = re.match(r"^layers\.(\d+)\.(block\.)?(.*)$", path)
+    return f"model.layers.{num_layers + int(m.group(1))}.{m.group(3)}" if m else path
 
-    def mtp_name(path: str) -> str:  # MTP layer i's modules: model.layers.{L + i}.*
-        m = re.match(r"^layers\.(\d+)\.(block\.)?(.*)$", path)
-        return f"model.layers.{layers + int(m.group(1))}.{m.group(3)}" if m else path
 
-    for root, name_of in ((model, lambda p: p), (mtp, mtp_name)):
-        if root is None:
-            continue
-        for path, parent in list(root.named_modules()):
-            for child_name, child in list(parent.named_children()):
-                ckpt = name_of(f"{path}.{child_name}" if path else child_name)
-                if type(child) is Linear:
-                    if (method := quantization.method_for(ckpt + ".weight")) is not None:
-                        quantized = QuantLinear(child.in_features, child.out_features, method)
-                        setattr(parent, child_name, quantized)
-                elif isinstance(child, RoutedExperts):
-                    first = f"{ckpt}.{child.first_expert}.gate_proj.weight"
-                    if (method := quantization.method_for(first)) is not None:
-                        setattr(parent, child_name, QuantRoutedExperts(child, method))
+def quantize_modules(root: nn.Module, checkpoint_name, quantization: QuantConfig) -> None:
+    """Replaces each linear layer and routed-expert set of `root` that the checkpoint
+    quantizes (found by `checkpoint_name(module path)`) with the quantized module of its
+    scheme, and gives the RMSNorms the checkpoint has a bias for (ModelSlim's anti-outlier
+    `*norm.bias`) that bias. Run on the meta device, before parameters are allocated."""
+    for path, parent in list(root.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            ckpt = checkpoint_name(f"{path}.{child_name}" if path else child_name)
+            if type(child) is Linear:
+                if (method := quantization.method_for(ckpt + ".weight")) is not None:
+                    quantized = QuantLinear(child.in_features, child.out_features, method)
+                    setattr(parent, child_name, quantized)
+            elif isinstance(child, RoutedExperts):
+                first = f"{ckpt}.{child.first_expert}.gate_proj.weight"
+                if (method := quantization.method_for(first)) is not None:
+                    setattr(parent, child_name, QuantRoutedExperts(child, method))
+            elif isinstance(child, RMSNorm) and ckpt + ".bias" in quantization.norm_biases:
+                child.bias = nn.Parameter(torch.empty_like(child.weight))
 
 
 def _dequantize_absorbed(module: nn.Module) -> None:

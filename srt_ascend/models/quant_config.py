@@ -7,7 +7,8 @@ be in; a checkpoint in another format, or in none, is a one-line start error.
 
 - modelslim: the description maps every tensor name to a scheme (`W8A8`, `W8A8_DYNAMIC`,
   `FLOAT`, ...); a layer is quantized by the scheme of its `<layer>.weight`. A scheme this
-  runtime has no method for is an error naming the tensor. `deq_scale` stored as int64 (fp16
+  runtime has no method for is an error naming the tensor. A `*norm.bias` tensor (anti-outlier
+  smoothing) makes that RMSNorm add it. `deq_scale` stored as int64 (fp16
   models: float32 bits in the low word) is read as float32.
 - fp8: the layers whose `<layer>.weight_scale_inv` is in the checkpoint are quantized, with
   `quantization_config.weight_block_size` blocks (default 128 x 128).
@@ -38,6 +39,7 @@ class QuantConfig:
     format: str  # QUANTIZATION_FORMATS
     schemes: dict[str, str] = field(default_factory=dict)  # "<layer>.weight" -> scheme
     block: tuple[int, int] = (128, 128)
+    norm_biases: frozenset[str] = frozenset()  # ModelSlim's "<norm>.bias" tensors
 
     def method_for(self, weight_name: str) -> QuantMethod | None:
         """The method of the layer whose weight is `weight_name`; None: kept float."""
@@ -114,7 +116,8 @@ def _modelslim(model_path: str) -> QuantConfig:
                 f"{path}: {name}: scheme {scheme!r} is not served (served: {served})"
             )
         schemes[name] = scheme
-    return QuantConfig("modelslim", schemes)
+    norm_biases = frozenset(n for n in description if n.endswith("norm.bias"))
+    return QuantConfig("modelslim", schemes, norm_biases=norm_biases)
 
 
 def _fp8(config, shards: list[str]) -> QuantConfig:

@@ -218,3 +218,23 @@ def test_float_layer_given_int8_weight_is_an_error(quantized, tmp_path):
     )
     with pytest.raises(CheckpointError, match=f"dtype mismatch for {name}"):
         _load(path)
+
+
+@torch.no_grad()
+def test_modelslim_norm_bias_is_added(quantized, tmp_path):
+    """An anti-outlier `*norm.bias` in a ModelSlim checkpoint: that RMSNorm adds it."""
+    name = "model.layers.1.input_layernorm.bias"
+    bias = torch.randn(256, generator=torch.Generator().manual_seed(0)).bfloat16()
+    path = _copy(
+        quantized["w8a8_dynamic"],
+        str(tmp_path / "c"),
+        edit_tensors=lambda t: t.update({name: bias}),
+        edit_description=lambda d: d.update({name: "FLOAT"}),
+    )
+    model, _ = _load(path)
+    norm = model.model.layers[1].input_layernorm
+    assert torch.equal(norm.bias, bias.float())
+    assert model.model.layers[2].input_layernorm.bias is None
+    x = torch.randn(3, 256)
+    plain = norm.weight * torch.nn.functional.rms_norm(x, (256,), eps=norm.eps)
+    torch.testing.assert_close(norm(x), plain + bias.float())
