@@ -60,6 +60,10 @@ class QuantMethod:
         """The float32 weight [n, k] the quantized one stands for."""
         raise NotImplementedError
 
+    def experts_problem(self, intermediate_size: int) -> str | None:
+        """Why experts of this width cannot hold their [gate; up] rows in one stack, or None."""
+        return None
+
     # tensors whose rows are the output channels (stacked by concatenation) ...
     per_row: ClassVar[tuple[str, ...]] = ("weight",)
 
@@ -135,6 +139,14 @@ class Fp8Block(QuantMethod):
 
     def stackable(self, parts):
         return all(p["weight"].shape[0] % self.block[0] == 0 for p in parts)
+
+    def experts_problem(self, intermediate_size):
+        if intermediate_size % self.block[0]:
+            return (
+                f"FP8 blocks of {self.block[0]} rows do not divide the experts' intermediate "
+                f"size {intermediate_size} (gate and up share a stack)"
+            )
+        return None
 
     def linear(self, x, t):
         return qm.fp8_block_linear(x, t["weight"], t["weight_scale_inv"], self.block)

@@ -351,6 +351,8 @@ def quantize_modules(root: nn.Module, checkpoint_name, quantization: QuantConfig
             elif isinstance(child, RoutedExperts):
                 first = f"{ckpt}.{child.first_expert}.gate_proj.weight"
                 if (method := quantization.method_for(first)) is not None:
+                    if why := method.experts_problem(child.intermediate_size):
+                        raise CheckpointError(f"{ckpt}: {why}")
                     setattr(parent, child_name, QuantRoutedExperts(child, method))
             elif isinstance(child, RMSNorm) and ckpt + ".bias" in quantization.norm_biases:
                 child.bias = nn.Parameter(torch.empty_like(child.weight))

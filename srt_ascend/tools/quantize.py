@@ -156,45 +156,54 @@ def _num_layers(src: str) -> int:
         return int(json.load(f)["num_hidden_layers"])
 
 
-def read_tensors(src: str) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in sorted(os.listdir(src)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(src, name), framework="pt") as f:
-                out.update((k, f.get_tensor(k)) for k in f.keys())
-    return out
+def _source_shards(src: str) -> list[str]:
+    names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors files in {src!r}")
+    return names
 
 
 def quantize_checkpoint(
     src: str, dst: str, scheme: str, quant_mtp: bool = False, calib_sequences: int = 16
 ) -> str:
-    """Writes the quantized copy of `src` to `dst` (module docstring); returns dst."""
+    """Writes the quantized copy of `src` to `dst` (module docstring), shard by shard (each
+    source shard becomes one output shard of the same name, with an index when there are
+    several: memory follows the largest shard, plus the float model for W8A8's calibration);
+    returns dst."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     dtype = _DTYPES.get(config.get("torch_dtype"), torch.bfloat16)
-    tensors = read_tensors(src)
+    shards = _source_shards(src)
     plan = {}
-    for name in tensors:
-        s = layer_scheme(name, scheme, config["num_hidden_layers"], quant_mtp)
-        if s is not None:
-            plan[name] = s
+    for shard in shards:
+        with safe_open(os.path.join(src, shard), framework="pt") as f:
+            for name in f.keys():
+                s = layer_scheme(name, scheme, config["num_hidden_layers"], quant_mtp)
+                if s is not None:
+                    plan[name] = s
     static = {n[: -len(".weight")] for n, s in plan.items() if s == "W8A8"}
     ranges = calibration_ranges(src, static, calib_sequences) if static else {}
-    out, description = {}, {}
-    for name, t in tensors.items():
-        s = plan.get(name)
-        if s is None:
-            out[name] = t
-            description[name] = "FLOAT"
-            continue
-        base = name[: -len(".weight")]
-        new = _quantize_layer(t.float(), s, dtype, ranges.get(base))
-        for leaf, value in new.items():
-            out[f"{base}.{leaf}"] = value
-            description[f"{base}.{leaf}"] = s
     os.makedirs(dst, exist_ok=True)
+    description, weight_map = {}, {}
+    for shard in shards:
+        out = {}
+        with safe_open(os.path.join(src, shard), framework="pt") as f:
+            for name in f.keys():
+                t, s = f.get_tensor(name), plan.get(name)
+                if s is None:
+                    out[name], description[name] = t, "FLOAT"
+                    continue
+                base = name[: -len(".weight")]
+                for leaf, value in _quantize_layer(t.float(), s, dtype, ranges.get(base)).items():
+                    out[f"{base}.{leaf}"], description[f"{base}.{leaf}"] = value, s
+        weight_map.update((name, shard) for name in out)
+        contiguous = {k: v.contiguous() for k, v in sorted(out.items())}
+        save_file(contiguous, os.path.join(dst, shard), metadata={"format": "pt"})
+    if len(shards) > 1:
+        with open(os.path.join(dst, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, f)
     for name in os.listdir(src):
         path = os.path.join(src, name)
         skip = name.endswith(".safetensors") or name.endswith(".index.json")
@@ -213,8 +222,6 @@ def quantize_checkpoint(
             json.dump({"model_quant_type": model_type, **dict(sorted(description.items()))}, f)
     with open(os.path.join(dst, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    contiguous = {k: v.contiguous() for k, v in sorted(out.items())}
-    save_file(contiguous, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
 
 

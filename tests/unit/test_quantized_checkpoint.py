@@ -238,3 +238,30 @@ def test_modelslim_norm_bias_is_added(quantized, tmp_path):
     x = torch.randn(3, 256)
     plain = norm.weight * torch.nn.functional.rms_norm(x, (256,), eps=norm.eps)
     torch.testing.assert_close(norm(x), plain + bias.float())
+
+
+@pytest.mark.parametrize("scheme", ["w8a8_dynamic", "fp8_block"])
+@torch.no_grad()
+def test_sharded_source_quantized_shard_by_shard(tiny_mtp_checkpoint, tmp_path, scheme):
+    """A sharded checkpoint (two shards + index, random weights) is written shard by shard
+    with its index; the quantized model's logits follow the float model's."""
+    src = tiny_mtp_checkpoint.path
+    dst = quantize_checkpoint(src, str(tmp_path / scheme), scheme, quant_mtp=True)
+    shards = sorted(n for n in os.listdir(dst) if n.endswith(".safetensors"))
+    assert shards == sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
+    with open(os.path.join(dst, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    for shard in shards:
+        with safe_open(os.path.join(dst, shard), framework="pt") as f:
+            assert all(weight_map[k] == shard for k in f.keys())
+    if scheme == "fp8_block":  # moe_intermediate_size 32: 128-row blocks straddle gate / up
+        with pytest.raises(CheckpointError, match=r"mlp\.experts: FP8 blocks of 128 rows"):
+            _load(dst)
+        return
+    model, mtp = _load(dst)
+    assert isinstance(mtp.layers[0].block.mlp.experts, QuantRoutedExperts)
+    ref, _ = load_model(src, torch.float32, load_mtp=False)
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    got = model.compute_logits(model(ids, torch.arange(12)))
+    want = ref.compute_logits(ref(ids, torch.arange(12)))
+    assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
