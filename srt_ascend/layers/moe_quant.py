@@ -3,7 +3,8 @@ scheme's dtype, with per-expert scale stacks (`w13_weight_scale`, ...). Every Mo
 expert's two quantized linears (`layers.quantization` methods): sparse and ordered over the
 tokens that chose the expert, dense and gathered (fixed shapes: graphs, accelerators) every
 expert over every token with weight zero where unchosen (no routing-dependent shapes, no host
-read; a grouped quantized GEMM, torch_npu's npu_grouped_matmul, is the next step)."""
+read), batched where the scheme can (W8A8_DYNAMIC: one gate/up GEMM over all experts; a
+grouped quantized GEMM, torch_npu's npu_grouped_matmul, is the next step)."""
 
 from __future__ import annotations
 
@@ -56,7 +57,13 @@ class QuantRoutedExperts(RoutedExperts, QuantModule):
         return self.method.linear(F.silu(gate) * up, t2)
 
     def forward_dense(self, x, topk_weights, topk_ids, stacks=None) -> torch.Tensor:
-        """Every expert over every token (fixed shapes), as `forward_ordered_dense`."""
-        return self.forward_ordered(x, topk_weights, topk_ids, None, every_token=True)
+        """Every expert over every token (fixed shapes): the scheme's batched path where it
+        has one (`QuantMethod.experts_dense`), else each expert's own linears
+        (`forward_ordered_dense`)."""
+        weights = self._weights_by_expert(topk_weights, topk_ids, self.n_experts)
+        y = self.method.experts_dense(x, weights, dict(self.named_parameters(recurse=False)))
+        if y is None:
+            return self.forward_ordered(x, topk_weights, topk_ids, None, every_token=True)
+        return y.to(x.dtype)
 
     forward_gathered = forward_dense

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from srt_ascend.layers.ops import quant_matmul as qm
@@ -59,6 +60,13 @@ class QuantMethod:
     def dequantize(self, t: dict[str, torch.Tensor]) -> torch.Tensor:
         """The float32 weight [n, k] the quantized one stands for."""
         raise NotImplementedError
+
+    def experts_dense(self, x, weights, stacks: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """Every routed expert over every token in few GEMMs: x [T, H], weights [T, E]
+        float32 (zero where unchosen), `stacks` the experts' parameters (w13, w13_<name>,
+        w2, w2_<name>) -> float32 [T, H]; None where the scheme has no such path (then each
+        expert runs its own two linears)."""
+        return None
 
     def experts_problem(self, intermediate_size: int) -> str | None:
         """Why experts of this width cannot hold their [gate; up] rows in one stack, or None."""
@@ -121,6 +129,27 @@ class W8A8Dynamic(QuantMethod):
 
     def linear(self, x, t):
         return qm.w8a8_dynamic_linear(x, t["weight"], t["scale_row"])
+
+    def experts_dense(self, x, weights, stacks):
+        """The activations are quantised once per row, as each expert's own call would:
+        x's rows for every gate/up (one GEMM over the stacked [E * 2I, H] rows), each
+        (token, expert) row of the SwiGLU output for the downs (one GEMM per expert), then
+        one epilogue. Same integers and scales as the per-expert calls; off the NPU."""
+        if x.device.type == "npu":
+            return None
+        w13, w2 = stacks["w13"], stacks["w2"]
+        e, two_i, h = w13.shape
+        t, inter = x.shape[0], two_i // 2
+        xq, s = qm.quantize_per_token(x)
+        acc = qm.int8_matmul(xq, w13.view(e * two_i, h))
+        gate_up = acc.float().mul_(s).mul_(stacks["w13_weight_scale"].view(-1))
+        gate_up = gate_up.to(x.dtype).view(t, e, two_i)  # (as each expert's linear returns)
+        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
+        aq, a_s = qm.quantize_per_token(act.transpose(0, 1).reshape(e * t, inter))
+        aq = aq.view(e, t, inter)
+        down = torch.stack([qm.int8_matmul(aq[i], w2[i]) for i in range(e)])  # [E, T, H]
+        ys = down.float().mul_(a_s.view(e, t, 1)).mul_(stacks["w2_weight_scale"].view(e, 1, h))
+        return (ys.to(x.dtype).float() * weights.t().unsqueeze(-1)).sum(0)
 
     def dequantize(self, t):
         return (t["weight"].float() - t["weight_offset"]) * t["weight_scale"]
