@@ -21,10 +21,10 @@ products accumulated in int32, as the NPU's and the CPU's integer units do):
 Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's integer path
 (`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
 `torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
-`npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (imported when first used, the same
-semantics as the references). Block FP8 has no fp8 GEMM here: CPU, CUDA and NPU dequantise
-the weight tile by tile into the activation dtype per call (`fp8_block_linear_dequant`, the
-same value as the reference up to float summation order); the weights stay fp8 in memory.
+`npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
+imported when first used; the references' semantics). Block FP8 has no fp8 GEMM here: CPU,
+CUDA and NPU dequantise the weight tile by tile per call (`fp8_block_linear_dequant`, the
+reference's value up to float summation order); the weights stay fp8 in memory.
 """
 
 from __future__ import annotations
@@ -121,25 +121,39 @@ def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return pick(_torch_table(), xq.device, int8_matmul_reference)(xq, wq)
 
 
+def _w8a8_static_torch(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    acc = int8_matmul(quantize_per_tensor(x, input_scale, input_offset), wq)
+    return acc.add_(quant_bias).float().mul_(deq_scale)
+
+
+def _w8a8_dynamic_torch(x, wq, weight_scale):
+    xq, s = quantize_per_token(x)
+    return int8_matmul(xq, wq).float().mul_(s).mul_(weight_scale)
+
+
+def _npu_kernels():
+    from srt_ascend.platforms import npu_quant_ops  # torch_npu's quant ops (lazy import)
+
+    return npu_quant_ops
+
+
+# device type -> loader of the fused kernel for tensors there (else the torch path above)
+_STATIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_static}
+_DYNAMIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_dynamic}
+
+
 def w8a8_static_linear(x, wq, input_scale, input_offset, quant_bias, deq_scale):
     """W8A8 static: x [..., K] -> [..., N] in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    if x.device.type == "npu":
-        y = _npu_w8a8_static(flat, wq, input_scale, input_offset, quant_bias, deq_scale)
-    else:
-        acc = int8_matmul(quantize_per_tensor(flat, input_scale, input_offset), wq)
-        y = acc.add_(quant_bias).float().mul_(deq_scale)
+    run = pick(_STATIC_KERNELS, x.device, _w8a8_static_torch)
+    y = run(flat, wq, input_scale, input_offset, quant_bias, deq_scale)
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
 def w8a8_dynamic_linear(x, wq, weight_scale):
     """W8A8_DYNAMIC: x [..., K], weight_scale float32 [N] -> [..., N] in x's dtype."""
     flat = x.reshape(-1, x.shape[-1])
-    if x.device.type == "npu":
-        y = _npu_w8a8_dynamic(flat, wq, weight_scale)
-    else:
-        xq, s = quantize_per_token(flat)
-        y = int8_matmul(xq, wq).float().mul_(s).mul_(weight_scale)
+    y = pick(_DYNAMIC_KERNELS, x.device, _w8a8_dynamic_torch)(flat, wq, weight_scale)
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
@@ -163,28 +177,3 @@ def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
 
 def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
     return fp8_block_linear_dequant(x, wq, scale_inv, block)
-
-
-# ---- NPU (torch_npu imported when first used) ----
-
-
-def _npu_w8a8_static(x, wq, input_scale, input_offset, quant_bias, deq_scale):
-    """npu_quantize divides by the scale (div_mode=True) and adds the offset, saturating to
-    int8; npu_quant_matmul adds the int32 bias before dequantising by deq_scale."""
-    import torch_npu
-
-    k = x.shape[-1]
-    xq = torch_npu.npu_quantize(
-        x, input_scale.expand(k), input_offset.expand(k), torch.qint8, -1, True
-    )
-    return torch_npu.npu_quant_matmul(xq, wq.t(), deq_scale, bias=quant_bias, output_dtype=x.dtype)
-
-
-def _npu_w8a8_dynamic(x, wq, weight_scale):
-    """npu_dynamic_quant: per-token symmetric int8 (scale = max|x| / 127)."""
-    import torch_npu
-
-    xq, s = torch_npu.npu_dynamic_quant(x)
-    return torch_npu.npu_quant_matmul(
-        xq, wq.t(), weight_scale, pertoken_scale=s, output_dtype=x.dtype
-    )
