@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt_ascend.layers.linear import linear
+
 
 class WeightStack:
     def __init__(self, tensor: torch.Tensor, views: list[tuple[nn.Parameter, torch.Tensor]]):
@@ -44,8 +46,6 @@ class WeightStack:
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] times the stack's rows (`layers.linear.linear`)."""
-        from srt_ascend.layers.linear import linear
-
         return linear(x, self.tensor)
 
     def intact(self) -> bool:
