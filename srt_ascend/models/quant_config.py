@@ -92,7 +92,7 @@ def resolve_quantization(
 
 def refused_with(quantization: QuantConfig, server_args) -> str | None:
     """Why these settings cannot serve a quantized checkpoint (one line), or None."""
-    name = f"a {quantization.format} checkpoint"
+    name = f"a quantized checkpoint ({quantization.format})"
     if server_args.tp_size > 1:
         return f"{name} with --tp-size > 1 is not supported yet (scales are not split)"
     if server_args.enable_deterministic_inference:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from lossless import MAX_NEW, PROMPTS, run
 
+from srt_ascend import Engine
 from srt_ascend.server_args import SHIPPED_MODEL
 from srt_ascend.tools.quantize import quantize_checkpoint
 
@@ -52,3 +53,8 @@ def test_greedy_identical_with_mtp(quantized, scheme):
     if scheme == "w8a8_dynamic":  # captured decode / verify / draft forwards (CPU replay)
         graphs, _ = run(quantized[scheme], SUBSET, enable_cpu_graph=True, **spec)
         assert_same_greedy(f"{scheme} mtp graphs", graphs, base, TOLERANCE[scheme])
+
+
+def test_refused_combination_is_a_start_error(quantized):
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(fp8\) with --enable-torch"):
+        Engine(model_path=quantized["fp8_block"], enable_torch_compile=True)
