@@ -9,6 +9,7 @@ from torch import nn
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_sum, row_tile
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
+from srt_ascend.layers.quantization import QuantStack, stack_linears
 from srt_ascend.layers.weight_stack import WeightStack
 
 # Batch-invariant mode: the dense expert path while the stacked experts number at most this
@@ -24,14 +25,16 @@ class DenseMLP(nn.Module):
         self.gate_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-        self.gate_up: WeightStack | None = None  # run time: [gate; up] read by one linear
+        # run time: [gate; up] read by one linear
+        self.gate_up: WeightStack | QuantStack | None = None
 
     def fuse_weights(self) -> None:
-        self.gate_up = WeightStack.concat([self.gate_proj.weight, self.up_proj.weight])
+        """[gate; up] as one linear, float or quantized (`stack_linears`)."""
+        self.gate_up = stack_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None and self.gate_up.intact():
-            gate, up = linear(x, self.gate_up.tensor).chunk(2, dim=-1)
+            gate, up = self.gate_up.linear(x).chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -98,6 +101,8 @@ class RoutedExperts(nn.Module):
     of the model's; the routing ids stay the model's, and a token's assignments to other
     ranks' experts contribute nothing here (the caller's all-reduce adds them).
     """
+
+    stackable = True  # DeepseekMoE may append the shared expert as stack row E
 
     def __init__(
         self,
@@ -172,7 +177,7 @@ class RoutedExperts(nn.Module):
         outs, start = [], 0
         for e, n in enumerate(counts[: self.n_experts]):
             if n:
-                outs.append(self._expert(xs[start : start + n], self.w13[e], self.w2[e]))
+                outs.append(self._expert_at(xs[start : start + n], e, self.w13, self.w2))
                 start += n
         if counts[-1] or not outs:  # assignments to other ranks' experts add nothing here
             outs.append(x.new_zeros(counts[-1], x.shape[-1]))
@@ -219,7 +224,7 @@ class RoutedExperts(nn.Module):
         total = torch.zeros(t, x.shape[-1], dtype=torch.float32, device=x.device)
         if every_token:
             for e in range(n):
-                total += weights[:, e : e + 1] * self._expert(x, w13[e], w2[e]).float()
+                total += weights[:, e : e + 1] * self._expert_at(x, e, w13, w2).float()
             return total.to(x.dtype)
         local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
         flat = local.flatten()
@@ -230,7 +235,7 @@ class RoutedExperts(nn.Module):
         for e, count in enumerate(counts[:n]):
             if count:
                 rows = tokens[start : start + count]  # distinct: a token picks an expert once
-                y = self._expert(x.index_select(0, rows), w13[e], w2[e]).float()
+                y = self._expert_at(x.index_select(0, rows), e, w13, w2).float()
                 total.index_copy_(0, rows, total.index_select(0, rows) + weights[rows, e, None] * y)
                 start += count
         return total.to(x.dtype)
@@ -245,6 +250,10 @@ class RoutedExperts(nn.Module):
         weights = torch.zeros(topk_ids.shape[0], n + 1, device=topk_ids.device)
         weights.scatter_(1, self.local_ids(topk_ids), topk_weights.float())
         return weights[:, :n]
+
+    def _expert_at(self, x: torch.Tensor, e: int, w13: torch.Tensor, w2: torch.Tensor):
+        """Expert row e of the stacks (w13, w2) over x [T, H] (quantized experts override)."""
+        return self._expert(x, w13[e], w2[e])
 
     def _expert(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         """One expert's SwiGLU over x [T, H] (w13 [2I, H] gate; up, w2 [H, I])."""
@@ -335,7 +344,10 @@ class DeepseekMoE(nn.Module):
         if shared is None:
             return
         inter = experts.intermediate_size
-        if shared.gate_proj.weight.shape[0] != inter or self.expert_parallel:
+        wide = shared.gate_proj.weight.shape[0] != inter
+        projections = (shared.gate_proj, shared.up_proj, shared.down_proj)
+        plain = experts.stackable and all(isinstance(m, nn.Linear) for m in projections)
+        if wide or self.expert_parallel or not plain:  # quantized layers are not stacked
             shared.fuse_weights()
             return
         w13, w2 = experts.w13, experts.w2

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from srt_ascend.layers.linear import linear
+
 
 class WeightStack:
     def __init__(self, tensor: torch.Tensor, views: list[tuple[nn.Parameter, torch.Tensor]]):
@@ -41,6 +43,10 @@ class WeightStack:
         with torch.inference_mode(False):
             tensor = params[0].data.new_empty(shape)
         return cls(tensor, list(zip(params, tensor.split(sizes, dim=dim))))
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] times the stack's rows (`layers.linear.linear`)."""
+        return linear(x, self.tensor)
 
     def intact(self) -> bool:
         if not torch.compiler.is_compiling():

@@ -29,7 +29,8 @@ from srt_ascend.model_executor.graph_runner import (
 )
 from srt_ascend.model_executor.kernel_warmup import warm_up_kernels
 from srt_ascend.model_executor.torch_compile import compile_max_bs, set_intra_op_threads
-from srt_ascend.models.loader import load_config, load_model
+from srt_ascend.models.loader import load_config, load_model, shard_files
+from srt_ascend.models.quant_config import refused_with, resolve_quantization
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
 
@@ -75,6 +76,14 @@ class ModelRunner:
             layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
         )
         set_fixed_order_sums(deterministic)  # all-reduces over > 2 ranks in rank order
+        self.quantization = resolve_quantization(
+            server_args.model_path,
+            self.config,
+            server_args.quantization,
+            shard_files(server_args.model_path),
+        )
+        if self.quantization is not None and (why := refused_with(self.quantization, server_args)):
+            raise ValueError(why)
         self.model, self.mtp = load_model(
             server_args.model_path,
             dtype=self.dtype,
@@ -82,6 +91,7 @@ class ModelRunner:
             load_mtp=server_args.spec_enabled,
             config=self.config,
             tp=tp,
+            quantization=self.quantization,
         )
         self.model.eval()
         if self.mtp is not None:

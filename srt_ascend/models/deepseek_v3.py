@@ -17,8 +17,9 @@ from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers.layernorm import RMSNorm
-from srt_ascend.layers.linear import Linear, bmm, linear
+from srt_ascend.layers.linear import Linear, bmm
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
+from srt_ascend.layers.quantization import QuantStack, stack_linears
 from srt_ascend.layers.rotary import RotaryEmbedding, softmax_scale
 from srt_ascend.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from srt_ascend.layers.weight_stack import WeightStack
@@ -82,22 +83,21 @@ class MLAAttention(nn.Module):
             interleave=bool(getattr(config, "rope_interleave", True)),
         )
         self.scale = softmax_scale(self.qk_head_dim, rope)
-        self.qkv_a: WeightStack | None = None  # run time: [q_a_proj; kv_a_proj_with_mqa]
+        # run time: [q_a_proj; kv_a_proj_with_mqa]
+        self.qkv_a: WeightStack | QuantStack | None = None
 
     def fuse_weights(self) -> None:
         """q_a_proj and kv_a_proj_with_mqa read the same input: one stacked linear (SGLang's
-        fused_qkv_a_proj_with_mqa). Not with biases (DeepSeek-V3 has none)."""
-        if self.q_lora_rank is not None and self.q_a_proj.bias is None:
-            if self.kv_a_proj_with_mqa.bias is None:
-                self.qkv_a = WeightStack.concat(
-                    [self.q_a_proj.weight, self.kv_a_proj_with_mqa.weight]
-                )
+        fused_qkv_a_proj_with_mqa), float or quantized (`stack_linears`). Not with biases
+        (DeepSeek-V3 has none)."""
+        if self.q_lora_rank is not None:
+            self.qkv_a = stack_linears([self.q_a_proj, self.kv_a_proj_with_mqa])
         self._refresh_absorbed()  # built once after loading (compiled forwards only read it)
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
         if self.qkv_a is not None and self.qkv_a.intact():
-            q_a, kv_a = linear(x, self.qkv_a.tensor).split(
+            q_a, kv_a = self.qkv_a.linear(x).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
             q = self.q_b_proj(self.q_a_layernorm(q_a))

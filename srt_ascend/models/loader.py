@@ -3,7 +3,12 @@
 Checkpoint names are DeepSeek-V3's own. MTP layers sit at `model.layers.{L + i}` for
 L = num_hidden_layers; their `embed_tokens` / `shared_head.head` copies are the main model's
 and are skipped. Block-FP8 weights (`weight` float8_e4m3fn + `weight_scale_inv`) are
-dequantised on load. A missing, unexpected or mis-shaped tensor is an error naming it.
+dequantised on load unless the model is built quantized (`quantization`, a QuantConfig from
+`models/quant_config.py`): then the layers the checkpoint quantizes are `layers.quantization`
+modules that keep the checkpoint's int8 / fp8 tensors and scales as they are on disk (MLA's
+kv_b_proj, which the absorbed attention reads as float, is dequantised after loading). A
+missing, unexpected or mis-shaped tensor, or a quantized tensor where the model holds a float
+one (and back), is an error naming it.
 
 Under tensor parallelism each rank builds its shard of the model and keeps its slice of each
 split tensor (`TP_SPLITS`); everything else is loaded whole on every rank. Under expert
@@ -25,8 +30,14 @@ from torch import nn
 from tqdm import tqdm
 
 from srt_ascend.distributed import SINGLE, TPGroup
+from srt_ascend.layers.layernorm import RMSNorm
+from srt_ascend.layers.linear import Linear
+from srt_ascend.layers.moe import RoutedExperts
+from srt_ascend.layers.moe_quant import QuantRoutedExperts
+from srt_ascend.layers.quantization import QuantLinear, QuantModule
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
-from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM
+from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MLAAttention
+from srt_ascend.models.quant_config import QuantConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -34,6 +45,7 @@ _IGNORED = re.compile(
     r"(rotary_emb\.inv_freq|\.weight_scale_inv|\.input_scale|\.activation_scale)$"
 )
 
+_STACK = re.compile(r"^(.*\.experts)\.(w13|w2)(?:_(\w+))?$")  # stacked experts' tensors
 _MOE_EXPERT = re.compile(r"\.mlp\.(experts|shared_experts)\.")  # whole under expert parallelism
 # Checkpoint tensors tensor parallelism splits, the dim a rank takes its slice of, and whether
 # the split is attention's (over the rank's DP group under data-parallel attention) or the
@@ -108,10 +120,14 @@ def shard_files(model_path: str) -> list[str]:
 
 
 def iter_checkpoint(
-    files: list[str], block_size: tuple[int, int] = (128, 128), desc: str = "Loading shards"
+    files: list[str],
+    block_size: tuple[int, int] = (128, 128),
+    desc: str = "Loading shards",
+    keep: frozenset[str] = frozenset(),
 ) -> Iterator:
-    """Yields (name, tensor); block-FP8 weights are dequantised with their `_scale_inv`
-    tensors, which may sit in any shard (a first pass collects those small tensors)."""
+    """Yields (name, tensor); block-FP8 weights not named in `keep` are dequantised with their
+    `_scale_inv` tensors, which may sit in any shard (a first pass collects those small
+    tensors)."""
     scales: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(path, framework="pt") as f:
@@ -122,7 +138,7 @@ def iter_checkpoint(
         with safe_open(path, framework="pt") as f:
             for name in sorted(f.keys()):
                 t = f.get_tensor(name)
-                if t.dtype == torch.float8_e4m3fn:
+                if t.dtype == torch.float8_e4m3fn and name not in keep:
                     scale = scales.get(name + "_scale_inv")
                     if scale is None:
                         raise CheckpointError(f"{name}: FP8 weight without {name}_scale_inv")
@@ -162,6 +178,9 @@ class _Target:
     key: str = ""
 
 
+_QUANTIZED = (torch.int8, torch.float8_e4m3fn)
+
+
 class WeightLoader:
     """Maps checkpoint names onto a DeepseekV3ForCausalLM (+ optional DeepseekV3ModelMTP)."""
 
@@ -170,8 +189,10 @@ class WeightLoader:
         model: DeepseekV3ForCausalLM,
         mtp: DeepseekV3ModelMTP | None,
         tp: TPGroup = SINGLE,
+        quantization: QuantConfig | None = None,
     ) -> None:
         self.model, self.mtp, self.tp = model, mtp, tp
+        self.quantization = quantization
         self.num_layers = model.config.num_hidden_layers
         self.num_mtp = int(getattr(model.config, "num_nextn_predict_layers", 0) or 0)
         self.pending: dict[str, _Target] = {}
@@ -188,18 +209,22 @@ class WeightLoader:
                 self.pending[key] = target
 
     def _expand(self, name: str, t: torch.Tensor):
-        """Stacked expert tensors expand into the checkpoint's per-expert names."""
+        """Stacked expert tensors (`w13`, `w2`, and quantized experts' `w13_weight_scale`
+        ...) expand into the checkpoint's per-expert names."""
         first = self.tp.rank * t.shape[0] if self.tp.expert_parallel else 0  # model's ids
-        if name.endswith(".experts.w13"):
-            base, inter = name[: -len(".w13")], t.shape[1] // 2
-            for e in range(t.shape[0]):
-                yield f"{base}.{first + e}.gate_proj.weight", _Target(t, (e, slice(0, inter)))
-                yield f"{base}.{first + e}.up_proj.weight", _Target(t, (e, slice(inter, None)))
-        elif name.endswith(".experts.w2"):
-            for e in range(t.shape[0]):
-                yield f"{name[: -len('.w2')]}.{first + e}.down_proj.weight", _Target(t, (e,))
-        else:
+        m = _STACK.match(name)
+        if m is None:
             yield name, _Target(t)
+            return
+        base, leaf = m.group(1), m.group(3) or "weight"
+        if m.group(2) == "w13":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                yield f"{base}.{first + e}.gate_proj.{leaf}", _Target(t, (e, slice(0, inter)))
+                yield f"{base}.{first + e}.up_proj.{leaf}", _Target(t, (e, slice(inter, None)))
+        else:
+            for e in range(t.shape[0]):
+                yield f"{base}.{first + e}.down_proj.{leaf}", _Target(t, (e,))
 
     def _other_ranks_expert(self, name: str) -> bool:
         """A routed expert another rank holds (expert parallelism)."""
@@ -219,7 +244,7 @@ class WeightLoader:
 
     def load(self, items) -> None:
         for name, tensor in items:
-            if _IGNORED.search(name) or self._is_shared_copy(name):
+            if name not in self.pending and (_IGNORED.search(name) or self._is_shared_copy(name)):
                 continue
             m = _LAYER.match(name)
             if self.mtp is None and m and int(m.group(1)) >= self.num_layers:
@@ -231,6 +256,16 @@ class WeightLoader:
                 raise CheckpointError(f"unexpected tensor in checkpoint: {name}")
             dst = target.tensor[target.index] if target.index else target.tensor
             tensor = tp_slice(name, tensor, self.tp)
+            if self.quantization is not None:
+                tensor = self.quantization.from_disk(name, tensor)
+            weight = name.endswith(".weight")  # (scales and offsets are cast)
+            quantized = dst.dtype in _QUANTIZED or (weight and tensor.dtype in _QUANTIZED)
+            if quantized and dst.dtype != tensor.dtype:
+                raise CheckpointError(
+                    f"dtype mismatch for {name}: checkpoint {tensor.dtype}, model expects "
+                    f"{dst.dtype} (quantized and float layers must match the checkpoint's "
+                    f"quantization description)"
+                )
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise CheckpointError(
                     f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
@@ -251,16 +286,21 @@ def load_model(
     load_mtp: bool = True,
     config=None,
     tp: TPGroup = SINGLE,
+    quantization: QuantConfig | None = None,
 ) -> tuple[DeepseekV3ForCausalLM, DeepseekV3ModelMTP | None]:
     """Builds the main model (and the MTP module when load_mtp), this rank's shard of them
     under tensor parallelism `tp`, fills them from disk and stacks the weights one matmul can
     read together (`fuse_weights`: serving layout).
 
-    Router biases stay float32 (as DeepSeek keeps them); everything else is cast to `dtype`.
+    Router biases stay float32 (as DeepSeek keeps them); quantized layers (`quantization`)
+    keep their tensors' own dtypes; everything else is cast to `dtype`.
     """
     config = config or load_config(model_path)
-    with torch.device("meta"):
+    layers = config.num_hidden_layers
+    with torch.device("meta"):  # quantized modules swapped in before anything is allocated
         model = DeepseekV3ForCausalLM(config, tp)
+        if quantization is not None:
+            quantize_modules(model, lambda path: path, quantization)
     model = _empty_on_cpu(model)
     if getattr(config, "tie_word_embeddings", False):  # the copy unties shared parameters
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -270,16 +310,63 @@ def load_model(
             raise CheckpointError(f"{model_path}: checkpoint has no MTP layers")
         with torch.device("meta"):
             mtp = DeepseekV3ModelMTP(config, model.model.embed_tokens, model.lm_head, tp)
+            if quantization is not None:
+                quantize_modules(mtp, lambda path: mtp_checkpoint_name(path, layers), quantization)
         mtp = _empty_on_cpu(mtp)
         mtp._shared = (model.model.embed_tokens, model.lm_head)
     _reset_rotary(model, mtp, config)
-    items = iter_checkpoint(shard_files(model_path), fp8_block_size(config))
-    WeightLoader(model, mtp, tp).load(items)
+    loader = WeightLoader(model, mtp, tp, quantization)
+    keep = frozenset(n for n, t in loader.pending.items() if t.tensor.dtype in _QUANTIZED)
+    loader.load(iter_checkpoint(shard_files(model_path), fp8_block_size(config), keep=keep))
     for m in (model, mtp):
         if m is not None:
+            _dequantize_absorbed(m)
             _cast(m, dtype, device)
+            for q in m.modules():
+                if isinstance(q, QuantModule):
+                    q.finish()
             fuse_weights(m)
     return model, mtp
+
+
+def mtp_checkpoint_name(path: str, num_layers: int) -> str:
+    """An MTP module's name in the checkpoint: its layer i's modules are model.layers.{L + i}.*
+    (the decoder block's `block.` dropped)."""
+    m = re.match(r"^layers\.(\d+)\.(block\.)?(.*)$", path)
+    return f"model.layers.{num_layers + int(m.group(1))}.{m.group(3)}" if m else path
+
+
+def quantize_modules(root: nn.Module, checkpoint_name, quantization: QuantConfig) -> None:
+    """Replaces each linear layer and routed-expert set of `root` that the checkpoint
+    quantizes (found by `checkpoint_name(module path)`) with the quantized module of its
+    scheme, and gives the RMSNorms the checkpoint has a bias for (ModelSlim's anti-outlier
+    `*norm.bias`) that bias. Run on the meta device, before parameters are allocated."""
+    for path, parent in list(root.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            ckpt = checkpoint_name(f"{path}.{child_name}" if path else child_name)
+            if type(child) is Linear:
+                if (method := quantization.method_for(ckpt + ".weight")) is not None:
+                    quantized = QuantLinear(child.in_features, child.out_features, method)
+                    setattr(parent, child_name, quantized)
+            elif isinstance(child, RoutedExperts):
+                first = f"{ckpt}.{child.first_expert}.gate_proj.weight"
+                if (method := quantization.method_for(first)) is not None:
+                    if why := method.experts_problem(child.intermediate_size):
+                        raise CheckpointError(f"{ckpt}: {why}")
+                    setattr(parent, child_name, QuantRoutedExperts(child, method))
+            elif isinstance(child, RMSNorm) and ckpt + ".bias" in quantization.norm_biases:
+                child.bias = nn.Parameter(torch.empty_like(child.weight))
+
+
+def _dequantize_absorbed(module: nn.Module) -> None:
+    """MLA's kv_b_proj is read as float by the absorbed attention (w_kc / w_vc): a quantized
+    one is replaced by a float Linear of its dequantised weight (as SGLang and vLLM do)."""
+    for m in module.modules():
+        if isinstance(m, MLAAttention) and isinstance(m.kv_b_proj, QuantLinear):
+            kv_b = m.kv_b_proj
+            plain = Linear(kv_b.in_features, kv_b.out_features, bias=False)
+            plain.weight = nn.Parameter(kv_b.dequantize())
+            m.kv_b_proj = plain
 
 
 def fuse_weights(module: nn.Module) -> None:
@@ -322,8 +409,10 @@ def _reset_rotary(model, mtp, config) -> None:
 
 def _cast(module: nn.Module, dtype: torch.dtype, device) -> None:
     module.to(device)
+    kept = {id(p) for m in module.modules() if isinstance(m, QuantModule) for p in m.parameters()}
     for p in module.parameters():
-        p.data = p.data.to(dtype)
+        if id(p) not in kept:
+            p.data = p.data.to(dtype)
     for mod in module.modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if bname in ("cos_cache", "sin_cache", "e_score_correction_bias"):

@@ -29,6 +29,11 @@ from srt_ascend.server_args.parallel import (
     ParallelArgsMixin,
     add_parallel_flags,
 )
+from srt_ascend.server_args.quantization import (
+    QUANTIZATION_FORMATS,
+    QuantizationArgsMixin,
+    add_quantization_flags,
+)
 from srt_ascend.server_args.scheduling import (
     ATTENTION_BACKENDS,
     DEFAULT_ATTENTION_BACKEND,
@@ -50,6 +55,7 @@ __all__ = [
     "LOAD_BALANCE_METHODS",
     "MAX_SPEC_STEPS",
     "MOE_A2A_BACKENDS",
+    "QUANTIZATION_FORMATS",
     "REDACTED",
     "SECRET_FIELDS",
     "SHIPPED_MODEL",
@@ -70,6 +76,7 @@ class ServerArgs(
     DisaggregationArgsMixin,
     SpeculativeArgsMixin,
     GraphArgsMixin,
+    QuantizationArgsMixin,
 ):
     model_path: str = SHIPPED_MODEL
     tokenizer_path: str | None = None
@@ -78,6 +85,7 @@ class ServerArgs(
     port: int = 30000
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str | None = None  # None: detected from the checkpoint (QUANTIZATION_FORMATS)
     context_length: int | None = None
     random_seed: int = 0
     log_level: str = "info"
@@ -228,6 +236,7 @@ class ServerArgs(
             raise ValueError("--api-key and --admin-api-key must not be empty")
         self._check_limits_and_kernels()
         self._check_sglang_features()
+        self._check_quantization()
         self._check_parallel()
         self._check_disaggregation()
         if self.spec_enabled:
@@ -333,6 +342,7 @@ class ServerArgs(
             choices=["debug", "info", "warning", "error", "critical"],
             help="logging level",
         )
+        add_quantization_flags(parser, d)
         add_api_flags(parser, d)
         add_scheduling_flags(parser, d)
         add_disaggregation_flags(parser, d)

@@ -1,0 +1,178 @@
+"""Quantized checkpoints against bf16, side by side in one run: the shipped checkpoint written
+by `srt_ascend.tools.quantize` in each scheme (MTP layer quantized too with --quant-mtp).
+
+    python benchmark/quant.py [--schemes w8a8 w8a8_dynamic fp8_block] [--quant-mtp]
+        [--batch-sizes 1 16] [--input-len 128] [--output-len 64] [--prompts 50]
+        [--ppl-windows 16] [--rounds 2] [--json-out FILE]
+
+Per scheme:
+- weight memory: bytes of the quantized layers' tensors (weights, scales, offsets, biases) as
+  `load_model` builds them for the server, over the bytes the same layers take in bf16; and
+  the whole model's (main + MTP) ratio;
+- quality: greedy agreement (`agree`) = share of output positions whose token equals bf16's,
+  over `--prompts` held-out prompts (corpus files the tiny model never trained on), 32 tokens
+  each, free running (after a first difference the continuations part); `top1`: the share of
+  positions of the held-out windows whose argmax equals bf16's on the same text (teacher
+  forced); perplexity ratio over `--ppl-windows` held-out windows of 256 tokens (dense);
+- MTP: the accept length of K = 2 greedy decoding of those prompts, beside bf16's;
+- speed: decode throughput at each batch size (B random prompts of input-len tokens, one
+  generate of output-len greedy tokens; engines alternate `rounds` times, best round kept:
+  this machine is shared), as a ratio to bf16's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+
+import torch
+from deterministic import measure, random_prompts
+from workload_args import workload_parser
+
+from srt_ascend import Engine
+from srt_ascend.layers.quantization import QuantModule
+from srt_ascend.models.loader import load_config, load_model, shard_files
+from srt_ascend.models.quant_config import resolve_quantization
+from srt_ascend.tools.corpus import list_files, split
+from srt_ascend.tools.quantize import SCHEMES, quantize_checkpoint
+
+
+def load(path: str):
+    config = load_config(path)
+    q = resolve_quantization(path, config, None, shard_files(path))
+    return load_model(path, torch.bfloat16, load_mtp=True, config=config, quantization=q)
+
+
+def weight_bytes(model, mtp) -> tuple[int, int, int]:
+    """(bytes of quantized layers, the same layers in bf16, whole model's bytes)."""
+    quant = bf16 = 0
+    params = {id(p): p for m in (model, mtp) for p in m.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    for m in (x for root in (model, mtp) for x in root.modules()):
+        if isinstance(m, QuantModule):
+            own = list(m.parameters(recurse=False))
+            quant += sum(p.numel() * p.element_size() for p in own)
+            bf16 += 2 * sum(p.numel() for p in own if p.dtype in (torch.int8, torch.float8_e4m3fn))
+    return quant, bf16, total
+
+
+def held_out_texts() -> list[str]:
+    _, held = split(list_files())
+    return [t for t in (f.read() for f in held) if len(t) > 2000]
+
+
+def prompts_of(texts: list[str], n: int) -> list[str]:
+    out = []
+    for i, text in enumerate(texts[:n]):
+        start = (i * 997) % (len(text) - 600)
+        out.append(text[start : start + 60 + (i * 37) % 300])
+    return out
+
+
+@torch.no_grad()
+def perplexity(model, tokenizer, texts: list[str], windows: int, seq: int = 256):
+    """(perplexity, the argmax token at every position) over the held-out windows."""
+    nll, count, top1 = 0.0, 0, []
+    for text in texts[:windows]:
+        ids = tokenizer.encode(text[: 8 * seq]).ids[: seq + 1]
+        x = torch.tensor([ids])
+        logits = model.compute_logits(model(x[:, :-1], torch.arange(x.shape[1] - 1)))
+        loss = torch.nn.functional.cross_entropy(logits[0], x[0, 1:], reduction="sum")
+        nll, count = nll + float(loss), count + x.shape[1] - 1
+        top1.append(logits[0].argmax(-1))
+    return math.exp(nll / count), torch.cat(top1)
+
+
+def greedy(path: str, prompts: list[str]) -> tuple[list[list[int]], float]:
+    engine = Engine(
+        model_path=path, dtype="bfloat16", speculative_algorithm="MTP", speculative_num_steps=2
+    )
+    try:
+        params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
+        outs = engine.generate(prompts, params)
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+        accept = engine.get_internal_state()["avg_spec_accept_length"]
+        return [o["output_ids"] for o in outs], accept
+    finally:
+        engine.shutdown()
+
+
+def throughput(paths: dict[str, str], args) -> dict[str, dict[int, float]]:
+    prompts = random_prompts(max(args.batch_sizes), args.input_len, 8192, seed=0)
+    best: dict[str, dict[int, float]] = {name: {} for name in paths}
+    for _ in range(args.rounds):
+        for name, path in paths.items():
+            engine = Engine(model_path=path, dtype="bfloat16", disable_radix_cache=True)
+            try:
+                engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 2})
+                for b in args.batch_sizes:
+                    tps = measure(engine, prompts[:b], args.output_len)[0]
+                    best[name][b] = max(best[name].get(b, 0.0), tps)
+            finally:
+                engine.shutdown()
+    return best
+
+
+def main() -> None:
+    p = workload_parser(__doc__)
+    p.set_defaults(batch_sizes=[1, 16], output_len=64)
+    p.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=SCHEMES)
+    p.add_argument("--quant-mtp", action="store_true")
+    p.add_argument("--prompts", type=int, default=50)
+    p.add_argument("--ppl-windows", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    from tokenizers import Tokenizer
+
+    tmp = tempfile.mkdtemp(prefix="quant_bench_")
+    paths = {"bf16": args.model_path}
+    for s in args.schemes:
+        paths[s] = quantize_checkpoint(args.model_path, os.path.join(tmp, s), s, args.quant_mtp)
+    texts = held_out_texts()
+    prompts = prompts_of(texts, args.prompts)
+    tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
+    rows: dict[str, dict] = {}
+    ref_tokens = ref_top1 = None
+    for name, path in paths.items():
+        model, mtp = load(path)
+        quant, as_bf16, total = weight_bytes(model, mtp)
+        ppl, top1 = perplexity(model, tokenizer, texts[args.prompts :], args.ppl_windows)
+        ref_top1 = top1 if ref_top1 is None else ref_top1
+        del model, mtp
+        tokens, accept = greedy(path, prompts)
+        ref_tokens = ref_tokens or tokens
+        same = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y))
+        rows[name] = {
+            "quantized_bytes": quant,
+            "memory_ratio": quant / as_bf16 if as_bf16 else 1.0,
+            "model_bytes": total,
+            "ppl": ppl,
+            "agreement": same / sum(len(x) for x in ref_tokens),
+            "top1_agreement": float((top1 == ref_top1).float().mean()),
+            "accept_length": accept,
+        }
+    for name, tps in throughput(paths, args).items():
+        rows[name]["tokens_per_s"] = tps
+    base = rows["bf16"]
+    header = f"{'':14}{'mem(q)':>8}{'mem(all)':>9}{'agree':>7}{'top1':>7}{'ppl':>8}{'ppl x':>7}"
+    header += f"{'accept':>7}"
+    header += "".join(f"{f'tok/s B={b}':>13}{'x':>6}" for b in args.batch_sizes)
+    print(header)
+    for name, r in rows.items():
+        line = f"{name:14}{r['memory_ratio']:8.3f}{r['model_bytes'] / base['model_bytes']:9.3f}"
+        line += f"{r['agreement']:7.3f}{r['top1_agreement']:7.3f}"
+        line += f"{r['ppl']:8.3f}{r['ppl'] / base['ppl']:7.3f}"
+        line += f"{r['accept_length']:7.2f}"
+        for b in args.batch_sizes:
+            tps = r["tokens_per_s"][b]
+            line += f"{tps:13.1f}{tps / base['tokens_per_s'][b]:6.2f}"
+        print(line)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

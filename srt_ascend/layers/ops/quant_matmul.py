@@ -1,0 +1,179 @@
+"""Quantized matmuls: ModelSlim's W8A8 (static) and W8A8_DYNAMIC, DeepSeek's block FP8.
+
+The references below state each format's arithmetic; the integer parts are exact (int8
+products accumulated in int32, as the NPU's and the CPU's integer units do):
+
+- W8A8 static (per-tensor activation, per-channel weight):
+    xq  = clamp(round(x / input_scale + input_offset), -128, 127)          int8 [M, K]
+    y   = (xq @ wq^T + quant_bias) * deq_scale                             wq int8 [N, K]
+  quant_bias (int32 [N]) folds the activation offset (and any float bias) into the integer
+  sum: quant_bias = round(bias / deq_scale) - input_offset * sum_k wq[n, k];
+  deq_scale = input_scale * weight_scale.
+- W8A8_DYNAMIC (per-token symmetric activation, per-channel weight):
+    s   = max_k |x[m, k]| / 127;   xq = clamp(round(x / s), -127, 127)
+    y   = (xq @ wq^T) * s[m] * weight_scale[n]
+- block FP8 (DeepSeek-V3: weight float8_e4m3fn in bn x bk blocks, `weight_scale_inv`
+  [ceil(N/bn), ceil(K/bk)] the factor each block dequantises by; activations per token per bk
+  channels, s = max |x| / 448, xq = fp8(x / s)):
+    y[m, n] = sum_j (xq[m, Kj] . wq[n, Kj]) * s[m, j] * weight_scale_inv[n // bn, j]
+  (float32 products of fp8 values: exact; the sum over K in float32).
+
+Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's integer path
+(`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
+`torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
+`npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
+imported when first used; the references' semantics). Block FP8 has no fp8 GEMM here: CPU,
+CUDA and NPU dequantise the weight tile by tile per call (`fp8_block_linear_dequant`, the
+reference's value up to float summation order); the weights stay fp8 in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from srt_ascend.layers.ops import pick
+
+INT8_MIN, INT8_MAX = -128, 127
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+_TINY = 1e-12  # scale floor: an all-zero row quantises to zeros, not NaN
+
+
+# ---- references (the formats' definitions) ----
+
+
+def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
+    """W8A8 static: clamp(round(x / scale + offset)) as int8 (round half to even)."""
+    q = x.float().div(scale.float()).add_(offset.float()).round_()
+    return q.clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W8A8_DYNAMIC: x [M, K] -> (xq int8 [M, K], s float32 [M, 1]), s = max|x| / 127."""
+    # |x / s| <= 127 by construction, so the formula's clamp never binds (a last-ulp
+    # 127.00001 still rounds to 127). (vector_norm(inf) costs several times abs + amax here.)
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True).clamp_(min=_TINY).div_(INT8_MAX)
+    return torch.div(xf, s).round_().to(torch.int8), s
+
+
+def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block FP8's activations: x [M, K] -> (xq fp8 [M, K], s float32 [M, ceil(K/group)]),
+    per token per `group` channels, s = max|x| / 448."""
+    m, k = x.shape
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)
+    s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
+    xq = (xf / s).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
+    return xq, s.squeeze(-1)
+
+
+def int8_matmul_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq int8 [M, K] @ wq int8 [N, K]^T -> int32 [M, N], exact (int32 accumulation)."""
+    return xq.to(torch.int32) @ wq.to(torch.int32).t()
+
+
+def w8a8_static_reference(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    """The W8A8 static formula (module docstring): x [M, K] -> float32 [M, N]."""
+    acc = int8_matmul_reference(quantize_per_tensor(x, input_scale, input_offset), wq)
+    return (acc + quant_bias).float() * deq_scale.float()
+
+
+def w8a8_dynamic_reference(x, wq, weight_scale):
+    """The W8A8_DYNAMIC formula: x [M, K], weight_scale [N] -> float32 [M, N]."""
+    xq, s = quantize_per_token(x)
+    return int8_matmul_reference(xq, wq).float() * s * weight_scale.float()
+
+
+def fp8_block_reference(x, wq, scale_inv, block: tuple[int, int]):
+    """The block-FP8 formula: x [M, K], wq fp8 [N, K] -> float32 [M, N], block by block."""
+    bn, bk = block
+    n, k = wq.shape
+    xq, s = quantize_fp8_groups(x, bk)
+    ws = scale_inv.float().repeat_interleave(bn, 0)[:n]  # [N, K blocks]
+    out = x.new_zeros(x.shape[0], n, dtype=torch.float32)
+    for j in range(-(-k // bk)):
+        cols = slice(j * bk, (j + 1) * bk)
+        part = xq[:, cols].float() @ wq[:, cols].float().t()
+        out += part * s[:, j : j + 1] * ws[:, j]
+    return out
+
+
+# ---- device implementations ----
+
+
+def _int8_mm_torch(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm (int32 accumulation). CUDA's kernel wants more than 16 rows and K, N
+    multiples of 8: rows are zero-padded (the pad rows are dropped)."""
+    m = xq.shape[0]
+    if xq.device.type == "cuda" and m <= 16:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
+    return torch._int_mm(xq, wq.t())[:m]
+
+
+def _torch_table() -> dict:
+    return {"cpu": lambda: _int8_mm_torch, "cuda": lambda: _int8_mm_torch}
+
+
+def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """xq int8 [M, K] @ wq int8 [N, K]^T -> int32 [M, N] on the device's integer path."""
+    if xq.shape[0] == 0:
+        return xq.new_zeros(0, wq.shape[0], dtype=torch.int32)
+    return pick(_torch_table(), xq.device, int8_matmul_reference)(xq, wq)
+
+
+def _w8a8_static_torch(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    acc = int8_matmul(quantize_per_tensor(x, input_scale, input_offset), wq)
+    return acc.add_(quant_bias).float().mul_(deq_scale)
+
+
+def _w8a8_dynamic_torch(x, wq, weight_scale):
+    xq, s = quantize_per_token(x)
+    return int8_matmul(xq, wq).float().mul_(s).mul_(weight_scale)
+
+
+def _npu_kernels():
+    from srt_ascend.platforms import npu_quant_ops  # torch_npu's quant ops (lazy import)
+
+    return npu_quant_ops
+
+
+# device type -> loader of the fused kernel for tensors there (else the torch path above)
+_STATIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_static}
+_DYNAMIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_dynamic}
+
+
+def w8a8_static_linear(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    """W8A8 static: x [..., K] -> [..., N] in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    run = pick(_STATIC_KERNELS, x.device, _w8a8_static_torch)
+    y = run(flat, wq, input_scale, input_offset, quant_bias, deq_scale)
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def w8a8_dynamic_linear(x, wq, weight_scale):
+    """W8A8_DYNAMIC: x [..., K], weight_scale float32 [N] -> [..., N] in x's dtype."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = pick(_DYNAMIC_KERNELS, x.device, _w8a8_dynamic_torch)(flat, wq, weight_scale)
+    return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
+
+
+def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
+    """Block FP8 without an fp8 GEMM: the activation quantised as the format says, both
+    operands dequantised tile by tile, one matmul in float32. x [..., K] -> [..., N]."""
+    bn, bk = block
+    n, k = wq.shape
+    flat = x.reshape(-1, k)
+    xq, s = quantize_fp8_groups(flat, bk)
+    if k % bk == 0 and n % bn == 0:  # blocks as broadcast views, no expanded scale tensors
+        xd = (xq.float().view(-1, k // bk, bk) * s.unsqueeze(-1)).view(-1, k)
+        tiles = wq.float().view(n // bn, bn, k // bk, bk) * scale_inv.float()[:, None, :, None]
+        w = tiles.view(n, k)
+    else:
+        xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
+        scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+        w = wq.float() * scale
+    return (xd @ w.t()).to(x.dtype).view(*x.shape[:-1], n)
+
+
+def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
+    return fp8_block_linear_dequant(x, wq, scale_inv, block)

@@ -1,0 +1,60 @@
+"""Speculation stays lossless against a quantized target: for each scheme written by
+`srt_ascend.tools.quantize` from the shipped checkpoint (the MTP layer quantized too),
+float32-activation greedy outputs are token-identical with MTP on and off, graphs included."""
+
+from __future__ import annotations
+
+import pytest
+from lossless import MAX_NEW, PROMPTS, run
+
+from srt_ascend import Engine
+from srt_ascend.server_args import SHIPPED_MODEL
+from srt_ascend.tools.quantize import quantize_checkpoint
+
+SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
+SUBSET = PROMPTS[:20]
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    return {
+        s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, quant_mtp=True, calib_sequences=2)
+        for s in SCHEMES
+    }
+
+
+def assert_same_greedy(name, outs, baseline, tol):
+    """Token-identical outputs; logprobs within `tol`. Activations are quantised per token
+    (per tensor for W8A8): a last-bit difference between a decode and a verify forward's float
+    parts (attention, the fp8 path's float GEMM) can move a value across a rounding step,
+    which e4m3's 3 mantissa bits make larger than float32's noise."""
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
+    assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
+    for o, b in zip(outs, baseline):
+        got = [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]
+        want = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
+        assert len(got) == MAX_NEW
+        assert max(abs(x - y) for x, y in zip(got, want)) < tol, name
+
+
+TOLERANCE = {"w8a8": 1e-3, "w8a8_dynamic": 1e-3, "fp8_block": 3e-2}
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_greedy_identical_with_mtp(quantized, scheme):
+    base, _ = run(quantized[scheme], SUBSET)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in base)
+    spec = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
+    outs, state = run(quantized[scheme], SUBSET, **spec)
+    assert_same_greedy(f"{scheme} mtp", outs, base, TOLERANCE[scheme])
+    assert 1.3 < state["avg_spec_accept_length"] <= 3
+    if scheme == "w8a8_dynamic":  # captured decode / verify / draft forwards (CPU replay)
+        graphs, _ = run(quantized[scheme], SUBSET, enable_cpu_graph=True, **spec)
+        assert_same_greedy(f"{scheme} mtp graphs", graphs, base, TOLERANCE[scheme])
+
+
+def test_refused_combination_is_a_start_error(quantized):
+    with pytest.raises(ValueError, match=r"quantized checkpoint \(fp8\) with --enable-torch"):
+        Engine(model_path=quantized["fp8_block"], enable_torch_compile=True)
