@@ -87,11 +87,11 @@ class FakeCuda(Platform):
         return 1 << 30, 1 << 30
 
 
-def _load_then_place(model_path, dtype, device, load_mtp, config, tp):
+def _load_then_place(model_path, dtype, device, load_mtp, config, tp, quantization=None):
     """The real loader reads the checkpoint on the host (outside the fake mode), then the
     weights are placed on the fake device the way load_model places them."""
     with unset_fake_temporarily():
-        model, mtp = loader.load_model(model_path, dtype, "cpu", load_mtp, config, tp)
+        model, mtp = loader.load_model(model_path, dtype, "cpu", load_mtp, config, tp, quantization)
     for m in (model, mtp):
         if m is not None:
             m.to(device)
