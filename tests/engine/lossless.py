@@ -46,12 +46,14 @@ def run(model_path, prompts=PROMPTS, **kw):
         engine.shutdown()
 
 
-def assert_same_greedy(name, outs, baseline):
-    """Token-identical outputs, emitted tokens' logprobs within float tolerance."""
+def assert_same_greedy(name, outs, baseline, tol: float = 1e-3):
+    """Token-identical outputs, every one ended by its length (an aborted request has no
+    output to differ), emitted tokens' logprobs within `tol`."""
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs), name
     mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
     assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
     for o, b in zip(outs, baseline):
         got = [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]
         want = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
         assert len(got) == MAX_NEW
-        assert max(abs(x - y) for x, y in zip(got, want)) < 1e-3
+        assert max(abs(x - y) for x, y in zip(got, want)) < tol, name

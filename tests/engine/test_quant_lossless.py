@@ -5,7 +5,7 @@ float32-activation greedy outputs are token-identical with MTP on and off, graph
 from __future__ import annotations
 
 import pytest
-from lossless import MAX_NEW, PROMPTS, run
+from lossless import PROMPTS, assert_same_greedy, run
 
 from srt_ascend import Engine
 from srt_ascend.server_args import SHIPPED_MODEL
@@ -24,21 +24,10 @@ def quantized(tmp_path_factory):
     }
 
 
-def assert_same_greedy(name, outs, baseline, tol):
-    """Token-identical outputs; logprobs within `tol`. Activations are quantised per token
-    (per tensor for W8A8): a last-bit difference between a decode and a verify forward's float
-    parts (attention, the fp8 path's float GEMM) can move a value across a rounding step,
-    which e4m3's 3 mantissa bits make larger than float32's noise."""
-    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
-    mismatches = [i for i, o in enumerate(outs) if o["output_ids"] != baseline[i]["output_ids"]]
-    assert not mismatches, f"{name}: {len(mismatches)} prompts differ, e.g. #{mismatches[0]}"
-    for o, b in zip(outs, baseline):
-        got = [lp for lp, *_ in o["meta_info"]["output_token_logprobs"]]
-        want = [lp for lp, *_ in b["meta_info"]["output_token_logprobs"]]
-        assert len(got) == MAX_NEW
-        assert max(abs(x - y) for x, y in zip(got, want)) < tol, name
-
-
+# Logprob tolerance per scheme. Activations are quantised per token (per tensor for W8A8): a
+# last-bit difference between a decode and a verify forward's float parts (attention, the fp8
+# path's float GEMM) can move a value across a rounding step, which e4m3's 3 mantissa bits
+# make larger than float32's noise.
 TOLERANCE = {"w8a8": 1e-3, "w8a8_dynamic": 1e-3, "fp8_block": 3e-2}
 
 
