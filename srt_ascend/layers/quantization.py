@@ -181,10 +181,7 @@ class Fp8Block(QuantMethod):
         return qm.fp8_block_linear(x, t["weight"], t["weight_scale_inv"], self.block)
 
     def dequantize(self, t):
-        bn, bk = self.block
-        n, k = t["weight"].shape
-        s = t["weight_scale_inv"].float().repeat_interleave(bn, 0)[:n]
-        return t["weight"].float() * s.repeat_interleave(bk, 1)[:, :k]
+        return qm.dequantize_fp8_blocks(t["weight"], t["weight_scale_inv"], self.block)
 
 
 def quant_parameter(shape, dtype) -> nn.Parameter:

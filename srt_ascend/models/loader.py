@@ -34,6 +34,7 @@ from srt_ascend.layers.layernorm import RMSNorm
 from srt_ascend.layers.linear import Linear
 from srt_ascend.layers.moe import RoutedExperts
 from srt_ascend.layers.moe_quant import QuantRoutedExperts
+from srt_ascend.layers.ops.quant_matmul import dequantize_fp8_blocks
 from srt_ascend.layers.quantization import QuantLinear, QuantModule
 from srt_ascend.models.deepseek_mtp import DeepseekV3ModelMTP
 from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, MLAAttention
@@ -157,8 +158,7 @@ def dequant_block_fp8(
             f"FP8 scale shape {tuple(scale_inv.shape)} does not tile weight {(n, k)} "
             f"with blocks {block_size}"
         )
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return w.float() * scale
+    return dequantize_fp8_blocks(w, scale_inv, block_size)
 
 
 def fp8_block_size(config) -> tuple[int, int]:

@@ -23,7 +23,7 @@ Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's in
 `torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
 `npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
 imported when first used; the references' semantics). Block FP8 has no fp8 GEMM here: CPU,
-CUDA and NPU dequantise the weight tile by tile per call (`fp8_block_linear_dequant`, the
+CUDA and NPU dequantise the weight tile by tile per call (`fp8_block_linear`, the
 reference's value up to float summation order); the weights stay fp8 in memory.
 """
 
@@ -157,7 +157,16 @@ def w8a8_dynamic_linear(x, wq, weight_scale):
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
-def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
+def dequantize_fp8_blocks(wq: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+    """wq fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]: each bn x bk
+    block times its factor (a partial last block too)."""
+    bn, bk = block
+    n, k = wq.shape
+    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return wq.float() * scale
+
+
+def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
     """Block FP8 without an fp8 GEMM: the activation quantised as the format says, both
     operands dequantised tile by tile, one matmul in float32. x [..., K] -> [..., N]."""
     bn, bk = block
@@ -170,10 +179,5 @@ def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
         w = tiles.view(n, k)
     else:
         xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
-        scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-        w = wq.float() * scale
+        w = dequantize_fp8_blocks(wq, scale_inv, block)
     return (xd @ w.t()).to(x.dtype).view(*x.shape[:-1], n)
-
-
-def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
-    return fp8_block_linear_dequant(x, wq, scale_inv, block)
