@@ -58,7 +58,7 @@ from srt_ascend.entrypoints.openai_tokenize import (
     TokenizeRequest,
     TokenizeServing,
 )
-from srt_ascend.entrypoints.serving import Serving, served_model_names, until_disconnected
+from srt_ascend.entrypoints.serving import Serving, until_disconnected
 from srt_ascend.managers.tokenizer_manager import RequestError
 
 OPENAI_BODY_MODELS = [
@@ -493,9 +493,9 @@ class OpenAIServing:
 
     def model(self, model: str) -> ORJSONResponse:
         """GET /v1/models/{model}: the served model's card for any of its names
-        (`served_model_names`); 404 for any other name."""
+        (`Serving.model_names`); 404 for any other name."""
         card = self.model_card()
-        if model not in served_model_names(self.serving.args):
+        if model not in self.serving.model_names:
             raise HTTPStatusError(404, f"The model '{model}' does not exist")
         return ORJSONResponse(card)
 

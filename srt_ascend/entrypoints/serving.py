@@ -44,14 +44,15 @@ class Serving:
         self.tm = tokenizer_manager
         self.args = server_args
         self.metrics = ServerMetrics(server_args.model_name, server_args.spec_enabled)
+        self.model_names = served_model_names(server_args)  # what a request's `model` may say
 
     # ---- building requests --------------------------------------------------------------------
 
     def check_model(self, model: str) -> None:
         """RequestError (400, SGLang's words) unless `model` names the served model
-        (`served_model_names`); SGLang's `name:adapter` names a LoRA adapter, which this
+        (`model_names`); SGLang's `name:adapter` names a LoRA adapter, which this
         server does not serve."""
-        names = served_model_names(self.args)
+        names = self.model_names
         if model in names:
             return
         base, _, adapter = model.partition(":")
