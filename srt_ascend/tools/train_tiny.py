@@ -281,9 +281,7 @@ def _checkpoint_names(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return {name: t}
 
 
-def main(argv: list[str] | None = None) -> None:
-    from transformers import DeepseekV3Config
-
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     default_out = os.path.join(
         os.path.dirname(__file__), "..", "checkpoints", "deepseek-v3-tiny-mtp"
@@ -293,25 +291,86 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--draft-steps", type=int, default=DRAFT_STEPS, help="MTP-only steps")
     p.add_argument("--max-files", type=int, default=0, help="smoke runs: use the first N files")
     p.add_argument("--log-every", type=int, default=50)
-    args = p.parse_args(argv)
-    steps = args.steps
+    return p.parse_args(argv)
 
-    tune_glibc_malloc()
-    torch.manual_seed(SEED)
-    rng = np.random.default_rng(SEED)
-    os.makedirs(args.out, exist_ok=True)
+
+def _corpus_tokens(out_dir: str, max_files: int) -> tuple[torch.Tensor, int]:
+    """Train the tokenizer on the training files (written to `out_dir`) and encode them.
+    Returns the training tokens and the number of training files."""
     train_files, held_files = split(list_files())
-    if args.max_files:
-        train_files = train_files[: args.max_files]
+    if max_files:
+        train_files = train_files[:max_files]
     texts = [f.read() for f in train_files]
     t0 = time.time()
-    tok = train_tokenizer(texts, args.out)
+    tok = train_tokenizer(texts, out_dir)
     tokens = torch.from_numpy(encode_docs(tok, texts).astype(np.int64))
     print(
         f"tokenizer + encode: {time.time() - t0:.0f}s; {len(train_files)} train files, "
         f"{len(held_files)} held out, {len(tokens)} train tokens",
         flush=True,
     )
+    return tokens, len(train_files)
+
+
+def _log(log: list[dict], rec: dict) -> None:
+    log.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def _train_joint(model, mtp, params, tokens, rng, steps: int, log_every: int, log, t0) -> None:
+    """Phase 1: main + MTP together, the MTP loss's KL-to-main share ramping to DISTILL_MAX."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=LR,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, steps)
+        distill = DISTILL_MAX * step / max(1, steps - 1)
+        total, main_ce, mtp_ce, kl = losses(model, mtp, batch_at(tokens, rng), distill)
+        _step(opt, total, params, (model, mtp))
+        if step % log_every == 0 or step == steps - 1:
+            rec = dict(phase=1, step=step, main_ce=round(main_ce.item(), 4))
+            rec.update(mtp_ce=round(mtp_ce.item(), 4), kl=round(kl.item(), 4))
+            _log(log, dict(rec, lr=lr_at(step, steps), seconds=round(time.time() - t0)))
+
+
+def _train_draft(model, mtp, tokens, rng, steps: int, log_every: int, log, t0) -> None:
+    """Phase 2: the MTP layer alone, distilled towards the frozen main model (cosine lr)."""
+    draft_params = list(mtp.parameters())
+    draft_opt = torch.optim.AdamW(draft_params, lr=DRAFT_LR, betas=(0.9, 0.95), weight_decay=0.0)
+    for step in range(steps):
+        cosine = 1 + math.cos(math.pi * step / max(1, steps))
+        lr = DRAFT_LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * cosine)  # the shipped order
+        for g in draft_opt.param_groups:
+            g["lr"] = lr
+        total, mtp_ce, kl = draft_losses(model, mtp, batch_at(tokens, rng))
+        _step(draft_opt, total, draft_params, (mtp,))
+        if step % log_every == 0 or step == steps - 1:
+            rec = dict(phase=2, step=step, mtp_ce=round(mtp_ce.item(), 4))
+            _log(log, dict(rec, kl=round(kl.item(), 4), lr=lr, seconds=round(time.time() - t0)))
+
+
+def _write_json(path: str, obj: dict, indent: int = 2, newline: bool = False) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=indent)
+        if newline:
+            f.write("\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    from transformers import DeepseekV3Config
+
+    args = _parse_args(argv)
+    tune_glibc_malloc()
+    torch.manual_seed(SEED)
+    rng = np.random.default_rng(SEED)
+    os.makedirs(args.out, exist_ok=True)
+    tokens, n_train_files = _corpus_tokens(args.out, args.max_files)
 
     config = DeepseekV3Config(**checkpoint_config())
     model, mtp = build_models(config)
@@ -323,85 +382,25 @@ def main(argv: list[str] | None = None) -> None:
     ]
     params = list(model.parameters()) + list(mtp.parameters())
     n_params = sum(p.numel() for p in params)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR,
-        betas=(0.9, 0.95),
-        eps=1e-8,
-    )
-    log = []
+    log: list[dict] = []
     t0 = time.time()
-    for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps)
-        distill = DISTILL_MAX * step / max(1, steps - 1)
-        window = batch_at(tokens, rng)
-        total, main_ce, mtp_ce, kl = losses(model, mtp, window, distill)
-        _step(opt, total, params, (model, mtp))
-        if step % args.log_every == 0 or step == steps - 1:
-            rec = dict(
-                phase=1,
-                step=step,
-                main_ce=round(main_ce.item(), 4),
-                mtp_ce=round(mtp_ce.item(), 4),
-                kl=round(kl.item(), 4),
-                lr=lr_at(step, steps),
-                seconds=round(time.time() - t0),
-            )
-            log.append(rec)
-            print(json.dumps(rec), flush=True)
-    draft_params = list(mtp.parameters())
-    draft_opt = torch.optim.AdamW(draft_params, lr=DRAFT_LR, betas=(0.9, 0.95), weight_decay=0.0)
-    for step in range(args.draft_steps):
-        lr = DRAFT_LR * (
-            MIN_LR_FRAC
-            + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * step / max(1, args.draft_steps)))
-        )
-        for g in draft_opt.param_groups:
-            g["lr"] = lr
-        total, mtp_ce, kl = draft_losses(model, mtp, batch_at(tokens, rng))
-        _step(draft_opt, total, draft_params, (mtp,))
-        if step % args.log_every == 0 or step == args.draft_steps - 1:
-            rec = dict(
-                phase=2,
-                step=step,
-                mtp_ce=round(mtp_ce.item(), 4),
-                kl=round(kl.item(), 4),
-                lr=lr,
-                seconds=round(time.time() - t0),
-            )
-            log.append(rec)
-            print(json.dumps(rec), flush=True)
+    _train_joint(model, mtp, params, tokens, rng, args.steps, args.log_every, log, t0)
+    _train_draft(model, mtp, tokens, rng, args.draft_steps, args.log_every, log, t0)
     for h in hooks:
         h.remove()
 
     save_checkpoint(model, mtp, config, args.out)
-    with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump(checkpoint_config(), f, indent=2)
-        f.write("\n")
-    with open(os.path.join(args.out, "generation_config.json"), "w") as f:
-        json.dump({"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}, f, indent=2)
-    with open(os.path.join(args.out, "training_log.json"), "w") as f:
-        json.dump(
-            dict(
-                seed=SEED,
-                steps=steps,
-                draft_steps=args.draft_steps,
-                batch=BATCH,
-                seq_len=SEQ_LEN,
-                lr=LR,
-                params=n_params,
-                train_files=len(train_files),
-                train_tokens=len(tokens),
-                wall_seconds=round(time.time() - t0),
-                torch=torch.__version__,
-                log=log,
-            ),
-            f,
-            indent=1,
-        )
+    _write_json(os.path.join(args.out, "config.json"), checkpoint_config(), newline=True)
+    generation = {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}
+    _write_json(os.path.join(args.out, "generation_config.json"), generation)
+    record = dict(seed=SEED, steps=args.steps, draft_steps=args.draft_steps, batch=BATCH)
+    record.update(seq_len=SEQ_LEN, lr=LR, params=n_params, train_files=n_train_files)
+    record.update(train_tokens=len(tokens), wall_seconds=round(time.time() - t0))
+    _write_json(
+        os.path.join(args.out, "training_log.json"),
+        dict(record, torch=torch.__version__, log=log),
+        indent=1,
+    )
     print(f"saved {args.out} ({n_params / 1e6:.2f} M parameters)")
 
 
