@@ -167,32 +167,49 @@ def npu_fused_infer_attention_score(
     Reads the inputs only. Raises ValueError for inputs the real op rejects (module docstring),
     TypeError for keywords the real op does not have.
     """
-    signature = _call_signature(
+    kv_heads, batch = _checked_geometry(
         (query, key, value, query_rope, key_rope, block_table),
-        actual_seq_lengths,
-        actual_seq_lengths_kv,
+        (actual_seq_lengths, actual_seq_lengths_kv, atten_mask, antiquant_scale, unsupported),
         (num_heads, input_layout, num_key_value_heads, block_size, sparse_mode, antiquant_mode,
          softmax_lse_flag),
-        antiquant_scale,
-        unsupported,
     )  # fmt: skip
-    if signature is not None and _CACHE.checked_for(signature, atten_mask):
-        kv_heads, batch = _CACHE.checked
-    else:
-        _check_extra_kwargs(unsupported)
-        _check_flags(input_layout, antiquant_mode, antiquant_scale, softmax_lse_flag, query_rope)
-        kv_heads = _check_shapes(
-            query, key, value, query_rope, key_rope, num_heads, num_key_value_heads
-        )
-        batch = _split_lengths(actual_seq_lengths, actual_seq_lengths_kv, query.shape[0])
-        _check_sparse(sparse_mode, atten_mask, batch, mla=query_rope is not None)
-        _check_block_table(block_table, block_size, batch, key)
-        _CACHE.signature, _CACHE.checked = signature, (kv_heads, batch)
-        _CACHE.checked_mask = atten_mask
     caches = [_paged_view(t, kv_heads, block_size) for t in (key, value, key_rope) if t is not None]
-    num_tokens, dev = query.shape[0], query.device
     causal = sparse_mode == SPARSE_RIGHT_DOWN_CAUSAL
     plans = _plans(batch, block_table, caches[0], num_heads, causal)
+    out, lse = _attend(query, query_rope, caches, plans, (num_heads, scale, softmax_lse_flag))
+    out = out.to(query.dtype)
+    if input_layout == "TND_NTD":
+        out = out.transpose(0, 1).contiguous()
+    if softmax_lse_flag:
+        return out, lse.unsqueeze(-1)
+    return out, torch.zeros(1, dtype=torch.float32, device=query.device)
+
+
+def _checked_geometry(tensors: tuple, lengths_and_extras: tuple, flags: tuple) -> tuple[int, list]:
+    """Validate one call (ValueError / TypeError as the real op) and return its KV head count
+    and per-request lengths. A call with the previous call's signature (and mask) reuses its
+    verdict: the step path calls the op once per layer with the same geometry."""
+    query, key, value, query_rope, key_rope, block_table = tensors
+    q_lens, kv_lens, atten_mask, antiquant_scale, unsupported = lengths_and_extras
+    num_heads, input_layout, num_kv_heads, block_size, sparse_mode, antiquant_mode, lse_flag = flags
+    signature = _call_signature(tensors, q_lens, kv_lens, flags, antiquant_scale, unsupported)
+    if signature is not None and _CACHE.checked_for(signature, atten_mask):
+        return _CACHE.checked
+    _check_extra_kwargs(unsupported)
+    _check_flags(input_layout, antiquant_mode, antiquant_scale, lse_flag, query_rope)
+    kv_heads = _check_shapes(query, key, value, query_rope, key_rope, num_heads, num_kv_heads)
+    batch = _split_lengths(q_lens, kv_lens, query.shape[0])
+    _check_sparse(sparse_mode, atten_mask, batch, mla=query_rope is not None)
+    _check_block_table(block_table, block_size, batch, key)
+    _CACHE.signature, _CACHE.checked = signature, (kv_heads, batch)
+    _CACHE.checked_mask = atten_mask
+    return kv_heads, batch
+
+
+def _attend(query, query_rope, caches, plans, heads_scale_lse: tuple[int, float, bool]):
+    """Attention over the plans' chunks: ``(out [T, N, Dv] float32, lse [T, N] or None)``."""
+    num_heads, scale, lse_flag = heads_scale_lse
+    num_tokens, dev = query.shape[0], query.device
     dv = caches[1].shape[-1]
     value_cols = None
     joint = _adjacent(caches[0], caches[2]) if query_rope is not None else None
@@ -205,21 +222,13 @@ def npu_fused_infer_attention_score(
             [joint],
             dv,
         )
-    if len(plans) == 1 and plans[0].t1 - plans[0].t0 == num_tokens and not softmax_lse_flag:
-        out = _attend_chunk(query, query_rope, caches, plans[0], scale, False, value_cols)[0]
-    else:
-        out = torch.zeros(num_tokens, num_heads, dv, device=dev)
-        lse = torch.full((num_tokens, num_heads), float("-inf"), device=dev)
-        for plan in plans:
-            ctx, chunk_lse = _attend_chunk(
-                query, query_rope, caches, plan, scale, softmax_lse_flag, value_cols
-            )
-            out[plan.t0 : plan.t1] = ctx
-            if softmax_lse_flag:
-                lse[plan.t0 : plan.t1] = chunk_lse
-    out = out.to(query.dtype)
-    if input_layout == "TND_NTD":
-        out = out.transpose(0, 1).contiguous()
-    if softmax_lse_flag:
-        return out, lse.unsqueeze(-1)
-    return out, torch.zeros(1, dtype=torch.float32, device=dev)
+    if len(plans) == 1 and plans[0].t1 - plans[0].t0 == num_tokens and not lse_flag:
+        return _attend_chunk(query, query_rope, caches, plans[0], scale, False, value_cols)[0], None
+    out = torch.zeros(num_tokens, num_heads, dv, device=dev)
+    lse = torch.full((num_tokens, num_heads), float("-inf"), device=dev)
+    for plan in plans:
+        ctx, chunk_lse = _attend_chunk(query, query_rope, caches, plan, scale, lse_flag, value_cols)
+        out[plan.t0 : plan.t1] = ctx
+        if lse_flag:
+            lse[plan.t0 : plan.t1] = chunk_lse
+    return out, lse
