@@ -83,6 +83,14 @@ class ParallelArgsMixin:
 
 
 def add_parallel_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]) -> None:
+    """Model parallelism, then data-parallel attention and expert dispatch, then the nodes (in
+    --help's order)."""
+    _add_model_parallel_flags(parser)
+    _add_dp_flags(parser)
+    _add_node_flags(parser, d)
+
+
+def _add_model_parallel_flags(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a(
         "--tp-size",
@@ -112,6 +120,10 @@ def add_parallel_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclas
         "default: a free port on 127.0.0.1, one node only)",
     )
     a("--nnodes", type=int, default=1, help="nodes the --tp-size ranks are spread over")
+
+
+def _add_dp_flags(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
     a(
         "--enable-dp-attention",
         action="store_true",
@@ -142,6 +154,10 @@ def add_parallel_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclas
         "--ep-size > 1 and --enable-dp-attention; runs eagerly: graphs off); SGLang's "
         "vendor all-to-all backends are not available here",
     )
+
+
+def _add_node_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]) -> None:
+    a = parser.add_argument
     a(
         "--node-rank",
         type=int,

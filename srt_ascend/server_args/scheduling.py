@@ -26,6 +26,15 @@ class SchedulingArgsMixin:
 def add_scheduling_flags(
     parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]
 ) -> None:
+    """Batching and memory, kernels, then output and checks (in --help's order)."""
+    _add_batching_flags(parser, d)
+    _add_kernel_flags(parser)
+    _add_reporting_flags(parser, d)
+
+
+def _add_batching_flags(
+    parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]
+) -> None:
     a = parser.add_argument
     a(
         "--max-running-requests",
@@ -64,6 +73,10 @@ def add_scheduling_flags(
         choices=["fcfs", "lpm"],
         help="waiting-queue order: first come first served, or longest prefix match",
     )
+
+
+def _add_kernel_flags(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
     a(
         "--attention-backend",
         default=None,
@@ -91,6 +104,12 @@ def add_scheduling_flags(
         "alone, so outputs do not change with batch composition, chunked prefill, radix "
         "hits, graphs or speculation (MTP on or off); CPU only (refused elsewhere)",
     )
+
+
+def _add_reporting_flags(
+    parser: argparse.ArgumentParser, d: Mapping[str, dataclasses.Field]
+) -> None:
+    a = parser.add_argument
     a(
         "--stream-interval",
         type=int,
