@@ -1,6 +1,7 @@
 """API keys (`--api-key`, `--admin-api-key`) with SGLang's rules, as an ASGI middleware.
 
-- `/health*` and `/metrics` are always open (probes and scrapers carry no secrets).
+- `/health*`, `/ready` and `/metrics` are always open, as in SGLang (Kubernetes probes and
+  Prometheus scrapers carry no secrets; none of them returns one).
 - Admin endpoints (`ADMIN_PATHS`, SGLang's ADMIN_OPTIONAL level): with an admin key they need
   it (the API key does not open them); else the API key when one is set; else open.
 - Routes with an admin operation chosen by their body (`MIXED_PATHS`: /abort_request's
@@ -18,7 +19,7 @@ import secrets
 
 from srt_ascend.entrypoints.http_utils import route_error_response
 
-OPEN_PREFIXES = ("/health", "/metrics")
+OPEN_PREFIXES = ("/health", "/ready", "/metrics")
 ADMIN_PATHS = frozenset({"/flush_cache"})
 MIXED_PATHS = frozenset({"/abort_request"})
 UNAUTHORIZED = "missing or wrong API key: send the header Authorization: Bearer <key>"

@@ -181,9 +181,10 @@ def _make_requests(serving: Serving, items: list[GenerateItem]) -> list[Tokenize
 
 @router.get("/health")
 @router.get("/ready")
-async def health(request: Request) -> Response:
-    """200 while serving; 503 once shutting down (so load balancers stop sending work).
-    SGLang's /ready is the same answer (behind --api-key, as there)."""
+async def ready(request: Request) -> Response:
+    """200 while serving; 503 once shutting down (so load balancers stop sending work). Open
+    without a key, as SGLang's auth leaves it (a probe carries no secret; the answer is a
+    status code alone)."""
     return Response(status_code=503 if _serving(request).tm.draining else 200)
 
 

@@ -68,7 +68,7 @@ ROUTE_LEVELS = {
     ("GET", "/health_generate"): OPEN,
     ("GET", "/metrics"): OPEN,
     ("POST", "/flush_cache"): ADMIN_OP,
-    ("GET", "/ready"): USER,  # SGLang's /ready is behind --api-key too (http_server.health)
+    ("GET", "/ready"): OPEN,  # as SGLang's auth: a readiness probe carries no key
     ("GET", "/docs"): USER,
     ("GET", "/docs/oauth2-redirect"): USER,
     ("GET", "/redoc"): USER,

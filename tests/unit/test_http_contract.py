@@ -77,6 +77,12 @@ def test_options_is_always_allowed():
     assert is_authorized("/generate", "OPTIONS", None, K, A)
 
 
+@pytest.mark.parametrize("path", ["/health", "/health_generate", "/ready", "/metrics"])
+def test_probes_are_open_with_both_keys_set(path):
+    assert is_authorized(path, "GET", None, K, A)
+    assert not is_authorized("/get_server_info", "GET", None, K, A)
+
+
 @pytest.mark.parametrize(
     "ctype, ok",
     [
