@@ -44,6 +44,16 @@ def make_decode(batch: int, kv: int, device, dtype, h=H, r=R, p=P, q=1):
             torch.arange(batch, device=device) * q, r ** -0.5)  # fmt: skip
 
 
+def attention_splits(batch: int, kv: int, q: int = 1) -> int:
+    """The KV parts the triton backend plans for `batch` rows of `kv` keys at DeepSeek-V3's
+    heads (as in serving)."""
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+    from srt_ascend.layers.ops.mla_attention import plan_kv_splits
+
+    block_q, block_h = tri.tile_shape(H, q)
+    return plan_kv_splits(batch, -(-q // block_q), -(-H // block_h), kv)
+
+
 def cuda_time(fn, iters=50) -> float:
     for _ in range(3):
         fn()
@@ -231,6 +241,24 @@ def resources() -> list[dict]:
     return rows
 
 
+def host_cost(capability: int = 90, calls: int = 200) -> list[dict]:
+    """Host work of one eager attention call (us): the launch function's whole Python path
+    (plan, buffers, argument binding) at DeepSeek-V3's shapes in bf16, measured on CPU through
+    `triton_offline.compiling_for` (each variant compiles for `capability` once; launches then
+    run everything but the device's work). Rows: batch, kv, splits, us per call."""
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+    from srt_ascend.layers.ops import triton_offline
+
+    rows = []
+    with triton_offline.compiling_for(capability, triton_offline.jit_kernels([tri])):
+        for batch, kv in ((1, 4096), (32, 4096)):
+            args = make_decode(batch, kv, "cpu", torch.bfloat16)
+            splits = attention_splits(batch, kv)
+            fn = lambda a=args, s=splits: tri.mla_attention(*a, max_q_len=1, num_kv_splits=s)  # noqa: E731
+            rows.append(dict(batch=batch, kv=kv, splits=splits, us=per_call_us(fn, calls)))
+    return rows
+
+
 def gemm_shapes(cfg) -> dict[str, tuple]:
     """name -> ("linear", N, K) or ("bmm", batch, K, N) for one decoder layer, MTP, LM head."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -312,11 +340,16 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="CPU interpreter check only")
+    parser.add_argument("--host-cost", action="store_true", help="attention launch host us")
     parser.add_argument("--cpu-gemm", action="store_true", help="CPU bf16 GEMMs: oneDNN vs MKL")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="--cpu-gemm")
     parser.add_argument("--model-path", default=SHIPPED_MODEL, help="--cpu-gemm's shapes")
     parser.add_argument("--json-out", default=None, help="--cpu-gemm's table")
     a = parser.parse_args()
+    if a.host_cost:
+        for r in host_cost():
+            print(f"batch {r['batch']} kv {r['kv']} splits {r['splits']}: {r['us']:.1f} us/call")
+        return 0
     if a.cpu_gemm:
         cpu_gemm(a.model_path, a.rows, a.json_out)
         return 0
