@@ -178,3 +178,22 @@ def test_reference_matches_torch_native_and_dispatch():
     ref = mla_attention_reference(*args)
     torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mla_attention(*args, max_q_len=6), ref)
+
+
+def test_kernel_floors_arithmetic():
+    """benchmark/kernels.py's floors at issue 43's shape (DeepSeek-V3, batch 32 x KV 4096,
+    bf16, H200): the KV read once is 151 MB, 31.46 us at 4.8 TB/s; the dots' 36.5 GFLOP take
+    36.9 us at 989 TFLOP/s."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmark" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    hbm, compute = kernels.attention_floors_us(32, 4096)
+    assert abs(hbm - 31.457) < 1e-3
+    assert abs(compute - 2 * 32 * 128 * 4096 * 1088 / 989e6) < 1e-6
+    assert 36.8 < compute < 37.0
+    hbm4, compute4 = kernels.attention_floors_us(32, 4096, q=4)  # verify: 4 queries per row
+    assert hbm4 == hbm and abs(compute4 - 4 * compute) < 1e-6
