@@ -43,7 +43,8 @@ def _dot(a, b, LOW_PRECISION_DOT: tl.constexpr):
 @triton.jit
 def _attend_keys(
     start, hi, m_i, l_i, acc, q_lat, q_pe, q_pos, row, r2t_ptr, ckv_ptr, kpe_ptr,
-    stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+    STRIDE_R2T: tl.constexpr, STRIDE_CKV: tl.constexpr, STRIDE_KPE: tl.constexpr,
+    RANK: tl.constexpr, ROPE: tl.constexpr, SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     LOW_PRECISION_DOT: tl.constexpr,
 ):  # fmt: skip
@@ -54,15 +55,15 @@ def _attend_keys(
     offs_p = tl.arange(0, BLOCK_P)
     offs_n = start + tl.arange(0, BLOCK_N)
     n_valid = offs_n < hi
-    slots = tl.load(r2t_ptr + row * stride_r2t + offs_n, mask=n_valid, other=0).to(tl.int64)
+    slots = tl.load(r2t_ptr + row * STRIDE_R2T + offs_n, mask=n_valid, other=0).to(tl.int64)
     ckv = tl.load(
-        ckv_ptr + slots[:, None] * stride_ckv + offs_r[None, :],
-        mask=n_valid[:, None] & (offs_r[None, :] < rank),
+        ckv_ptr + slots[:, None] * STRIDE_CKV + offs_r[None, :],
+        mask=n_valid[:, None] & (offs_r[None, :] < RANK),
         other=0.0,
     )
     kpe = tl.load(
-        kpe_ptr + slots[:, None] * stride_kpe + offs_p[None, :],
-        mask=n_valid[:, None] & (offs_p[None, :] < rope_dim),
+        kpe_ptr + slots[:, None] * STRIDE_KPE + offs_p[None, :],
+        mask=n_valid[:, None] & (offs_p[None, :] < ROPE),
         other=0.0,
     )
     if not LOW_PRECISION_DOT:
@@ -70,7 +71,7 @@ def _attend_keys(
         kpe = kpe.to(tl.float32)
     s = _dot(q_lat, tl.trans(ckv), LOW_PRECISION_DOT)
     s += _dot(q_pe, tl.trans(kpe), LOW_PRECISION_DOT)
-    s = s * scale
+    s = s * SCALE
     visible = n_valid[None, :] & (offs_n[None, :] <= q_pos[:, None])
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -82,21 +83,25 @@ def _attend_keys(
     return m_new, l_i, acc
 
 
-# Arguments that follow each batch's lengths (the query blocks, the KV parts and the strides
-# of the per-part log-sum-exp) are never specialised: Triton would compile a variant for the
-# value 1 and another for multiples of 16, so they would pick kernel variants mid-request.
+# Arguments that follow each batch's lengths (the query blocks, the KV parts) are never
+# specialised: Triton would compile a variant for the value 1 and another for multiples of
+# 16, so they would pick kernel variants mid-request. What a server fixes (heads, latent and
+# rope widths, the scale, the cache's and request table's row strides) is constexpr: fewer
+# arguments for the host to bind per launch (Triton specialises each one), and masks and
+# addresses known at compile time. The query and output strides follow the token count.
 # Per-row scalars (lengths, rows, query starts) may be views at any offset of a larger tensor:
 # their pointers' alignment is not specialised either (a scalar load gains nothing from it).
 @triton.jit(
-    do_not_specialize=["num_q_blocks", "num_splits", "stride_lt", "stride_lh"],
+    do_not_specialize=["num_q_blocks", "num_splits"],
     do_not_specialize_on_alignment=["rows_ptr", "seq_lens_ptr", "q_lens_ptr", "q_starts_ptr"],
 )
 def _mla_attention_kernel(
     q_lat_ptr, q_pe_ptr, ckv_ptr, kpe_ptr, r2t_ptr, rows_ptr, seq_lens_ptr, q_lens_ptr,
-    q_starts_ptr, out_ptr, lse_ptr, scale,
-    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ckv, stride_kpe, stride_r2t,
-    stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
-    num_heads, rank, rope_dim, num_q_blocks, num_splits,
+    q_starts_ptr, out_ptr, lse_ptr,
+    stride_qlt, stride_qlh, stride_qpt, stride_qph, stride_ot, stride_oh,
+    num_q_blocks, num_splits,
+    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr, SCALE: tl.constexpr,
+    STRIDE_CKV: tl.constexpr, STRIDE_KPE: tl.constexpr, STRIDE_R2T: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, SPLIT: tl.constexpr,
     SPLIT_SIZE: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -114,19 +119,19 @@ def _mla_attention_kernel(
     offs_m = tl.arange(0, BLOCK_Q * BLOCK_H)
     qi = q_block * BLOCK_Q + offs_m // BLOCK_H
     head = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
-    m_valid = (qi < q_len) & (head < num_heads)
+    m_valid = (qi < q_len) & (head < NUM_HEADS)
     tok = q_start + qi
     q_pos = seq_len - q_len + qi  # query i sees keys 0 .. q_pos
     offs_r = tl.arange(0, BLOCK_R)
     offs_p = tl.arange(0, BLOCK_P)
     q_lat = tl.load(
         q_lat_ptr + tok[:, None] * stride_qlt + head[:, None] * stride_qlh + offs_r[None, :],
-        mask=m_valid[:, None] & (offs_r[None, :] < rank),
+        mask=m_valid[:, None] & (offs_r[None, :] < RANK),
         other=0.0,
     )
     q_pe = tl.load(
         q_pe_ptr + tok[:, None] * stride_qpt + head[:, None] * stride_qph + offs_p[None, :],
-        mask=m_valid[:, None] & (offs_p[None, :] < rope_dim),
+        mask=m_valid[:, None] & (offs_p[None, :] < ROPE),
         other=0.0,
     )
     if not LOW_PRECISION_DOT:
@@ -151,7 +156,7 @@ def _mla_attention_kernel(
         while start < hi:
             m_i, l_i, acc = _attend_keys(
                 start, hi, m_i, l_i, acc, q_lat, q_pe, q_pos, row, r2t_ptr, ckv_ptr, kpe_ptr,
-                stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+                STRIDE_R2T, STRIDE_CKV, STRIDE_KPE, RANK, ROPE, SCALE,
                 BLOCK_N, BLOCK_R, BLOCK_P, LOW_PRECISION_DOT,
             )  # fmt: skip
             start += BLOCK_N
@@ -160,49 +165,51 @@ def _mla_attention_kernel(
         for start in tl.range(lo, hi, BLOCK_N, num_stages=NUM_STAGES):
             m_i, l_i, acc = _attend_keys(
                 start, hi, m_i, l_i, acc, q_lat, q_pe, q_pos, row, r2t_ptr, ckv_ptr, kpe_ptr,
-                stride_r2t, stride_ckv, stride_kpe, rank, rope_dim, scale,
+                STRIDE_R2T, STRIDE_CKV, STRIDE_KPE, RANK, ROPE, SCALE,
                 BLOCK_N, BLOCK_R, BLOCK_P, LOW_PRECISION_DOT,
             )  # fmt: skip
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     out_ptrs = out_ptr + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_r[None, :]
-    out_mask = m_valid[:, None] & (offs_r[None, :] < rank)
+    out_mask = m_valid[:, None] & (offs_r[None, :] < RANK)
     if not SPLIT:
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        tl.store(out_ptrs + split * stride_os, out, mask=out_mask)
+    else:  # parts [T, H, splits, RANK] (out's strides) and their lse [T, H, splits]
+        tl.store(out_ptrs + split * RANK, out, mask=out_mask)
         lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + tok * stride_lt + head * stride_lh + split, lse, mask=m_valid)
+        lse_at = (tok.to(tl.int64) * NUM_HEADS + head) * num_splits + split
+        tl.store(lse_ptr + lse_at, lse, mask=m_valid)
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    part_ptr, lse_ptr, out_ptr, num_heads, rank, num_splits,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-    BLOCK_R: tl.constexpr,
+    part_ptr, lse_ptr, out_ptr, num_splits, stride_ot, stride_oh,
+    NUM_HEADS: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     # out = sum_s exp(lse_s - max lse) * part_s / sum_s exp(lse_s - max lse); zeros if no key.
     # Both sums run over the parts one by one in key order (a tree sum's shape would follow
     # the number of parts, i.e. the batch's longest KV; parts a query does not reach add exact
     # zeros), so the result depends on the query's own parts alone, and the number of parts
     # is a plain argument: one compiled variant serves every split count.
-    t = tl.program_id(0) // num_heads
-    h = tl.program_id(0) % num_heads
+    # parts: contiguous [T, H, num_splits, RANK] float32; lse: [T, H, num_splits]
+    t = tl.program_id(0) // NUM_HEADS
+    h = tl.program_id(0) % NUM_HEADS
     offs_r = tl.arange(0, BLOCK_R)
-    lse_row = lse_ptr + t * stride_lt + h * stride_lh + tl.zeros([1], tl.int32)
+    row_at = t.to(tl.int64) * NUM_HEADS + h
+    lse_row = lse_ptr + row_at * num_splits + tl.zeros([1], tl.int32)
     top = tl.full([1], float("-inf"), tl.float32)
     s = 0
     while s < num_splits:
         top = tl.maximum(top, tl.load(lse_row + s))
         s += 1
     shift = tl.where(top == float("-inf"), 0.0, top)
-    head_parts = part_ptr + t * stride_pt + h * stride_ph
+    head_parts = part_ptr + row_at * num_splits * RANK
     total = tl.zeros([1], tl.float32)
     acc = tl.zeros([BLOCK_R], tl.float32)
     s = 0
     while s < num_splits:
         w_s = tl.exp(tl.load(lse_row + s) - shift)
-        part = tl.load(head_parts + s * stride_ps + offs_r, mask=offs_r < rank, other=0.0)
+        part = tl.load(head_parts + s * RANK + offs_r, mask=offs_r < RANK, other=0.0)
         total += w_s
         acc += part * w_s
         s += 1
@@ -210,7 +217,7 @@ def _merge_splits_kernel(
     tl.store(
         out_ptr + t * stride_ot + h * stride_oh + offs_r,
         out.to(out_ptr.dtype.element_ty),
-        mask=offs_r < rank,
+        mask=offs_r < RANK,
     )
 
 
@@ -338,9 +345,10 @@ def invariant_kv_splits(max_kv_len: int, size: int = INVARIANT_KV_SPLIT) -> int:
     return max(1, triton.cdiv(max_kv_len, size))
 
 
-# Compiled attention kernels launched in this process, by launch constants (filled on a GPU;
-# the interpreter compiles nothing): what `compiled_resources` reports.
-_COMPILED: dict[tuple, object] = {}
+# Compiled attention kernels launched in this process, by their (cached) launch constants'
+# identity (filled on a GPU; the interpreter compiles nothing): what `compiled_resources`
+# reports.
+_COMPILED: dict[int, tuple[dict, object]] = {}
 SHARED_MEMORY_BUDGET = 232448  # sm_90's per-block limit; tests hold each tile to its GPU's
 
 
@@ -348,15 +356,31 @@ def compiled_resources() -> list[dict]:
     """Per compiled attention kernel: its launch constants, shared memory (bytes), registers
     and spilled registers per thread (empty under the interpreter)."""
     rows = []
-    for key, kernel in _COMPILED.items():
+    for consts, kernel in _COMPILED.values():
         meta = getattr(kernel, "metadata", None)
         rows.append({
-            "tile": dict(key),
+            "tile": dict(consts),
             "shared_bytes": getattr(meta, "shared", None),
             "registers": getattr(kernel, "n_regs", None),
             "spills": getattr(kernel, "n_spills", None),
         })  # fmt: skip
     return rows
+
+
+@functools.lru_cache(maxsize=256)
+def _constants(
+    pl: Plan, heads: int, rank: int, rope: int, scale: float, stride_ckv: int, stride_kpe: int,
+    stride_r2t: int, split: bool, split_size: int, low_precision: bool,
+) -> dict:  # fmt: skip
+    """The attention kernel's launch constants (one dict per variant, cached: shared by every
+    launch of the variant and never modified)."""
+    return dict(
+        NUM_HEADS=heads, RANK=rank, ROPE=rope, SCALE=scale, STRIDE_CKV=stride_ckv,
+        STRIDE_KPE=stride_kpe, STRIDE_R2T=stride_r2t, BLOCK_Q=pl.block_q, BLOCK_H=pl.block_h,
+        BLOCK_N=pl.block_n, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(rope)), SPLIT=split, SPLIT_SIZE=split_size,
+        NUM_STAGES=pl.num_stages, LOW_PRECISION_DOT=low_precision, WHILE_LOOP=INTERPRETED,
+    )  # fmt: skip
 
 
 def mla_attention(
@@ -395,34 +419,25 @@ def mla_attention(
     # half-precision dots wrongly (Triton 3.3), so there the same tiles go through float32.
     low_precision = c_kv.dtype in (torch.bfloat16, torch.float16) and not INTERPRETED
     if splits == 1:
-        target, lse, so, sl = out, out, 0, (0, 0)
+        target = lse = out
     else:
         target = torch.empty(t, h, splits, rank, dtype=torch.float32, device=out.device)
         lse = torch.empty(t, h, splits, dtype=torch.float32, device=out.device)
-        so, sl = target.stride(2), (lse.stride(0), lse.stride(1))
-    grid = (batch * num_q_blocks, triton.cdiv(h, pl.block_h), splits)
-    consts = dict(
-        BLOCK_Q=pl.block_q, BLOCK_H=pl.block_h, BLOCK_N=pl.block_n,
-        BLOCK_R=max(16, triton.next_power_of_2(rank)),
-        BLOCK_P=max(16, triton.next_power_of_2(rope)), SPLIT=splits > 1,
-        SPLIT_SIZE=kv_split_size or 0, NUM_STAGES=pl.num_stages,
-        LOW_PRECISION_DOT=low_precision, WHILE_LOOP=INTERPRETED,
+    consts = _constants(
+        pl, h, rank, rope, scale, c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
+        splits > 1, kv_split_size or 0, low_precision,
     )  # fmt: skip
-    kernel = _mla_attention_kernel[grid](
+    sq, sp, so = q_latent.stride(), q_pe.stride(), target.stride()
+    kernel = _mla_attention_kernel[(batch * num_q_blocks, triton.cdiv(h, pl.block_h), splits)](
         q_latent, q_pe, c_kv, k_pe, req_to_token, req_pool_indices, seq_lens, q_lens, q_starts,
-        target, lse, scale,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        c_kv.stride(0), k_pe.stride(0), req_to_token.stride(0),
-        target.stride(0), target.stride(1), so, sl[0], sl[1],
-        h, rank, rope, num_q_blocks, splits, **consts,
-        num_stages=pl.num_stages, num_warps=pl.num_warps,
+        target, lse, sq[0], sq[1], sp[0], sp[1], so[0], so[1], num_q_blocks, splits,
+        **consts, num_stages=pl.num_stages, num_warps=pl.num_warps,
     )  # fmt: skip
     if kernel is not None and not INTERPRETED:
-        _COMPILED.setdefault(tuple(sorted(consts.items())), kernel)
+        _COMPILED.setdefault(id(consts), (consts, kernel))
     if splits > 1:
         _merge_splits_kernel[(t * h,)](
-            target, lse, out, h, rank, splits,
-            target.stride(0), target.stride(1), target.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), BLOCK_R=max(16, triton.next_power_of_2(rank)),
+            target, lse, out, splits, out.stride(0), out.stride(1),
+            NUM_HEADS=h, RANK=rank, BLOCK_R=consts["BLOCK_R"],
         )  # fmt: skip
     return out
