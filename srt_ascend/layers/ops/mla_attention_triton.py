@@ -233,14 +233,18 @@ class Tile:
 
 
 # Tiles at DeepSeek-V3's shapes (latent 512 + rope 64), chosen by compiling them for sm_90 and
-# sm_80 (`python -m srt_ascend.layers.ops.triton_offline`; tests/unit/test_triton_compile.py
-# holds the budgets). Per key step a tile stages in shared memory the key tile [keys, 576] per
-# stage and the query tile [rows, 576] once; the output accumulator [rows, 512] float32 stays in
-# registers (rows x 512 / (32 x warps) per thread).
-# - Hopper, bf16/fp16: 64 rows (one wgmma M) x 32 keys, 3 stages, 8 warps: the key tiles
-#   3 x 36 KiB + the query 72 KiB; the accumulator 128 registers per thread.
-# - Other GPUs, bf16/fp16: 32 x 16, 2 stages, 4 warps (fits sm_86/89's 99 KiB).
-# - float32 (IEEE dots on the FMA units, 4-byte operands): 16 x 16, 2 stages, 4 warps.
+# sm_80 with Triton 3.3 (`python -m srt_ascend.layers.ops.triton_offline`; the budgets are held
+# by tests/unit/test_triton_compile.py). The query tile [rows, 576] sits in shared memory for
+# the whole loop; the key tile [keys, 576] is copied asynchronously into `stages - 1` buffers
+# and serves both dots (scores, then the weighted sum); the [rows, 512] float32 accumulator
+# stays in registers (rows x 512 / (32 x warps) per thread).
+# - Hopper, bf16/fp16: 64 rows (one wgmma M) x 32 keys, 3 stages, 8 warps: 148 KiB of shared
+#   memory (query 72 KiB, two key buffers 72 KiB), ~240 registers, no spills.
+# - Other GPUs, bf16/fp16: 32 x 16, 2 stages, 8 warps: 55 KiB (fits sm_86/89's 99 KiB), ~240
+#   registers, no spills (4 warps spill 160 bytes).
+# - float32 (IEEE dots on the FMA units, 4-byte operands): 16 x 16, 2 stages, 4 warps: 73 KiB,
+#   ~200 registers, no spills.
+# One stage (no pipelining) spills on both bf16 tiles.
 HOPPER_HALF_TILE = Tile(rows=64, keys=32, stages=3, warps=8)
 HALF_TILE = Tile(rows=32, keys=16, stages=2, warps=8)
 FLOAT_TILE = Tile(rows=16, keys=16, stages=2, warps=4)
