@@ -22,7 +22,7 @@ In-process engines on the shipped checkpoint (no HTTP: faster, same scheduler an
    (finish reasons checked);
 7. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
    true float32 dots, not TF32), their timings, and each compiled attention kernel's shared
-   memory, registers and spills (within 100 KiB, no spills) (`kernels.py`).
+   memory, registers and spills (no spills), against the HBM and compute floors (`kernels.py`).
 Prints one summary table; with $OUT set, writes $OUT/device_check.json (every figure).
 """
 
@@ -334,21 +334,27 @@ def check_kernels(rep: Report, device: str) -> None:
         rep.data["kernel_timings"] = timings
         for r in timings:
             figure = (
-                f"triton {r['triton_us']:.1f} us (HBM floor {r['hbm_floor_us']:.1f}), torch "
-                f"{r['torch_us']:.1f} us, graph {r['graph_us']:.1f} us"
+                f"triton {r['triton_us']:.1f} us ({r['splits']} KV parts), torch "
+                f"{r['torch_us']:.1f} us, floors HBM {r['hbm_floor_us']:.1f} / compute "
+                f"{r['compute_floor_us']:.1f} us: {r['vs_floor']:.2f}x, "
+                f"graph {r['graph_us']:.1f} us"
             )
-            rep.add("decode attention kernel", f"b={r['batch']} kv={r['kv']}", figure)
+            # Issue 43: >= torch everywhere, <= 3x the larger floor at batch 32 x KV 4096.
+            ok = r["triton_us"] <= r["torch_us"] and (
+                r["vs_floor"] <= 3 or (r["batch"], r["kv"]) != (32, 4096)
+            )
+            rep.add("decode attention kernel", f"b={r['batch']} kv={r['kv']}", figure, ok)
         used = kernels.resources()
         rep.data["kernel_resources"] = used
         for r in used:
             t = r["tile"]
             dots = "bf16" if t["LOW_PRECISION_DOT"] else "fp32 ieee"
             tile = (
-                f"{t['BLOCK_Q'] * t['BLOCK_H']} rows x {t['BLOCK_DV']} latent, {dots} dots, "
-                f"{'split KV' if t['SPLIT'] else 'one part'}"
+                f"{t['BLOCK_Q'] * t['BLOCK_H']} rows x {t['BLOCK_N']} keys x {t['NUM_STAGES']} "
+                f"stages, {dots} dots, {'split KV' if t['SPLIT'] else 'one part'}"
             )
             figure = f"{r['shared_bytes']} B shared, {r['registers']} regs, {r['spills']} spills"
-            rep.add("attention kernel resources (<= 100 KiB, no spills)", tile, figure, r["ok"])
+            rep.add("attention kernel resources (no spills)", tile, figure, r["ok"])
 
 
 def check_deterministic(rep: Report, device: str, size: dict) -> None:

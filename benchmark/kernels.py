@@ -44,6 +44,31 @@ def make_decode(batch: int, kv: int, device, dtype, h=H, r=R, p=P, q=1):
             torch.arange(batch, device=device) * q, r ** -0.5)  # fmt: skip
 
 
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_BF16_FLOP_PER_S = 989e12  # dense bf16 tensor-core peak
+
+
+def attention_floors_us(
+    batch: int, kv: int, q: int = 1, h: int = H, r: int = R, p: int = P, elem_bytes: int = 2
+) -> tuple[float, float]:
+    """(HBM floor, compute floor) of MLA decode / verify attention in us on an H200: the KV
+    cache read once per request (kv x (r + p) elements per row), and the two dots' multiply-adds
+    (scores over r + p, the weighted sum over r) for every query token and head at bf16 peak."""
+    hbm = batch * kv * (r + p) * elem_bytes / H200_HBM_BYTES_PER_S
+    flops = 2 * batch * q * h * kv * ((r + p) + r)
+    return hbm * 1e6, flops / H200_BF16_FLOP_PER_S * 1e6
+
+
+def attention_splits(batch: int, kv: int, q: int = 1) -> int:
+    """The KV parts the triton backend plans for `batch` rows of `kv` keys at DeepSeek-V3's
+    heads (as in serving)."""
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+    from srt_ascend.layers.ops.mla_attention import plan_kv_splits
+
+    block_q, block_h = tri.tile_shape(H, q)
+    return plan_kv_splits(batch, -(-q // block_q), -(-H // block_h), kv)
+
+
 def cuda_time(fn, iters=50) -> float:
     for _ in range(3):
         fn()
@@ -60,13 +85,12 @@ def cuda_time(fn, iters=50) -> float:
 def bench_cuda() -> list[dict]:
     """Per (batch, KV length): Triton vs torch-native math, the HBM floor, graph vs eager (us)."""
     from srt_ascend.layers.ops import mla_attention_triton as tri
-    from srt_ascend.layers.ops.mla_attention import plan_kv_splits
 
     rows = []
     for batch in (1, 8, 32):
         for kv in (512, 4096):
             args = make_decode(batch, kv, "cuda", torch.bfloat16)
-            splits = plan_kv_splits(batch, 1, H // 16, kv)
+            splits = attention_splits(batch, kv)
             buf = torch.cat([args[2], args[3]], dim=-1)
 
             def tri_fn(args=args, splits=splits):
@@ -83,10 +107,11 @@ def bench_cuda() -> list[dict]:
             tri_fn()
             with torch.cuda.graph(graph):
                 tri_fn()
+            hbm, compute = attention_floors_us(batch, kv)
             rows.append({
-                "batch": batch, "kv": kv, "triton_us": t_tri, "torch_us": t_torch,
-                "hbm_floor_us": batch * kv * (R + P) * 2 / 4.8e12 * 1e6,  # H200 HBM 4.8 TB/s
-                "graph_us": cuda_time(graph.replay),
+                "batch": batch, "kv": kv, "splits": splits, "triton_us": t_tri,
+                "torch_us": t_torch, "hbm_floor_us": hbm, "compute_floor_us": compute,
+                "vs_floor": t_tri / max(hbm, compute), "graph_us": cuda_time(graph.replay),
             })  # fmt: skip
     return rows
 
@@ -105,8 +130,8 @@ def check(device: str) -> list[dict]:
     if device == "cuda":
         cases += [(8, 3000, torch.bfloat16, {}, 8, 2e-2)]
         # fp32 at DeepSeek-V3's shapes: true float32 dots (input_precision "ieee") stay within
-        # 1e-5 of the reference; TF32 dots (10 mantissa bits) miss it by ~1e-3. The verify
-        # rows (K = 3: 4 queries x 16 heads, the largest tile) compile the largest kernels.
+        # 1e-5 of the reference; TF32 dots (10 mantissa bits) miss it by ~1e-3. Verify rows
+        # (K = 3: 4 queries, one query per program at 128 heads) check the query blocks.
         cases += [(4, 1000, torch.float32, {}, 2, 1e-5)]
         cases += [(4, 1000, torch.float32, dict(q=4), 1, 1e-5)]
         cases += [(4, 1000, torch.bfloat16, dict(q=4), 2, 2e-2)]
@@ -221,13 +246,40 @@ def check_batch_invariant(device: str) -> list[dict]:
 
 def resources() -> list[dict]:
     """Shared memory, registers and spills of every attention kernel compiled so far in this
-    process (run `check` and `bench_cuda` first); ok: within the 100 KiB budget, no spills."""
+    process (run `check` and `bench_cuda` first); ok: within sm_90's block limit, no spills."""
     from srt_ascend.layers.ops import mla_attention_triton as tri
 
     rows = tri.compiled_resources()
     for r in rows:
         shared, spills = r["shared_bytes"], r["spills"]
         r["ok"] = None if shared is None else shared <= tri.SHARED_MEMORY_BUDGET and not spills
+    return rows
+
+
+def host_cost(capability: int = 90, calls: int = 100, rounds: int = 7) -> list[dict]:
+    """Host work of one eager attention call (us): the launch function's whole Python path
+    (plan, buffers, argument binding, the merge's launch where the KV is split) at
+    DeepSeek-V3's shapes in bf16, measured on CPU through `triton_offline.compiling_for` (each
+    variant compiles for `capability` once; launches then run everything but the device's
+    work). CPU time of this thread, the best of `rounds` rounds of `calls` calls (robust to
+    other processes sharing the cores). Rows: batch, kv, splits, us per call."""
+    from srt_ascend.layers.ops import mla_attention_triton as tri
+    from srt_ascend.layers.ops import triton_offline
+
+    rows = []
+    with triton_offline.compiling_for(capability, triton_offline.jit_kernels([tri])):
+        for batch, kv, splits in ((1, 4096, 1), (1, 4096, 4), (32, 4096, 1), (32, 4096, 4)):
+            args = make_decode(batch, kv, "cpu", torch.bfloat16)
+            call = lambda a=args, s=splits: tri.mla_attention(*a, max_q_len=1, num_kv_splits=s)  # noqa: E731
+            for _ in range(10):
+                call()
+            best = float("inf")
+            for _ in range(rounds):
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    call()
+                best = min(best, (time.thread_time() - t0) / calls * 1e6)
+            rows.append(dict(batch=batch, kv=kv, splits=splits, us=best))
     return rows
 
 
@@ -312,11 +364,16 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawTextHelpFormatter
     )
     parser.add_argument("--check", action="store_true", help="CPU interpreter check only")
+    parser.add_argument("--host-cost", action="store_true", help="attention launch host us")
     parser.add_argument("--cpu-gemm", action="store_true", help="CPU bf16 GEMMs: oneDNN vs MKL")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8], help="--cpu-gemm")
     parser.add_argument("--model-path", default=SHIPPED_MODEL, help="--cpu-gemm's shapes")
     parser.add_argument("--json-out", default=None, help="--cpu-gemm's table")
     a = parser.parse_args()
+    if a.host_cost:
+        for r in host_cost():
+            print(f"batch {r['batch']} kv {r['kv']} splits {r['splits']}: {r['us']:.1f} us/call")
+        return 0
     if a.cpu_gemm:
         cpu_gemm(a.model_path, a.rows, a.json_out)
         return 0
@@ -329,10 +386,12 @@ def main() -> int:
     if device == "cpu":
         print("timings need a CUDA GPU: run `python benchmark/kernels.py` there")
     else:
-        print("batch  kv    triton_us  torch_us  ratio  hbm_floor_us  graph_us  graph_vs_eager")
+        print("batch  kv    triton_us  torch_us  ratio  hbm_floor  compute_floor  vs_floor  "
+              "graph_us  graph_vs_eager")  # fmt: skip
         for r in bench_cuda():
             print(f"{r['batch']:5d} {r['kv']:5d} {r['triton_us']:10.1f} {r['torch_us']:9.1f} "
-                  f"{r['torch_us'] / r['triton_us']:6.2f} {r['hbm_floor_us']:13.1f} "
+                  f"{r['torch_us'] / r['triton_us']:6.2f} {r['hbm_floor_us']:10.1f} "
+                  f"{r['compute_floor_us']:14.1f} {r['vs_floor']:9.2f} "
                   f"{r['graph_us']:9.1f} {r['triton_us'] / r['graph_us']:14.2f}")  # fmt: skip
         for r in resources():
             print(f"{r['tile']}: shared {r['shared_bytes']} B, {r['registers']} registers, "

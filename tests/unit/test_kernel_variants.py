@@ -184,12 +184,14 @@ def test_every_query_length_picks_a_warmed_tile():
     give (the rest of the variant - KV parts, query blocks, rows - is plain arguments)."""
     for heads in (1, 4, 8, 16, 128):
         for fixed in (False, True):
-            warmed = {
-                attn_triton.tile_shape(heads, q, fixed)
-                for q in attn_triton.q_len_buckets(heads, fixed)
-            }
-            for q in range(1, 9000, 7):
-                assert attn_triton.tile_shape(heads, q, fixed) in warmed, (heads, q)
+            for rows in attn_triton.TILE_ROWS:  # every GPU's and dtype's tile
+                warmed = {
+                    attn_triton.tile_shape(heads, q, fixed, rows)
+                    for q in attn_triton.q_len_buckets(heads, fixed)
+                }
+                for q in range(1, 9000, 7):
+                    shape = attn_triton.tile_shape(heads, q, fixed, rows)
+                    assert shape in warmed, (heads, q, rows)
 
 
 def test_start_warms_kernels_where_they_compile(monkeypatch):

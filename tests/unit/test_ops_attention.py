@@ -99,20 +99,39 @@ def test_extend_with_ragged_prefix(page_size):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_in_several_chunks(dtype):
-    """The kernel's latent tiles (scores contracted BLOCK_K columns at a time, the output
-    written BLOCK_DV columns per program) at 16 of the rank's 32: two chunks each, with the
-    KV split in parts (the first latent block of a part writes its log-sum-exp)."""
-    assert attn_triton.latent_tiles(512) == (64, 8, 128, 4)  # DeepSeek-V3's rank
-    assert attn_triton.latent_tiles(R, 16, 16) == (16, 2, 16, 2)
-    gen = torch.Generator().manual_seed(31)
-    args = make_case(gen, [1, 4, 3], [40, 70, 0], 16, dtype, split_buffers=False)
-    ref = mla_attention_reference(*args)
-    for splits in (1, 3):
-        out = attn_triton.mla_attention(
-            *args, max_q_len=4, num_kv_splits=splits, block_k=16, block_dv=16
-        )
-        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+def test_deepseek_v3_heads_and_latent(dtype):
+    """DeepSeek-V3's 128 heads and latent 512 + rope 64 (small KV): decode rows and verify
+    rows of K + 1 = 3 queries, one KV part and split, against the reference. The heads fill
+    several head blocks of the dtype's tile, each key tile loaded once at the full width."""
+    gen = torch.Generator().manual_seed(43)
+    h, r, p = 128, 512, 64
+    for q_lens, splits in (([1, 1], 2), ([3], 1)):
+        prefix = torch.randint(5, 40, (len(q_lens),), generator=gen).tolist()
+        seq_lens = [a + b for a, b in zip(prefix, q_lens)]
+        buf = torch.randn(sum(seq_lens) + 1, 1, r + p, generator=gen).to(dtype)
+        r2t = torch.zeros(len(q_lens), max(seq_lens), dtype=torch.int64)
+        perm = (torch.randperm(sum(seq_lens), generator=gen) + 1).split(seq_lens)
+        for b, slots in enumerate(perm):
+            r2t[b, : seq_lens[b]] = slots
+        t = sum(q_lens)
+        q_lens_t = torch.tensor(q_lens)
+        args = (torch.randn(t, h, r, generator=gen).to(dtype) * 0.05,
+                torch.randn(t, h, p, generator=gen).to(dtype) * 0.05, buf[..., :r], buf[..., r:],
+                r2t, torch.arange(len(q_lens)), torch.tensor(seq_lens), q_lens_t,
+                torch.cumsum(q_lens_t, 0) - q_lens_t, r**-0.5)  # fmt: skip
+        check(args, dtype, splits=splits)
+
+
+def test_plan_tiles():
+    """Each GPU's tile: 64 heads per program on Hopper in bf16, 32 elsewhere, 16 in float32;
+    verify rows share a head block's tile where the heads leave rows; cached per geometry."""
+    plan = attn_triton.plan
+    assert plan(128, 1, True, 90, False) == attn_triton.Plan(1, 64, 32, 3, 8)
+    assert plan(128, 4, True, 80, False) == attn_triton.Plan(1, 32, 16, 2, 8)
+    assert plan(128, 1, False, 90, False) == attn_triton.Plan(1, 16, 16, 2, 4)
+    assert plan(16, 4, True, 90, False).block_q * plan(16, 4, True, 90, False).block_h == 64
+    assert plan(8, 1, False, 0, False).block_q == 2  # 8 heads x 2 tokens: a dot's 16 rows
+    assert plan(128, 1, True, 90, False) is plan(128, 1, True, 90, False)
 
 
 def test_padding_rows_and_batch_sizes():
@@ -159,3 +178,22 @@ def test_reference_matches_torch_native_and_dispatch():
     ref = mla_attention_reference(*args)
     torch.testing.assert_close(native, ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(mla_attention(*args, max_q_len=6), ref)
+
+
+def test_kernel_floors_arithmetic():
+    """benchmark/kernels.py's floors at issue 43's shape (DeepSeek-V3, batch 32 x KV 4096,
+    bf16, H200): the KV read once is 151 MB, 31.46 us at 4.8 TB/s; the dots' 36.5 GFLOP take
+    36.9 us at 989 TFLOP/s."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmark" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("bench_kernels", path)
+    kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(kernels)
+    hbm, compute = kernels.attention_floors_us(32, 4096)
+    assert abs(hbm - 31.457) < 1e-3
+    assert abs(compute - 2 * 32 * 128 * 4096 * 1088 / 989e6) < 1e-6
+    assert 36.8 < compute < 37.0
+    hbm4, compute4 = kernels.attention_floors_us(32, 4096, q=4)  # verify: 4 queries per row
+    assert hbm4 == hbm and abs(compute4 - 4 * compute) < 1e-6

@@ -91,3 +91,25 @@ def test_attention_backend_defaults():
         ServerArgs(attention_backend="triton", device="cpu")
     backend = create_attention_backend(args.for_device("cpu").attention_backend)
     assert type(backend).__name__ == "TorchNativeMLABackend"
+
+
+def test_kv_parts_planned_once_per_forward(model, monkeypatch):
+    """The KV split count is planned at a forward's first attention layer and reused by the
+    others (launch metadata per forward, not per layer call)."""
+    from srt_ascend.layers.attention import triton_backend
+
+    plans = []
+    real = triton_backend.plan_kv_splits
+
+    def counted(*args):
+        plans.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(triton_backend, "plan_kv_splits", counted)
+    runner = Runner(model, "triton")
+    layers = model.config.num_hidden_layers
+    assert layers > 1
+    ids = torch.arange(3, 12)
+    runner.run(ForwardMode.EXTEND, ids, [0], [9], [9])
+    runner.run(ForwardMode.DECODE, ids[:2], [0, 1], [10, 5], [1, 1])
+    assert len(plans) == 2, f"{len(plans)} plans for 2 forwards of {layers} layers"

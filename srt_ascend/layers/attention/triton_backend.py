@@ -28,6 +28,7 @@ class TritonMetadata:
     q_starts: torch.Tensor  # [B] index of each row's first query token
     max_q_len: int  # host: the longest query of a row (launch geometry)
     max_kv_len: int  # host: the longest KV (the static window under graphs), plans KV parts
+    kv_parts: dict | None = None  # the kernel's KV split arguments, planned at the first layer
 
 
 @register_attention_backend("triton")
@@ -58,6 +59,8 @@ class TritonMLABackend(AttentionBackend):
         pool.set_mla_kv_buffer(layer_id, fb.out_cache_loc, c_kv, k_pe)  # the store_kv op
         c_kv_buf, k_pe_buf = pool.get_c_kv(layer_id), pool.get_k_pe(layer_id)
         meta: TritonMetadata = fb.attn_metadata
+        if meta.kv_parts is None:  # once per forward: every layer has the same geometry
+            meta.kv_parts = self.kv_parts(fb.batch_size, q_latent, meta)
         return self._attn.mla_attention(
             q_latent,
             q_pe,
@@ -70,7 +73,7 @@ class TritonMLABackend(AttentionBackend):
             meta.q_starts,
             scale,
             max_q_len=meta.max_q_len,
-            **self.kv_parts(fb.batch_size, q_latent.shape[1], meta),
+            **meta.kv_parts,
         )
 
     fixed_tile = False  # the batch-invariant variant's tile ignores the query length
@@ -88,12 +91,14 @@ class TritonMLABackend(AttentionBackend):
                 lengths.append((q, long))
         return lengths
 
-    def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
-        """The kernel's KV split arguments: as many parts as fill the GPU (plan_kv_splits)."""
-        block_q, block_h = self._attn.tile_shape(heads, meta.max_q_len)
+    def kv_parts(self, batch: int, q_latent: torch.Tensor, meta: TritonMetadata) -> dict:
+        """The kernel's KV split arguments for queries `q_latent` [T, H, R]: as many parts as
+        fill the GPU (plan_kv_splits) over the programs the launch's tile leaves."""
+        pl = self._attn.launch_plan(q_latent, meta.max_q_len)
+        heads = q_latent.shape[1]
         return {
             "num_kv_splits": plan_kv_splits(
-                batch, -(-meta.max_q_len // block_q), -(-heads // block_h), meta.max_kv_len
+                batch, -(-meta.max_q_len // pl.block_q), -(-heads // pl.block_h), meta.max_kv_len
             )
         }
 
@@ -107,7 +112,7 @@ class TritonBatchInvariantMLABackend(TritonMLABackend):
 
     fixed_tile = True
 
-    def kv_parts(self, batch: int, heads: int, meta: TritonMetadata) -> dict:
+    def kv_parts(self, batch: int, q_latent: torch.Tensor, meta: TritonMetadata) -> dict:
         size = self._attn.INVARIANT_KV_SPLIT
         return {
             "num_kv_splits": self._attn.invariant_kv_splits(meta.max_kv_len, size),
