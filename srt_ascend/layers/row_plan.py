@@ -1,0 +1,146 @@
+"""Row plans of the batch-invariant CPU matmuls (`linear.linear` and `linear.bmm` under
+`--enable-deterministic-inference`).
+
+A row's result must not depend on the other rows of its call. A fixed tile (every call exactly
+16 rows, zero-padded) guarantees it whatever the kernel does, but a one-row decode step then
+pays a padded call, a pad and a concatenation per matmul. Most CPU kernels already compute a
+row's dot products in one order whatever the row count up to some size (oneDNN's bf16 GEMMs
+on AVX-512/AMX did for every layer shape of the shipped checkpoint, 1..64 rows, one thread),
+and others do not (MKL's float32 GEMM takes a GEMV kernel for one row). So each matmul's
+layout gets a `RowPlan` from a one-off probe: the widest candidate under which every call
+size from 1 to `max_rows`, at every row position, gives each row exactly the bits of that
+row alone; the fixed tile when none holds.
+
+The probe's operands cancel (random signs, magnitudes spread over 2^-8..2^8), so partial sums
+added in another order round differently and the comparison sees it. A plan is keyed by
+everything the kernel's choice can follow: the op, the weight's shape, strides and alignment,
+the dtypes, whether a bias is added, and the calling thread's intra-op thread count. Plans are
+computed on first use (the first forward; kernel warm-up reaches every layer) and cached for
+the process; a probe costs a few hundred small matmuls per layout (about 0.5 s for the shipped
+checkpoint's layouts on one thread).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+Matmul = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Calls of at most `max_rows` rows, each zero-padded to at least `min_rows` rows."""
+
+    min_rows: int
+    max_rows: int
+
+    def run(self, fn: Matmul, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """fn over x's rows (along `dim`) in calls that follow this plan, concatenated back.
+        fn maps rows to rows one to one (a GEMM with x on the left)."""
+        n = x.shape[dim]
+        if self.min_rows <= n <= self.max_rows:
+            return fn(x)
+        parts = [self._call(fn, part, dim) for part in x.split(self.max_rows, dim)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+    def _call(self, fn: Matmul, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        """One call; rows padded with zeros to min_rows and the padding's outputs dropped."""
+        n = rows.shape[dim]
+        if n >= self.min_rows:
+            return fn(rows)
+        widths = [0, 0] * (rows.dim() - 1 - dim) + [0, self.min_rows - n]
+        return fn(F.pad(rows, widths)).narrow(dim, 0, n)
+
+
+# Tried widest first; FIXED_TILE needs no probe (every call has the same shape).
+CANDIDATES = (RowPlan(1, 64), RowPlan(1, 32), RowPlan(1, 16))
+FIXED_TILE = RowPlan(16, 16)
+
+_plans: dict[tuple, RowPlan] = {}
+_lock = threading.Lock()
+
+
+def cancelling(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Random operands whose sums cancel: normal values scaled by 2^-8..2^8 (exact in bf16)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """Cancelling values laid out as t: same shape, strides, dtype and address modulo 64."""
+    elt = t.element_size()
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    buf = torch.empty(span + 64 // elt, dtype=t.dtype)
+    shift = (t.data_ptr() % 64 - buf.data_ptr() % 64) % 64 // elt
+    out = buf.as_strided(t.shape, t.stride(), shift)
+    return out.copy_(cancelling(tuple(t.shape), t.dtype, seed))
+
+
+def holds(plan: RowPlan, fn: Matmul, x: torch.Tensor, dim: int) -> bool:
+    """Whether every call size 1..plan.max_rows at every row position gives each row of x
+    (plan.max_rows rows along `dim`) the bits of that row computed alone under the plan."""
+    m = plan.max_rows
+    alone = torch.cat([plan.run(fn, x.narrow(dim, i, 1), dim) for i in range(m)], dim)
+    for size in range(2, m + 1):
+        for start in {0, m - size}:
+            got = plan.run(fn, x.narrow(dim, start, size), dim)
+            if not torch.equal(got, alone.narrow(dim, start, size)):
+                return False
+    return True
+
+
+def choose(key: tuple, probe: Callable[[int], tuple[Matmul, torch.Tensor, int]]) -> RowPlan:
+    """The cached plan of `key`, else the widest candidate that `probe(rows)` (a matmul over
+    cancelling operands, its rows and their dim) shows to be row-invariant."""
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    plan = FIXED_TILE
+    with torch.inference_mode():
+        for candidate in CANDIDATES:
+            fn, x, dim = probe(candidate.max_rows)
+            if holds(candidate, fn, x, dim):
+                plan = candidate
+                break
+    with _lock:
+        return _plans.setdefault(key, plan)
+
+
+def linear_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
+    """The plan of F.linear(x rows, weight, bias); x [rows, K] contiguous."""
+    threads = torch.get_num_threads()
+    key = ("linear", tuple(weight.shape), weight.stride(), weight.data_ptr() % 64, x.dtype)
+    key += (weight.dtype, None if bias is None else bias.dtype, threads)
+
+    def probe(rows: int):
+        w = like(weight, 1)
+        b = None if bias is None else like(bias, 2)
+        x_probe = cancelling((rows, weight.shape[1]), x.dtype, 3)
+        return (lambda r: F.linear(r, w, b)), x_probe, 0
+
+    return choose(key, probe)
+
+
+def bmm_plan(a: torch.Tensor, b: torch.Tensor) -> RowPlan:
+    """The plan of torch.bmm(a rows, b) over a's dim 1; a [B, rows, K] contiguous."""
+    key = ("bmm", tuple(b.shape), b.stride(), b.data_ptr() % 64, a.dtype, b.dtype)
+    key += (torch.get_num_threads(),)
+
+    def probe(rows: int):
+        b_probe = like(b, 4)
+        a_probe = cancelling((b.shape[0], rows, b.shape[1]), a.dtype, 5)
+        return (lambda r: torch.bmm(r, b_probe)), a_probe, 1
+
+    return choose(key, probe)
+
+
+def cached_plans() -> dict[tuple, RowPlan]:
+    """A copy of the plans chosen so far (tests, benchmarks)."""
+    with _lock:
+        return dict(_plans)
