@@ -11,8 +11,8 @@ layout gets a `RowPlan` from a one-off probe: the widest candidate under which e
 size from 1 to `max_rows`, at every row position, gives each row exactly the bits of that
 row alone; the fixed tile when none holds.
 
-The probe's operands cancel (random signs, magnitudes spread over 2^-8..2^8), so partial sums
-added in another order round differently and the comparison sees it. A plan is keyed by
+The probe's operands cancel exactly (`cancelling`), so a kernel's result is its own rounding
+error, which another reduction order changes far above the output's last bit. A plan is keyed by
 everything the kernel's choice can follow: the op, the weight's shape, strides and alignment,
 the dtypes, whether a bias is added, and the calling thread's intra-op thread count. Plans are
 computed on first use (the first forward; kernel warm-up reaches every layer) and cached for
@@ -65,21 +65,31 @@ _plans: dict[tuple, RowPlan] = {}
 _lock = threading.Lock()
 
 
-def cancelling(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Random operands whose sums cancel: normal values scaled by 2^-8..2^8 (exact in bf16)."""
+def cancelling(
+    shape: tuple[int, ...], dtype: torch.dtype, seed: int, k_dim: int = -1, sign: float = 1.0
+) -> torch.Tensor:
+    """Random values, normal times 2^-8..2^8 (exact in bf16), whose second half along the
+    reduction dim `k_dim` repeats the first times `sign`. A product of an x with sign 1 and a
+    weight with sign -1 is then exactly zero, so what a kernel returns is its rounding error:
+    partial sums of up to 2^16 that lose their low bits in an order the kernel chose. Two
+    orders give different results far above the output's last bit, bf16 outputs included
+    (random operands would differ in float32's last bits, mostly lost to bf16 rounding)."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.exp2(torch.randint(-8, 9, shape, generator=g).float())
-    return (torch.randn(shape, generator=g) * scale).to(dtype)
+    values = torch.randn(shape, generator=g) * scale
+    half = shape[k_dim] // 2
+    values.narrow(k_dim, half, half).copy_(values.narrow(k_dim, 0, half) * sign)
+    return values.to(dtype)
 
 
-def like(t: torch.Tensor, seed: int) -> torch.Tensor:
-    """Cancelling values laid out as t: same shape, strides, dtype and address modulo 64."""
+def like(t: torch.Tensor, seed: int, k_dim: int, sign: float) -> torch.Tensor:
+    """`cancelling` values laid out as t: same shape, strides, dtype and address modulo 64."""
     elt = t.element_size()
     span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     buf = torch.empty(span + 64 // elt, dtype=t.dtype)
     shift = (t.data_ptr() % 64 - buf.data_ptr() % 64) % 64 // elt
     out = buf.as_strided(t.shape, t.stride(), shift)
-    return out.copy_(cancelling(tuple(t.shape), t.dtype, seed))
+    return out.copy_(cancelling(tuple(t.shape), t.dtype, seed, k_dim, sign))
 
 
 def holds(plan: RowPlan, fn: Matmul, x: torch.Tensor, dim: int) -> bool:
@@ -119,8 +129,8 @@ def linear_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     key += (weight.dtype, None if bias is None else bias.dtype, threads)
 
     def probe(rows: int):
-        w = like(weight, 1)
-        b = None if bias is None else like(bias, 2)
+        w = like(weight, 1, 1, -1.0)
+        b = None if bias is None else torch.zeros_like(bias)  # the error is the result
         x_probe = cancelling((rows, weight.shape[1]), x.dtype, 3)
         return (lambda r: F.linear(r, w, b)), x_probe, 0
 
@@ -133,7 +143,7 @@ def bmm_plan(a: torch.Tensor, b: torch.Tensor) -> RowPlan:
     key += (torch.get_num_threads(),)
 
     def probe(rows: int):
-        b_probe = like(b, 4)
+        b_probe = like(b, 4, 1, -1.0)
         a_probe = cancelling((b.shape[0], rows, b.shape[1]), a.dtype, 5)
         return (lambda r: torch.bmm(r, b_probe)), a_probe, 1
 
