@@ -6,10 +6,11 @@ A row's result must not depend on the other rows of its call. A fixed tile (ever
 pays a padded call, a pad and a concatenation per matmul. Most CPU kernels already compute a
 row's dot products in one order whatever the row count up to some size (oneDNN's bf16 GEMMs
 on AVX-512/AMX did for every layer shape of the shipped checkpoint, 1..64 rows, one thread),
-and others do not (MKL's float32 GEMM takes a GEMV kernel for one row). So each matmul's
-layout gets a `RowPlan` from a one-off probe: the widest candidate under which every call
-size from 1 to `max_rows`, at every row position, gives each row exactly the bits of that
-row alone; the fixed tile when none holds.
+and others do not (MKL's float32 GEMM takes a GEMV kernel for one row, and its GEMM kernel
+changes past 8 rows). So each matmul's layout gets a `RowPlan` from a one-off probe: the
+widest candidate under which every call size up to `max_rows` (those under `min_rows`
+zero-padded), at every row position, gives each row exactly the bits of that row alone; the
+fixed tile when none holds.
 
 The probe's operands cancel exactly (`cancelling`), so a kernel's result is its own rounding
 error, which another reduction order changes far above the output's last bit. A plan is keyed by
@@ -41,11 +42,12 @@ class RowPlan:
 
     def run(self, fn: Matmul, x: torch.Tensor, dim: int) -> torch.Tensor:
         """fn over x's rows (along `dim`) in calls that follow this plan, concatenated back.
-        fn maps rows to rows one to one (a GEMM with x on the left)."""
+        fn maps rows to rows one to one (a GEMM with x, contiguous, on the left); every call gets a
+        contiguous tensor, as the probe's calls do."""
         n = x.shape[dim]
         if self.min_rows <= n <= self.max_rows:
             return fn(x)
-        parts = [self._call(fn, part, dim) for part in x.split(self.max_rows, dim)]
+        parts = [self._call(fn, part.contiguous(), dim) for part in x.split(self.max_rows, dim)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
     def _call(self, fn: Matmul, rows: torch.Tensor, dim: int) -> torch.Tensor:
@@ -57,8 +59,10 @@ class RowPlan:
         return fn(F.pad(rows, widths)).narrow(dim, 0, n)
 
 
-# Tried widest first; FIXED_TILE needs no probe (every call has the same shape).
-CANDIDATES = (RowPlan(1, 64), RowPlan(1, 32), RowPlan(1, 16))
+# Tried widest first; FIXED_TILE needs no probe (every call has the same shape). The two-row
+# minimum serves kernels that take a GEMV path for one row (MKL's float32 GEMM: the router;
+# oneDNN's bf16 bmm at K = 32: q_nope x W_UK), whose GEMM path then holds up to 8-16 rows.
+CANDIDATES = (RowPlan(1, 64), RowPlan(1, 32), RowPlan(1, 16), RowPlan(2, 16), RowPlan(2, 8))
 FIXED_TILE = RowPlan(16, 16)
 
 _plans: dict[tuple, RowPlan] = {}
@@ -96,10 +100,11 @@ def holds(plan: RowPlan, fn: Matmul, x: torch.Tensor, dim: int) -> bool:
     """Whether every call size 1..plan.max_rows at every row position gives each row of x
     (plan.max_rows rows along `dim`) the bits of that row computed alone under the plan."""
     m = plan.max_rows
-    alone = torch.cat([plan.run(fn, x.narrow(dim, i, 1), dim) for i in range(m)], dim)
+    rows = [x.narrow(dim, i, 1).contiguous() for i in range(m)]
+    alone = torch.cat([plan.run(fn, row, dim) for row in rows], dim)
     for size in range(2, m + 1):
         for start in {0, m - size}:
-            got = plan.run(fn, x.narrow(dim, start, size), dim)
+            got = plan.run(fn, x.narrow(dim, start, size).contiguous(), dim)
             if not torch.equal(got, alone.narrow(dim, start, size)):
                 return False
     return True
