@@ -17,8 +17,8 @@ error, which another reduction order changes far above the output's last bit. A 
 everything the kernel's choice can follow: the op, the weight's shape, strides and alignment,
 the dtypes, whether a bias is added, and the calling thread's intra-op thread count. Plans are
 computed on first use (the first forward; kernel warm-up reaches every layer) and cached for
-the process; a probe costs a few hundred small matmuls per layout (about 0.5 s for the shipped
-checkpoint's layouts on one thread).
+the process; a probe costs a few hundred small matmuls per layout (for the shipped
+checkpoint's 11 layouts: 0.8 s of CPU on one thread).
 """
 
 from __future__ import annotations
