@@ -64,6 +64,9 @@ class RowPlan:
 # oneDNN's bf16 bmm at K = 32: q_nope x W_UK), whose GEMM path then holds up to 8-16 rows.
 CANDIDATES = (RowPlan(1, 64), RowPlan(1, 32), RowPlan(1, 16), RowPlan(2, 16), RowPlan(2, 8))
 FIXED_TILE = RowPlan(16, 16)
+# Weights of more elements keep FIXED_TILE unprobed: a probe copies the weight and runs a few
+# hundred calls on it (DeepSeek-V3's LM head, 129280 x 7168, would take seconds and 2 GB).
+PROBE_MAX_WEIGHT = 1 << 24
 
 _plans: dict[tuple, RowPlan] = {}
 _lock = threading.Lock()
@@ -110,15 +113,18 @@ def holds(plan: RowPlan, fn: Matmul, x: torch.Tensor, dim: int) -> bool:
     return True
 
 
-def choose(key: tuple, probe: Callable[[int], tuple[Matmul, torch.Tensor, int]]) -> RowPlan:
+def choose(
+    key: tuple, probe: Callable[[int], tuple[Matmul, torch.Tensor, int]], weight_numel: int = 0
+) -> RowPlan:
     """The cached plan of `key`, else the widest candidate that `probe(rows)` (a matmul over
-    cancelling operands, its rows and their dim) shows to be row-invariant."""
+    cancelling operands, its rows and their dim) shows to be row-invariant; FIXED_TILE where
+    none holds or the weight is past PROBE_MAX_WEIGHT elements."""
     plan = _plans.get(key)
     if plan is not None:
         return plan
     plan = FIXED_TILE
     with torch.inference_mode():
-        for candidate in CANDIDATES:
+        for candidate in CANDIDATES if weight_numel <= PROBE_MAX_WEIGHT else ():
             fn, x, dim = probe(candidate.max_rows)
             if holds(candidate, fn, x, dim):
                 plan = candidate
@@ -139,7 +145,7 @@ def linear_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         x_probe = cancelling((rows, weight.shape[1]), x.dtype, 3)
         return (lambda r: F.linear(r, w, b)), x_probe, 0
 
-    return choose(key, probe)
+    return choose(key, probe, weight.numel())
 
 
 def bmm_plan(a: torch.Tensor, b: torch.Tensor) -> RowPlan:
@@ -152,7 +158,7 @@ def bmm_plan(a: torch.Tensor, b: torch.Tensor) -> RowPlan:
         a_probe = cancelling((b.shape[0], rows, b.shape[1]), a.dtype, 5)
         return (lambda r: torch.bmm(r, b_probe)), a_probe, 1
 
-    return choose(key, probe)
+    return choose(key, probe, b.numel())
 
 
 def cached_plans() -> dict[tuple, RowPlan]:

@@ -357,3 +357,11 @@ def test_batch_invariant_mode_never_switches_onednn(tiles, monkeypatch):
     x, w = rand(3, 256, seed=1), rand(256, 256, seed=2)  # 3*256*256 MACs: MKL-sized
     gemm.linear(x, w)
     gemm.bmm(rand(8, 1, 32, seed=3), rand(8, 32, 64, seed=4))
+
+
+def test_weights_past_the_probe_bound_keep_the_fixed_tile():
+    def probe(rows):
+        raise AssertionError("a weight past PROBE_MAX_WEIGHT was probed")
+
+    big = row_plan.PROBE_MAX_WEIGHT + 1
+    assert row_plan.choose(("test", "big"), probe, big) == row_plan.FIXED_TILE
