@@ -15,10 +15,13 @@ the duration of one call, from the thread that runs the model (the scheduler thr
 Batch-invariant mode (`configure(..., row_tile=n)`, `--enable-deterministic-inference`): a
 GEMM's kernel, and with it each output's reduction order, may follow the number of rows (oneDNN
 computes a 102-row bf16 product's last rows with another kernel than the same rows inside a
-2228-row product, so they differ in the last bit). In this mode every CPU `linear` and `bmm`,
-whatever its dtype, runs as GEMMs of exactly `n` rows each (the rows zero-padded to a multiple
-of n, one call per tile): the same kernel serves every row of every forward, so a row's result
-depends on that row alone. The MKL routing above then depends on the weight alone (n rows).
+2228-row product, so they differ in the last bit; MKL's float32 GEMM takes a GEMV kernel for
+one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
+layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
+row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
+padded) where no plan holds; so a row's result depends on that row alone. The MKL routing above
+is off in this mode: its switch is process-wide, and a call of another thread that ran on the
+other library would change its bits.
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
 (`ops/matmul_triton.py`: one tile shape, no split-K, the reduction in fixed steps), and
 `ordered_sum` / `sum_last` replace the reductions whose CUDA kernel's order follows the row
@@ -31,18 +34,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.layers import row_plan
+
 _HALF = (torch.bfloat16, torch.float16)
 _max_macs: int | None = None  # None: PyTorch's default backend for every matmul
 _row_tile: int | None = None  # batch-invariant mode: rows per GEMM call (None: off)
-# The row tile of --enable-deterministic-inference: a decode step of one row pays a 16-row GEMM
-# (about the same call on CPU), a prefill of n rows n/16 calls (benchmark/deterministic.py).
-DETERMINISTIC_ROW_TILE = 16
+# The row tile of --enable-deterministic-inference: elementwise ops' padding, and the GEMMs'
+# fixed tile where no probed row plan holds (row_plan.FIXED_TILE).
+DETERMINISTIC_ROW_TILE = row_plan.FIXED_TILE.max_rows
 
 
 def configure(max_macs: int | None, row_tile: int | None = None) -> None:
     """Route half-precision CPU matmuls of at most `max_macs` multiply-adds to MKL (None: off);
-    with `row_tile`, run every CPU matmul over fixed tiles of that many rows (module
-    docstring). Process-wide; set once by the model runner before the first forward."""
+    with `row_tile`, batch-invariant mode: CPU matmuls under probed row plans, elementwise
+    ops padded to `row_tile` rows (module docstring). Process-wide; set once by the model
+    runner before the first forward."""
     global _max_macs, _row_tile
     if row_tile is not None and row_tile < 1:
         raise ValueError(f"row_tile must be >= 1, got {row_tile}")
@@ -82,16 +88,6 @@ def _linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return F.linear(x, weight, bias)
 
 
-def _tiles(x: torch.Tensor, dim: int, tile: int) -> tuple[list[torch.Tensor], int]:
-    """x zero-padded along `dim` to a multiple of `tile`, cut into tiles; and x's length."""
-    n = x.shape[dim]
-    pad = -n % tile
-    if pad:
-        widths = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, pad]
-        x = F.pad(x, widths)
-    return list(x.split(tile, dim=dim)), n
-
-
 def _batch_invariant(x: torch.Tensor) -> int | None:
     """The row tile when this CPU matmul must not depend on its row count, else None."""
     return _row_tile if x.device.type == "cpu" and not torch.compiler.is_compiling() else None
@@ -108,28 +104,26 @@ def _invariant_gemm(x: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """F.linear, through MKL when small; in batch-invariant mode over fixed row tiles (see the
-    module docstring)."""
+    """F.linear, through MKL when small; in batch-invariant mode under the layout's row plan
+    (see the module docstring)."""
     if (gemm := _invariant_gemm(x)) is not None:
         return gemm.linear(x, weight, bias)
-    tile = _batch_invariant(x)
-    if tile is None:
+    if _batch_invariant(x) is None:
         return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
-    flat = x.reshape(-1, x.shape[-1])
-    parts, n = _tiles(flat, 0, tile)
-    out = torch.cat([_linear_rows(p, weight, bias, tile) for p in parts])[:n]
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    plan = row_plan.linear_plan(flat, weight, bias)
+    out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """torch.bmm, through MKL when each product has one row and all of them are small; in
-    batch-invariant mode over fixed tiles of a's rows (dim 1)."""
+    batch-invariant mode under the layout's row plan over a's rows (dim 1)."""
     if (gemm := _invariant_gemm(a)) is not None:
         return gemm.bmm(a, b)
-    tile = _batch_invariant(a)
-    if tile is not None:
-        parts, n = _tiles(a, 1, tile)
-        return torch.cat([torch.bmm(p, b) for p in parts], dim=1)[:, :n]
+    if _batch_invariant(a) is not None:
+        a = a.contiguous()
+        return row_plan.bmm_plan(a, b).run(lambda rows: torch.bmm(rows, b), a, 1)
     limit = _eager_limit()
     if limit is not None and a.dtype in _HALF and a.device.type == "cpu" and a.shape[1] == 1:
         if a.shape[0] * a.shape[2] * b.shape[2] <= limit:

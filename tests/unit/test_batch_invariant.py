@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from srt_ascend.layers import linear as gemm
+from srt_ascend.layers import row_plan
 from srt_ascend.layers.attention.batch_invariant import (
     KV_TILE,
     BatchInvariantMLABackend,
@@ -255,3 +256,112 @@ def test_control_router_weights_differ_without_padding(moe, tiles, monkeypatch):
     monkeypatch.setattr("srt_ascend.layers.moe.elementwise", lambda fn, x: fn(x))
     if differing_router_rows(moe.gate) == 0:
         pytest.skip("vector and scalar sigmoid agreed on these rows: no control")
+
+
+# Row plans (layers/row_plan.py): the probe's verdict on kernels whose row invariance is known
+# by construction, and the plans chosen for this CPU's real kernels checked call size by size.
+
+
+def per_row(w: torch.Tensor):
+    """A kernel that is row-invariant by construction: each row is its own one-row call."""
+    return lambda rows: torch.cat([torch.nn.functional.linear(r[None], w) for r in rows])
+
+
+def order_changes(w: torch.Tensor, when):
+    """A kernel that adds a row's products in reversed order when `when(rows, position)`."""
+
+    def fn(rows: torch.Tensor) -> torch.Tensor:
+        out = per_row(w)(rows)
+        for i in range(rows.shape[0]):
+            if when(rows.shape[0], i):
+                out[i] = torch.nn.functional.linear(rows[i].flip(-1), w.flip(-1))
+        return out
+
+    return fn
+
+
+def test_probe_verdicts_on_kernels_of_known_invariance():
+    w = row_plan.cancelling((24, 256), torch.float32, 1)
+    x = row_plan.cancelling((64, 256), torch.float32, 2)
+    wide, narrow = row_plan.RowPlan(1, 64), row_plan.RowPlan(1, 8)
+    assert row_plan.holds(wide, per_row(w), x, 0)
+    # another order past 8 rows: the wide plan fails, calls of at most 8 rows hold
+    past_eight = order_changes(w, lambda n, i: n > 8)
+    assert not row_plan.holds(wide, past_eight, x, 0)
+    assert row_plan.holds(narrow, past_eight, x[:8], 0)
+    # one row position of one call size: only every size at every position finds it
+    one_spot = order_changes(w, lambda n, i: n == 37 and i == 29)
+    assert not row_plan.holds(wide, one_spot, x, 0)
+    # padded to 16 rows, a kernel that differs below 16 rows is never seen differing
+    below_tile = order_changes(w, lambda n, i: n < 16)
+    assert row_plan.holds(row_plan.FIXED_TILE, below_tile, x[:16], 0)
+
+
+def test_choose_takes_the_widest_plan_that_holds_else_the_fixed_tile():
+    w = row_plan.cancelling((24, 256), torch.float32, 3)
+
+    def probe(threshold):
+        x = row_plan.cancelling((64, 256), torch.float32, 4)
+        kernel = order_changes(w, lambda n, i: n > threshold)
+        return lambda rows: (kernel, x[:rows], 0)
+
+    assert row_plan.choose(("test", 20), probe(20)) == row_plan.RowPlan(1, 16)
+    assert row_plan.choose(("test", 40), probe(40)) == row_plan.RowPlan(1, 32)
+    assert row_plan.choose(("test", 4), probe(4)) == row_plan.FIXED_TILE
+    assert row_plan.choose(("test", 4), probe(64)) == row_plan.FIXED_TILE  # cached per key
+
+
+def every_call_size_matches(fn, x: torch.Tensor, dim: int) -> bool:
+    """Every call size 1..x rows, at the start and at the end of x, equals x's rows alone."""
+    n = x.shape[dim]
+    alone = torch.cat([fn(x.narrow(dim, i, 1)) for i in range(n)], dim)
+    return all(
+        torch.equal(fn(x.narrow(dim, start, size)), alone.narrow(dim, start, size))
+        for size in range(1, n + 1)
+        for start in {0, n - size}
+    )
+
+
+@pytest.mark.parametrize(
+    "n_out,n_in,dtype",
+    [(208, 256, BF16), (384, 128, BF16), (4608, 256, BF16), (8, 256, torch.float32)],
+)
+def test_chosen_linear_plan_is_row_invariant_at_every_call_size(tiles, n_out, n_in, dtype):
+    """The shipped checkpoint's layouts (q_a+kv_a, q_b, the stacked experts, the float32
+    router): whatever plan the probe chose on this CPU, linear's rows match at 1..80 rows
+    (past the widest plan: several calls)."""
+    w = rand(n_out, n_in, seed=n_in, dtype=dtype)
+    x = row_plan.cancelling((80, n_in), dtype, 6)
+    assert every_call_size_matches(lambda rows: gemm.linear(rows, w), x, 0)
+    plan = row_plan.linear_plan(x, w, None)
+    assert plan in (*row_plan.CANDIDATES, row_plan.FIXED_TILE)
+
+
+def test_chosen_bmm_plans_are_row_invariant_at_every_call_size(tiles):
+    """q_nope x W_UK and the MoE's down projections (a transposed view), bf16."""
+    for a_shape, b in (
+        ((8, 80, 32), rand(8, 32, 64, seed=7)),
+        ((9, 70, 256), rand(9, 256, 256, seed=8).transpose(1, 2)),
+    ):
+        a = row_plan.cancelling(a_shape, BF16, 9)
+        assert every_call_size_matches(lambda rows, b=b: gemm.bmm(rows, b), a, 1)
+
+
+def test_batch_invariant_mode_never_switches_onednn(tiles, monkeypatch):
+    """oneDNN's switch is process-wide: a toggle would change another thread's kernel."""
+
+    def refuse(*_):
+        raise AssertionError("oneDNN toggled in batch-invariant mode")
+
+    monkeypatch.setattr(gemm, "_without_onednn", refuse)
+    x, w = rand(3, 256, seed=1), rand(256, 256, seed=2)  # 3*256*256 MACs: MKL-sized
+    gemm.linear(x, w)
+    gemm.bmm(rand(8, 1, 32, seed=3), rand(8, 32, 64, seed=4))
+
+
+def test_weights_past_the_probe_bound_keep_the_fixed_tile():
+    def probe(rows):
+        raise AssertionError("a weight past PROBE_MAX_WEIGHT was probed")
+
+    big = row_plan.PROBE_MAX_WEIGHT + 1
+    assert row_plan.choose(("test", "big"), probe, big) == row_plan.FIXED_TILE
