@@ -60,6 +60,9 @@ class StepRequest(SamplingRequest, Protocol):
     def seq_len(self) -> int: ...
 
     @property
+    def last_id(self) -> int: ...  # all_ids[-1]
+
+    @property
     def finished(self) -> bool: ...
 
 
@@ -189,7 +192,7 @@ class Decoder(ABC):
         the next token sampled and committed. Returns the hidden states [B, D]."""
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE,
-            [r.all_ids[-1] for r in reqs],
+            [r.last_id for r in reqs],
             [r.req_pool_idx for r in reqs],
             [r.kv_len + 1 for r in reqs],
             [1] * len(reqs),

@@ -60,7 +60,7 @@ class PlainDecoder(Decoder):
             return None
         device, ahead = self.runner.device, 0 if prev is None else 1
         if prev is None:
-            inputs = to_device([r.all_ids[-1] for r in reqs], device)
+            inputs = to_device([r.last_id for r in reqs], device)
             rows = None
         else:
             inputs = torch.empty(len(reqs), dtype=torch.int64, device=device)

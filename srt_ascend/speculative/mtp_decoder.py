@@ -284,7 +284,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
-        last = to_device([[r.all_ids[-1]] for r in reqs], self.runner.device)
+        last = to_device([[r.last_id] for r in reqs], self.runner.device)
         rows = [r.req_pool_idx for r in reqs]
         res, logits, hidden = self._verify(reqs, k, loc, starts, last, None, generated, rows)
         ahead = self._drafts_ahead(reqs)
