@@ -48,9 +48,14 @@ def bare(a) -> dict:
 
     args = prepare_server_args(["--model-path", a.model, *server_flags(a)])
     args = args.for_device("cpu")
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
-    runner = ModelRunner(args, get_platform("cpu"))
+    platform = get_platform("cpu")
+    # the server's thread count (tp_ranks.build_scheduler's rule: a lone rank leaves a core
+    # to its other threads), not this process's default: on a loaded host two spinning
+    # intra-op threads make the bare forward many times the served one
+    threads = args.num_threads or platform.default_threads(1)
+    if threads:
+        torch.set_num_threads(threads)
+    runner = ModelRunner(args, platform)
     decoder = create_decoder(args, DecoderHandles(runner, None, None, []))
     prefix = a.input_len + a.output_len // 2  # the served mean KV length
     t0 = time.perf_counter()
