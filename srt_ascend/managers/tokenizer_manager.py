@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -101,6 +102,9 @@ class TokenizerManager:
         self._submissions: dict[str, ReqState] = {}
         self._submission_ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
+        # outputs from the scheduler thread not yet dispatched on the loop (_on_outputs)
+        self._outputs_lock = threading.Lock()
+        self._queued_outputs: list[ReqOutput] = []
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
         self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
@@ -145,8 +149,22 @@ class TokenizerManager:
     # ---- scheduler -> asyncio -----------------------------------------------------------------
 
     def _on_outputs(self, outputs: list[ReqOutput]) -> None:
-        if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._dispatch, outputs)
+        """From the scheduler thread: queues `outputs` for the event loop, waking it only
+        when nothing was queued (a wake-up writes the loop's self-pipe, and that write's GIL
+        release can hand the GIL to the loop's thread in the middle of a step): while the
+        loop is behind, later steps' outputs join the queued ones, in order."""
+        if self.loop is None:
+            return
+        with self._outputs_lock:
+            wake = not self._queued_outputs
+            self._queued_outputs.extend(outputs)
+        if wake:
+            self.loop.call_soon_threadsafe(self._dispatch_queued)
+
+    def _dispatch_queued(self) -> None:
+        with self._outputs_lock:
+            outputs, self._queued_outputs = self._queued_outputs, []
+        self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:
