@@ -149,13 +149,14 @@ def matrix(a) -> dict:
 
 def report_matrix(res: dict) -> None:
     """One row per cell: bare forwards, served step period and its device and host parts,
-    TPOT, and the served/bare ratios (step period / bare; device in the step / bare)."""
+    TPOT, and the served/bare ratios (step period, device in the step, and host work per
+    step, each over bare: issue 43 asks host / bare <= 0.15)."""
     print(f"machine before {res['machine_before']}")
     print(f"machine after  {res.get('machine_after')}")
     head = (
         f"{'mode':9s}{'spec':9s}{'C':>3s} {'overlap':8s}{'bare':>8s}{'period':>8s}"
         f"{'device':>8s}{'exposed':>8s}{'host':>8s}{'TPOT':>8s}{'accept':>7s}"
-        f"{'step/bare':>10s}{'dev/bare':>9s}"
+        f"{'step/bare':>10s}{'dev/bare':>9s}{'host/bare':>10s}"
     )
     print("ms per decode step (medians); bare = the step's forwards back to back, unserved")
     print(head)
@@ -169,6 +170,7 @@ def report_matrix(res: dict) -> None:
             f"{c['device_ms']:8.2f}{c['host_exposed_ms']:8.2f}{c['host_work_ms']:8.2f}"
             f"{c['tpot_ms']:8.2f}{c['accept_length'] or 1:7.2f}"
             f"{c['period_ms'] / c['bare_ms']:9.2f}x{c['device_ms'] / c['bare_ms']:8.2f}x"
+            f"{c['host_work_ms'] / c['bare_ms']:9.3f}x"
         )
 
 
