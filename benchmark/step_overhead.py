@@ -131,6 +131,7 @@ def matrix(a) -> dict:
                         "concurrency": c,
                         "overlap": ov,
                         "bare_ms": b[c]["forward_ms"],
+                        "bare_cpu_ms": b[c].get("forward_cpu_ms"),
                         "bare": b[c],
                         "compile_s": b["compile_s"],
                         "ready_s": ready[ov],
@@ -156,9 +157,10 @@ def report_matrix(res: dict) -> None:
     head = (
         f"{'mode':9s}{'spec':9s}{'C':>3s} {'overlap':8s}{'bare':>8s}{'period':>8s}"
         f"{'device':>8s}{'exposed':>8s}{'host':>8s}{'TPOT':>8s}{'accept':>7s}"
-        f"{'step/bare':>10s}{'dev/bare':>9s}{'host/bare':>10s}"
+        f"{'step/bare':>10s}{'dev/bare':>9s}{'host/bare':>10s}{'cpu: host/bare':>15s}"
     )
-    print("ms per decode step (medians); bare = the step's forwards back to back, unserved")
+    print("ms per decode step (medians); bare = the step's forwards back to back, unserved;")
+    print("cpu: host / bare = the same ratio in CPU time (host work's threads, bare forward's)")
     print(head)
     for c in res["cells"]:
         if not c.get("steps"):
@@ -171,6 +173,7 @@ def report_matrix(res: dict) -> None:
             f"{c['tpot_ms']:8.2f}{c['accept_length'] or 1:7.2f}"
             f"{c['period_ms'] / c['bare_ms']:9.2f}x{c['device_ms'] / c['bare_ms']:8.2f}x"
             f"{c['host_work_ms'] / c['bare_ms']:9.3f}x"
+            f"{c['host_cpu_ms'] / c['bare_cpu_ms']:14.3f}x"
         )
 
 
@@ -309,7 +312,8 @@ def report(res: dict) -> None:
         ps = s["per_step"]
         print(
             f"per step (medians)        period {ps['period_ms']} ms = device {ps['device_ms']} "
-            f"+ host exposed {ps['host_exposed_ms']}; host work {ps['host_work_ms']} ms"
+            f"+ host exposed {ps['host_exposed_ms']}; host work {ps['host_work_ms']} ms "
+            f"({ps['host_cpu_ms']} ms CPU; bare forward {b['forward_cpu_ms']} ms CPU)"
         )
     print("ms per decode step, by thread (median call x calls per step / mean):")
     order = {label: i for i, (label, _, _) in enumerate(PARTS)}

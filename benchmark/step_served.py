@@ -69,7 +69,8 @@ def _resolve(path: str):
 
 
 def install_timers(records: list) -> None:
-    """Wraps every part of PARTS (and GC) so each call appends (label, thread, start, s)."""
+    """Wraps every part of PARTS (and GC) so each call appends (label, thread, start, wall s,
+    the thread's CPU s)."""
     for label, path, attr in PARTS:
         owner, name = _resolve(path)
         if attr is None:  # a module-level function
@@ -79,12 +80,12 @@ def install_timers(records: list) -> None:
         fn = getattr(target, attr)
 
         def timed(*args, _fn=fn, _label=label, **kw):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 return _fn(*args, **kw)
             finally:
-                t1 = time.perf_counter()
-                records.append((_label, threading.current_thread().name, t0, t1 - t0))
+                t1, c1 = time.perf_counter(), time.thread_time()
+                records.append((_label, threading.current_thread().name, t0, t1 - t0, c1 - c0))
 
         setattr(target, attr, timed)
     started = {}
@@ -92,10 +93,11 @@ def install_timers(records: list) -> None:
     def on_gc(phase, info):
         me = threading.current_thread().name
         if phase == "start":
-            started[me] = time.perf_counter()
+            started[me] = time.perf_counter(), time.thread_time()
         elif me in started:
-            t0 = started.pop(me)
-            records.append((f"gc gen{info['generation']}", me, t0, time.perf_counter() - t0))
+            t0, c0 = started.pop(me)
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            records.append((f"gc gen{info['generation']}", me, t0, dt, cpu))
 
     gc.callbacks.append(on_gc)
 
@@ -166,7 +168,7 @@ def breakdown(records: list, start: float, end: float) -> tuple[dict, dict]:
     steps = [r for r in inside if r[0] in ("step (decode)", "step (overlapped)")]
     n = max(1, len(steps))
     calls: dict[str, list[float]] = collections.defaultdict(list)
-    for label, thread, _, dt in inside:
+    for label, thread, _, dt, *_ in inside:
         calls[f"{thread} | {label}"].append(dt)
     starts = sorted(r[2] for r in steps)
     periods = [b - s for s, b in zip(starts, starts[1:]) if b - s < 0.1]  # within a request
@@ -313,42 +315,37 @@ def per_step(records: list, start: float, end: float) -> dict:
     started in it: `DEVICE_LABELS`), the host time exposed (period - device: what the
     device would idle), and the host work (the scheduler's step calls, `HOST_LABELS`,
     less the forwards and result waits inside them: with overlap it runs beside the
-    forward). Periods with a
-    prefill in them, or over 1 s (the client between requests), are left out."""
+    forward), in wall time and in the calling threads' CPU time (`host_cpu`: what a loaded
+    host's descheduling and GIL waits do not inflate). Periods with a prefill in them, or
+    over 1 s (the client between requests), are left out."""
     inside = [r for r in records if start <= r[2] <= end]
     starts = sorted(r[2] for r in inside if r[0] in STEP_LABELS)
     prefills = sorted(r[2] for r in inside if r[0] == "prefill")
     device = sorted((r[2], r[3], r[1]) for r in inside if r[0] in DEVICE_LABELS)
     device_starts = [d[0] for d in device]
     # what a host call spends not working: forwards it runs, results it waits for
-    idle = sorted((r[2], r[3], r[1]) for r in inside if r[0] in DEVICE_LABELS or r[0] == "  wait")
+    idle = sorted(r[2:] + (r[1],) for r in inside if r[0] in DEVICE_LABELS or r[0] == "  wait")
     idle_starts = [d[0] for d in idle]
     host = [r for r in inside if r[0] in HOST_LABELS]
     host.sort(key=lambda r: r[2])
     host_starts = [r[2] for r in host]
-    periods, dev, exposed, work = [], [], [], []
+    periods, dev, exposed, work, work_cpu = [], [], [], [], []
     for lo, hi in zip(starts, starts[1:]):
         if hi - lo > 1.0 or any(lo <= p < hi for p in prefills):
             continue
         i, j = bisect.bisect_left(device_starts, lo), bisect.bisect_left(device_starts, hi)
         d = sum(dt for _, dt, _ in device[i:j])
-        w = 0.0
-        for _label, thread, t0, dt in host[
-            bisect.bisect_left(host_starts, lo) : bisect.bisect_left(host_starts, hi)
-        ]:
-            k = bisect.bisect_left(idle_starts, t0)
-            nested, covered = 0.0, t0  # nested calls of the same thread, outermost only
-            while k < len(idle) and idle[k][0] <= t0 + dt:
-                start_k, dt_k, thread_k = idle[k]
-                if thread_k == thread and start_k >= covered and start_k + dt_k <= t0 + dt:
-                    nested += dt_k
-                    covered = start_k + dt_k
-                k += 1
+        calls = host[bisect.bisect_left(host_starts, lo) : bisect.bisect_left(host_starts, hi)]
+        w = w_cpu = 0.0
+        for _label, thread, t0, dt, cpu in calls:
+            nested, nested_cpu = _nested(idle, idle_starts, thread, t0, dt)
             w += dt - nested
+            w_cpu += cpu - nested_cpu
         periods.append(hi - lo)
         dev.append(d)
         exposed.append(hi - lo - d)
         work.append(w)
+        work_cpu.append(w_cpu)
     if not periods:
         return {"steps": 0}
 
@@ -365,4 +362,21 @@ def per_step(records: list, start: float, end: float) -> dict:
         "device_ms": med(dev),
         "host_exposed_ms": med(exposed),
         "host_work_ms": med(work),
+        "host_cpu_ms": med(work_cpu),
     }
+
+
+def _nested(idle: list, idle_starts: list, thread: str, t0: float, dt: float):
+    """(wall s, CPU s) of the idle calls (`per_step`'s forwards and waits) that `thread`
+    made inside its call [t0, t0 + dt], outermost ones only."""
+    k = bisect.bisect_left(idle_starts, t0)
+    nested = nested_cpu = 0.0
+    covered = t0
+    while k < len(idle) and idle[k][0] <= t0 + dt:
+        start_k, dt_k, cpu_k, thread_k = idle[k]
+        if thread_k == thread and start_k >= covered and start_k + dt_k <= t0 + dt:
+            nested += dt_k
+            nested_cpu += cpu_k
+            covered = start_k + dt_k
+        k += 1
+    return nested, nested_cpu
