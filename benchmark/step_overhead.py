@@ -46,6 +46,10 @@ the finish of a launched step, in the loop's thread, and the forward runs in the
 worker's, `srt-scheduler`; the default with compiled forwards, `--enable-overlap-schedule`
 for eager ones) or the serial loop ("step (decode)"; `--disable-overlap-schedule`).
 
+Code: this entry (the matrix, reports, the cores check); `step_bare.py` the bare forward;
+`step_served.py` the timed server, clients and the per-step accounting (`per_step`: wall and
+CPU time).
+
 `--core-contention`: whether this machine's cores run independently, which decides whether
 overlap can hide host work at all: a one-thread `--size` square float32 matmul alone, beside a
 busy process, and beside a busy Python thread of its own process (median ms over `--iters`,
