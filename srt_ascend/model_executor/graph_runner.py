@@ -380,8 +380,10 @@ class GraphRunner:
         shape = (kind.name, bs, window)
         described = (
             f"{kind.mode}|{kind.tokens_per_req}|{kind.rows_per_req}|"
-            f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}|{kind.argmax_vocab}"
+            f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
         )
+        if kind.argmax_vocab is not None:  # kinds without it keep their packages' keys
+            described += f"|argmax{kind.argmax_vocab}"
         path = self.packages.path(shape, described, threads)
         roots = {"fb": fb, "hidden": hidden}
         set_intra_op_threads(threads)  # kernels are generated for the threads they run on
