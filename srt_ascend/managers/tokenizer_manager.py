@@ -71,7 +71,6 @@ class ServerBusyError(RuntimeError):
     """The server refuses new work (queue full, shutting down): HTTP 503 with this message."""
 
 
-@dataclass
 class LoopInbox:
     """Items handed from one thread to a callback on an asyncio loop, in order. The loop is
     woken only when nothing was queued: a wake-up writes the loop's self-pipe, and that
@@ -98,6 +97,7 @@ class LoopInbox:
         self._deliver(items)
 
 
+@dataclass
 class ReqState:
     rid: str  # the client's request id
     submission: str  # the id the scheduler knows this submission by (unique per process)
