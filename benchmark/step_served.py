@@ -324,7 +324,7 @@ def per_step(records: list, start: float, end: float) -> dict:
     device = sorted((r[2], r[3], r[1]) for r in inside if r[0] in DEVICE_LABELS)
     device_starts = [d[0] for d in device]
     # what a host call spends not working: forwards it runs, results it waits for
-    idle = sorted(r[2:] + (r[1],) for r in inside if r[0] in DEVICE_LABELS or r[0] == "  wait")
+    idle = sorted((*r[2:5], r[1]) for r in inside if r[0] in DEVICE_LABELS or r[0] == "  wait")
     idle_starts = [d[0] for d in idle]
     host = [r for r in inside if r[0] in HOST_LABELS]
     host.sort(key=lambda r: r[2])
