@@ -91,6 +91,10 @@ class KVHandle(Protocol):
         """Frees the request's slots of positions [lo, hi) (whole pages only)."""
         ...
 
+    def free_positions_many(self, reqs: list[StepRequest], los: list[int], his: list[int]) -> None:
+        """`free_positions` for each request, the slots freed in one allocator call."""
+        ...
+
 
 # (req, tokens, their logprobs or None) -> None: appends the tokens to the request's output
 # one by one, stopping at the first that finishes it (req.finished).

@@ -307,7 +307,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             self.worker.draft_after_verify(reqs, starts, loc, hidden, agreed, None, drafting)
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
-            self.h.kv.free_positions(r, r.kv_len, start + k1)
+        self.h.kv.free_positions_many(reqs, [r.kv_len for r in reqs], [s + k1 for s in starts])
         seconds = time.perf_counter() - started - caught_up
         self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
         return reqs
