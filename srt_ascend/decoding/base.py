@@ -41,8 +41,9 @@ from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.registry import Registry
-from srt_ascend.sampling.sample_step import SamplingRequest, sample_rows
+from srt_ascend.sampling.sample_step import SamplingRequest, greedy_without_logprobs, sample_rows
 from srt_ascend.server_args import ServerArgs
+from srt_ascend.utils import HOST_READS
 
 
 class StepRequest(SamplingRequest, Protocol):
@@ -58,6 +59,9 @@ class StepRequest(SamplingRequest, Protocol):
 
     @property
     def seq_len(self) -> int: ...
+
+    @property
+    def last_id(self) -> int: ...  # all_ids[-1]
 
     @property
     def finished(self) -> bool: ...
@@ -85,6 +89,10 @@ class KVHandle(Protocol):
 
     def free_positions(self, req: StepRequest, lo: int, hi: int) -> None:
         """Frees the request's slots of positions [lo, hi) (whole pages only)."""
+        ...
+
+    def free_positions_many(self, reqs: list[StepRequest], los: list[int], his: list[int]) -> None:
+        """`free_positions` for each request, the slots freed in one allocator call."""
         ...
 
 
@@ -139,6 +147,18 @@ class Decoder(ABC):
         """One token per request through the main model."""
         return GraphKind("decode", ForwardMode.DECODE, 1, 1, self.runner.attn_backend)
 
+    def greedy_decode_kind(self) -> GraphKind:
+        """`decode_kind` ending with the greedy argmax over the vocabulary: forward and
+        sampling in one graph, for batches `greedy_without_logprobs` accepts."""
+        return GraphKind(
+            "decode_greedy",
+            ForwardMode.DECODE,
+            1,
+            1,
+            self.runner.attn_backend,
+            argmax_vocab=self.vocab,
+        )
+
     def graph_kinds(self) -> list[GraphKind]:
         """The forwards this decoder runs that graphs may capture."""
         return [self.decode_kind()]
@@ -182,19 +202,32 @@ class Decoder(ABC):
             self.h.commit(r, [token_ids[i]], lps)
 
     def decode_and_commit(
-        self, reqs: list[StepRequest], loc: torch.Tensor, kind: GraphKind
+        self,
+        reqs: list[StepRequest],
+        loc: torch.Tensor,
+        kind: GraphKind,
+        greedy_kind: GraphKind | None = None,
     ) -> torch.Tensor:
         """A plain decode step over requests whose slots `loc` [B] are allocated: each one's
-        last token through the main model (graph `kind` where captured), its KV counted,
-        the next token sampled and committed. Returns the hidden states [B, D]."""
+        last token through the main model (graph `kind` where captured; `greedy_kind`, whose
+        graph ends with the argmax, for a batch `greedy_without_logprobs` accepts), its KV
+        counted, the next token sampled and committed. Returns the hidden states [B, D]."""
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE,
-            [r.all_ids[-1] for r in reqs],
+            [r.last_id for r in reqs],
             [r.req_pool_idx for r in reqs],
             [r.kv_len + 1 for r in reqs],
             [1] * len(reqs),
             loc,
         )
+        if greedy_kind is not None and greedy_without_logprobs(reqs):
+            hidden, tokens = self.runner.forward_greedy(fb, greedy_kind)
+            for r in reqs:
+                r.kv_len += 1
+            token_ids = self.agree(HOST_READS.read(tokens))
+            for r, t in zip(reqs, token_ids):
+                self.h.commit(r, [t], None)
+            return hidden
         hidden, logits = self.runner.forward_logits(fb, kind)
         for r in reqs:
             r.kv_len += 1

@@ -8,9 +8,14 @@ import torch
 
 from srt_ascend.decoding.base import DECODERS, PLAIN, Decoder, LaunchedStep, StepRequest
 from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.penalty_state import has_penalties
-from srt_ascend.sampling.sample_step import SampledTokens, sample_tokens
+from srt_ascend.sampling.sample_step import (
+    SampledTokens,
+    greedy_without_logprobs,
+    sample_tokens,
+)
 from srt_ascend.utils import HOST_READS, to_device
 
 
@@ -30,13 +35,22 @@ class PlainDecoder(Decoder):
     def __init__(self, args, handles) -> None:
         super().__init__(args, handles)
         self.kind = self.decode_kind()
+        # all-greedy, no-logprob batches replay forward + argmax as one graph; compiled
+        # forwards keep to one decode kind (the LM head is compiled in already, and a second
+        # kind would double the decode shapes to compile before the server is ready)
+        self.greedy_kind = None if args.enable_torch_compile else self.greedy_decode_kind()
+
+    def graph_kinds(self) -> list[GraphKind]:
+        """The decode forward, and (uncompiled) the same ending with the greedy argmax for
+        batches `greedy_without_logprobs` accepts."""
+        return [self.kind] + ([self.greedy_kind] if self.greedy_kind is not None else [])
 
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         reqs, loc = self.h.kv.alloc_running(reqs, 1)
         if not reqs:
             self.idle_step()
             return []
-        self.decode_and_commit(reqs, loc, self.kind)
+        self.decode_and_commit(reqs, loc, self.kind, self.greedy_kind)
         return reqs
 
     def can_overlap(self, reqs: list[StepRequest]) -> bool:
@@ -60,7 +74,7 @@ class PlainDecoder(Decoder):
             return None
         device, ahead = self.runner.device, 0 if prev is None else 1
         if prev is None:
-            inputs = to_device([r.all_ids[-1] for r in reqs], device)
+            inputs = to_device([r.last_id for r in reqs], device)
             rows = None
         else:
             inputs = torch.empty(len(reqs), dtype=torch.int64, device=device)
@@ -79,14 +93,19 @@ class PlainDecoder(Decoder):
             r.kv_len += 1
         generated = [len(r.output_ids) + ahead for r in reqs]
         batch = list(reqs)
+        # forward + argmax in one graph
+        greedy = self.greedy_kind is not None and greedy_without_logprobs(batch, generated)
 
         @torch.inference_mode()
         def run():
             if prev is not None:  # the future-token gather: prev's tokens, still on the device
                 tokens = prev.result.result().sampled.token_ids
                 inputs.copy_(tokens if rows is None else tokens.index_select(0, rows))
-            _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head
-            sampled = sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)
+            if greedy:
+                sampled = SampledTokens(self.runner.forward_greedy(fb, self.greedy_kind)[1], None)
+            else:
+                _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head
+                sampled = sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)
             # enqueued now, before the next step's forward: its finish waits for this alone
             return LaunchedOut(sampled, self.runner.platform.copy_to_host(sampled.token_ids))
 

@@ -57,10 +57,13 @@ class KVBook:
         """The allocator's slots for positions prefix..seq-1 of each row, or None. One new
         position per request after KV it has (a plain decode step) takes the allocator's
         decode path, with the last slots read in one host gather: a step's bookkeeping is a
-        handful of host ops, not a dozen per request."""
-        if all(s - p == 1 and p > 0 for p, s in zip(prefix, seq)):
+        handful of host ops, not a dozen per request; so is an MTP step's (K+1 positions per
+        request after KV it has), through the extend path."""
+        if all(p > 0 for p in prefix):  # every row has KV: its last slots in one gather
             last = self.host[rows, [p - 1 for p in prefix]]
-            return self.allocator.alloc_decode(seq, last)
+            if all(s - p == 1 for p, s in zip(prefix, seq)):
+                return self.allocator.alloc_decode(seq, last)
+            return self.allocator.alloc_extend(prefix, seq, last.tolist())
         last = [int(self.host[r, p - 1]) if p else -1 for r, p in zip(rows, prefix)]
         return self.allocator.alloc_extend(prefix, seq, last)
 
@@ -105,6 +108,16 @@ class KVBook:
             self.allocator.free(self.host[req.req_pool_idx, first:hi].clone())
             if hi >= req.alloc_len:
                 req.alloc_len = first
+
+    def free_positions_many(self, reqs: list[Req], los: list[int], his: list[int]) -> None:
+        """`free_positions(reqs[i], los[i], his[i])` for every i, the slots given back to
+        the allocator in one call (a speculative step frees each request's rejected tail)."""
+        self.allocator.free_group_begin()
+        try:
+            for req, lo, hi in zip(reqs, los, his, strict=True):
+                self.free_positions(req, lo, hi)
+        finally:
+            self.allocator.free_group_end()
 
     def release(self, req: Req) -> None:
         """Gives the request's valid KV to the tree, frees the rest it holds, and returns its

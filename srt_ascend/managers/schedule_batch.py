@@ -87,6 +87,11 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
+    def last_id(self) -> int:
+        """`all_ids[-1]` without building `all_ids` (a decode step reads it per request)."""
+        return self.output_ids[-1] if self.output_ids else self.origin_input_ids[-1]
+
+    @property
     def finished(self) -> bool:
         return self.finished_reason is not None
 

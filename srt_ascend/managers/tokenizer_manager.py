@@ -11,6 +11,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -70,6 +71,32 @@ class ServerBusyError(RuntimeError):
     """The server refuses new work (queue full, shutting down): HTTP 503 with this message."""
 
 
+class LoopInbox:
+    """Items handed from one thread to a callback on an asyncio loop, in order. The loop is
+    woken only when nothing was queued: a wake-up writes the loop's self-pipe, and that
+    write's GIL release can hand the GIL to the loop's thread in the middle of the sender's
+    step; while the loop is behind, later items join the queued ones and go in the same
+    callback."""
+
+    def __init__(self, deliver: Callable[[list], None]) -> None:
+        self._deliver = deliver  # runs on the loop with every item queued since the last
+        self._lock = threading.Lock()
+        self._queued: list = []
+
+    def put(self, loop: asyncio.AbstractEventLoop, items: list) -> None:
+        """From any thread: queues `items`, waking `loop` if nothing was queued."""
+        with self._lock:
+            wake = not self._queued
+            self._queued.extend(items)
+        if wake:
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            items, self._queued = self._queued, []
+        self._deliver(items)
+
+
 @dataclass
 class ReqState:
     rid: str  # the client's request id
@@ -101,6 +128,8 @@ class TokenizerManager:
         self._submissions: dict[str, ReqState] = {}
         self._submission_ids = itertools.count()
         self.loop: asyncio.AbstractEventLoop | None = None
+        # outputs from the scheduler thread not yet dispatched on the loop (_on_outputs)
+        self._outputs = LoopInbox(self._dispatch)
         # --tp-size > 1: this process is rank 0; the node's other ranks are processes.
         self.dist_init = dist_init_of(self.args) if self.args.tp_size > 1 else None
         self.ranks = RankProcesses(self.args, self.dist_init, fail_fast) if self.dist_init else None
@@ -146,7 +175,7 @@ class TokenizerManager:
 
     def _on_outputs(self, outputs: list[ReqOutput]) -> None:
         if self.loop is not None:
-            self.loop.call_soon_threadsafe(self._dispatch, outputs)
+            self._outputs.put(self.loop, outputs)
 
     def _dispatch(self, outputs: list[ReqOutput]) -> None:
         for out in outputs:

@@ -106,10 +106,10 @@ class ForwardBatch:
     ) -> ForwardBatch:
         """Builds positions from the lengths and (unless the caller defers it, as the model
         runner does for batches a graph may replay) lets the backend precompute its metadata.
-        Host inputs reach `device` by async copies (utils.to_device); device tensors (e.g.
-        draft tokens) are used as they are. `seq_lens` on the device comes with `seq_bounds`,
-        host upper bounds of its values, and one query length for every row: the positions
-        are then computed on the device too (`host_lengths_exact` False)."""
+        Host inputs reach `device` together, by one async copy (`pack_to_device`); device
+        tensors (e.g. draft tokens) are used as they are. `seq_lens` on the device comes with
+        `seq_bounds`, host upper bounds of its values, and one query length for every row:
+        the positions are then computed on the device too (`host_lengths_exact` False)."""
         exact = not isinstance(seq_lens, torch.Tensor)
         if exact:
             positions = [p for s, e in zip(seq_lens, extend_seq_lens) for p in range(s - e, s)]
@@ -121,14 +121,18 @@ class ForwardBatch:
             seq_lens = seq_lens.to(device)
             steps = torch.arange(-q, 0, device=seq_lens.device)
             positions = (seq_lens.view(-1, 1) + steps).view(-1)
+        ids, pos, rows, lens, ext, loc = pack_to_device(
+            [input_ids, positions, req_pool_indices, seq_lens, extend_seq_lens, out_cache_loc],
+            device,
+        )
         fb = cls(
             forward_mode=forward_mode,
-            input_ids=to_device(input_ids, device),
-            positions=to_device(positions, device),
-            req_pool_indices=to_device(req_pool_indices, device),
-            seq_lens=to_device(seq_lens, device),
-            extend_seq_lens=to_device(extend_seq_lens, device),
-            out_cache_loc=to_device(out_cache_loc, device),
+            input_ids=ids,
+            positions=pos,
+            req_pool_indices=rows,
+            seq_lens=lens,
+            extend_seq_lens=ext,
+            out_cache_loc=loc,
             seq_lens_cpu=list(seq_bounds),
             extend_seq_lens_cpu=list(extend_seq_lens),
             req_to_token_pool=req_to_token_pool,
@@ -139,3 +143,36 @@ class ForwardBatch:
         if init_metadata:
             attn_backend.init_forward_metadata(fb)
         return fb
+
+
+def pack_to_device(
+    parts: list[list[int] | torch.Tensor], device: torch.device | str
+) -> list[torch.Tensor]:
+    """Each of `parts` as an int64 vector on `device`. Host data (lists, and CPU tensors when
+    `device` is not the host) is concatenated on the host and sent by one copy
+    (utils.to_device: pinned and async where the device has a runtime), then handed back as
+    views of that one tensor; a tensor already on `device` passes through as itself (a buffer
+    a launched step fills later stays the batch's). A step's batch is then one host->device
+    copy, not one per field. The views share storage: nobody may resize them."""
+    device = torch.device(device)
+    out: list[torch.Tensor | None] = [None] * len(parts)
+    lists: list[int] = []  # the host lists, flattened in order: one tensor build
+    list_at: list[tuple[int, int]] = []  # (part, length)
+    tensors: list[tuple[int, torch.Tensor]] = []  # host tensors, after the lists
+    for i, p in enumerate(parts):
+        if not isinstance(p, torch.Tensor):
+            lists.extend(p)
+            list_at.append((i, len(p)))
+        elif p.device.type != "cpu" or device.type == "cpu":  # already where it is used
+            out[i] = p.to(device=device, dtype=torch.int64)
+        else:
+            tensors.append((i, p.to(dtype=torch.int64).reshape(-1)))
+    if not list_at and not tensors:
+        return out  # type: ignore[return-value]
+    host = [torch.tensor(lists, dtype=torch.int64)] + [t for _, t in tensors]
+    packed = to_device(torch.cat(host) if len(host) > 1 else host[0], device)
+    sizes = [n for _, n in list_at] + [int(t.numel()) for _, t in tensors]
+    order = [i for i, _ in list_at] + [i for i, _ in tensors]
+    for i, view in zip(order, packed.split(sizes)):
+        out[i] = view
+    return out  # type: ignore[return-value]

@@ -6,7 +6,9 @@ the batch into the buffers, pads it to the bucket (padding rows: KV length 0, pa
 replays, and slices the real rows back out. Prefill stays eager. A kind's graph holds the LM
 head too (`GraphKind.logits`, all but the KV-only passes of later MTP layers): a replay hands
 back the hidden states and their float32 logits, so a decode, verify or draft step runs no
-eager matmul after its forward (compiled, the LM head is compiled with the forward).
+eager matmul after its forward (compiled, the LM head is compiled with the forward). A kind
+with `argmax_vocab` goes one op further and ends with the greedy argmax: plain decoding's
+all-greedy, no-logprob batches replay forward + sampling as one graph and get tokens back.
 
 A replayed step costs what its live KV needs (DESIGN section 8). Kinds whose attention backend
 gathers the whole static KV window (torch_native) are also captured per KV window: powers of
@@ -17,6 +19,7 @@ graph per batch bucket, over the full width, serves every length.
 
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
+- decode_greedy:  the same, ending with the argmax (tokens, no logits);
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion);
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
 - draft_extend:   MTP layer 0 over B rows of 1+K tokens (the pass after verify);
@@ -139,6 +142,10 @@ class GraphKind:
     backend: AttentionBackend  # the attention backend its batches run through
     mtp_layer: int | None = None  # None: the main model; else this MTP layer
     logits: bool = True  # the LM head runs inside the graph (False: its output is KV only)
+    # the graph ends with the argmax of its logits over the first `argmax_vocab` columns (the
+    # tokenizer's vocabulary) and hands back those tokens instead of the logits: plain
+    # decoding's all-greedy, no-logprob batches (their sampling is that argmax)
+    argmax_vocab: int | None = None
 
     @property
     def q_per_row(self) -> int:
@@ -184,6 +191,7 @@ class Replayed(NamedTuple):
 
     hidden: torch.Tensor  # [tokens, D] output hidden states (final-normed)
     logits: torch.Tensor | None  # [tokens, V] float32 from the LM head in the graph, or None
+    tokens: torch.Tensor | None = None  # [tokens] int64 argmax, a kind with `argmax_vocab`
 
 
 # (fb, kind, MTP input hidden or None) -> (output hidden,) or, for a kind with logits,
@@ -374,6 +382,8 @@ class GraphRunner:
             f"{kind.mode}|{kind.tokens_per_req}|{kind.rows_per_req}|"
             f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
         )
+        if kind.argmax_vocab is not None:  # kinds without it keep their packages' keys
+            described += f"|argmax{kind.argmax_vocab}"
         path = self.packages.path(shape, described, threads)
         roots = {"fb": fb, "hidden": hidden}
         set_intra_op_threads(threads)  # kernels are generated for the threads they run on
@@ -530,4 +540,6 @@ class GraphRunner:
         self.window_replays[window] += 1
         self.compiled_replays[kind.name] += g.compiled
         real = [o[:n_tok].clone() if g.graph.outputs_reused else o[:n_tok] for o in outs]
+        if kind.argmax_vocab is not None:
+            return Replayed(real[0], None, real[1])
         return Replayed(real[0], real[1] if kind.logits else None)

@@ -48,6 +48,13 @@ def resolve_dtype(name: str, config) -> torch.dtype:
     return _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
 
 
+def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[T] int64: each row's argmax over the first `vocab_size` columns of `logits` [T, V]
+    (columns past the tokenizer's vocabulary are padding): greedy sampling's rule, the same
+    op inside a graph and out, so both give the same tokens."""
+    return logits[:, :vocab_size].argmax(dim=-1)
+
+
 class ModelRunner:
     """`tp`: the tensor-parallel group; this runner holds the rank's shard of the weights and
     a full latent KV pool (MLA's latent is shared by every head, so it cannot be split by
@@ -302,7 +309,7 @@ class ModelRunner:
     def _with_logits(self, out: Replayed, rows: torch.Tensor | None):
         """(hidden, logits of `rows` of it, or of every row when None): the graph's logits
         where it ran the LM head, else the LM head now over those rows only."""
-        hidden, logits = out
+        hidden, logits = out.hidden, out.logits
         if logits is None:
             return hidden, self.compute_logits(hidden if rows is None else hidden[rows])
         return hidden, logits if rows is None else logits[rows]
@@ -330,6 +337,20 @@ class ModelRunner:
         over every row inside it (a compiled graph: compiled with the forward); eager, the
         LM head runs over the rows asked for only."""
         return self._with_logits(self._run(forward_batch, kind, None, None), rows)
+
+    @torch.inference_mode()
+    def forward_greedy(
+        self, forward_batch: ForwardBatch, kind: GraphKind | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` and each row's greedy token [T] (int64, on the device): the argmax of its
+        logits over the vocabulary, the rule `sample_tokens` applies to an all-greedy batch
+        without logprobs. A graph of a kind with `argmax_vocab` ran that argmax inside it;
+        any other replay or an eager forward takes it from the logits (`forward_logits`)."""
+        out = self._run(forward_batch, kind, None, None)
+        if out.tokens is not None:
+            return out.hidden, out.tokens
+        hidden, logits = self._with_logits(out, None)
+        return hidden, greedy_tokens(logits, self.vocab_size)
 
     @torch.inference_mode()
     def forward_mtp(
@@ -385,9 +406,14 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, ...]:
         """What a graph of `kind` captures: the forward, and where the kind has logits the
         LM head over its every row (so a replayed decode, verify or draft step reads logits
-        the graph computed)."""
+        the graph computed); with `argmax_vocab`, their greedy tokens in place of them."""
         out = self._forward(fb, kind.mtp_layer, hidden)
-        return (out, self.model.compute_logits(out)) if kind.logits else (out,)
+        if not kind.logits:
+            return (out,)
+        logits = self.model.compute_logits(out)
+        if kind.argmax_vocab is not None:
+            return (out, greedy_tokens(logits, kind.argmax_vocab))
+        return (out, logits)
 
     @torch.inference_mode()
     def forward_idle(self, mtp_step: int | None = None) -> None:

@@ -149,6 +149,15 @@ def all_plain_greedy(
     return True
 
 
+def greedy_without_logprobs(
+    reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None
+) -> bool:
+    """`all_plain_greedy` and no request wants logprobs: the batch's tokens are the argmax
+    of its raw logits and nothing else is read of them (so a graph may end with that argmax,
+    GraphKind.argmax_vocab)."""
+    return all_plain_greedy(reqs, generated) and not any(r.return_logprob for r in reqs)
+
+
 def top_logprobs_nums(reqs: Sequence[SamplingRequest]) -> list[int]:
     return [r.top_logprobs_num if r.return_logprob else 0 for r in reqs]
 
@@ -172,7 +181,7 @@ def sample_tokens(
 ) -> SampledTokens:
     """One token per row, left on the device (the logprobs, when asked, are read)."""
     generated = generated_counts(reqs, generated)
-    if all_plain_greedy(reqs, generated) and not any(r.return_logprob for r in reqs):
+    if greedy_without_logprobs(reqs, generated):
         return SampledTokens(logits[:, :vocab_size].argmax(dim=-1), None)
     info = SamplingBatchInfo.from_params(
         [r.sampling_params for r in reqs],

@@ -284,7 +284,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
-        last = to_device([[r.all_ids[-1]] for r in reqs], self.runner.device)
+        last = to_device([[r.last_id] for r in reqs], self.runner.device)
         rows = [r.req_pool_idx for r in reqs]
         res, logits, hidden = self._verify(reqs, k, loc, starts, last, None, generated, rows)
         ahead = self._drafts_ahead(reqs)
@@ -307,7 +307,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             self.worker.draft_after_verify(reqs, starts, loc, hidden, agreed, None, drafting)
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
-            self.h.kv.free_positions(r, r.kv_len, start + k1)
+        self.h.kv.free_positions_many(reqs, [r.kv_len for r in reqs], [s + k1 for s in starts])
         seconds = time.perf_counter() - started - caught_up
         self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
         return reqs

@@ -131,7 +131,7 @@ class OverlappedRoundsMixin:
         generated = [len(r.output_ids) for r in reqs]
         batch, table = list(reqs), self.h.req_to_token
         if prev is None:
-            last = to_device([[r.all_ids[-1]] for r in reqs], device)
+            last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(starts, device)
             initial = self.worker.first_of(reqs) if k else None
         else:

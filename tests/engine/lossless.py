@@ -32,10 +32,10 @@ def varied_prompts(n: int = 50) -> list[str]:
 PROMPTS = varied_prompts()
 
 
-def run(model_path, prompts=PROMPTS, **kw):
+def run(model_path, prompts=PROMPTS, return_logprob: bool = True, **kw):
     engine = Engine(model_path=model_path, dtype="float32", **kw)
     try:
-        outs = engine.generate(prompts, GREEDY, return_logprob=True)
+        outs = engine.generate(prompts, GREEDY, return_logprob=return_logprob)
         state = engine.get_internal_state()
         assert (
             state["available_kv_tokens"] + state["cached_tokens_in_tree"]

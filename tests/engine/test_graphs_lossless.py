@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from lossless import assert_same_greedy, run
+from lossless import PROMPTS, assert_same_greedy, run
 
 # 12 running requests: full batches run eagerly (> 8), shrinking ones replay buckets 1-8;
 # plain decode runs 8 at most, so every step replays and its batches cross KV windows.
@@ -51,3 +51,21 @@ def test_greedy_identical_with_graphs(model_path, baseline, name):
     replayed = state["graph_kv_window_replays"]
     assert windows <= {int(w) for w, n in replayed.items() if n > 0}, replayed
     orjson.dumps(state)  # what /server_info sends: JSON object keys must be strings
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_greedy_graph_kind_replays_forward_and_argmax(model_path, baseline, overlap):
+    """Plain decoding of greedy requests without logprobs replays `decode_greedy` (the
+    forward ending with the argmax: one graph, tokens out) at every step and never `decode`,
+    serial or overlapped, token-identical to the eager baseline; with logprobs (the "decode"
+    case above) `decode` replays and `decode_greedy` never does."""
+    flags = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
+    args = {**GRAPHS, "max_running_requests": 8, **flags}
+    outs, state = run(model_path, return_logprob=False, **args)
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+    assert [o["output_ids"] for o in outs] == [b["output_ids"] for b in baseline]
+    replays = state["graph_replays"]
+    assert replays.get("decode_greedy", 0) > 0 and not replays.get("decode"), replays
+    _, with_logprobs = run(model_path, prompts=PROMPTS[:4], **args)
+    replays = with_logprobs["graph_replays"]
+    assert replays.get("decode", 0) > 0 and not replays.get("decode_greedy"), replays

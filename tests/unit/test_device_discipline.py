@@ -152,6 +152,9 @@ class TableKV:
     def free_positions(self, req, lo, hi) -> None:
         pass
 
+    def free_positions_many(self, reqs, los, his) -> None:
+        pass
+
 
 def _requests() -> list[Req]:
     params = [

@@ -73,6 +73,9 @@ class TableKV:
     def free_positions(self, req, lo, hi) -> None:
         pass
 
+    def free_positions_many(self, reqs, los, his) -> None:
+        pass
+
 
 def _commit(req, tokens, logprobs=None) -> None:
     req.output_ids.extend(tokens)

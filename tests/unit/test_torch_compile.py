@@ -98,7 +98,7 @@ def test_every_kind_compiles_whole_and_replays_without_recompiling(tiny_mtp_fact
                 fb = reqs.batch(prefix, q_lens if verify == "fia" else None)
                 hidden = torch.randn(fb.num_tokens, runner.config.hidden_size, generator=reqs.gen)
                 hidden = hidden if layer is not None else None
-                replayed, logits = gr.run(fb, reqs.kind(prefix), hidden)
+                replayed, logits = gr.run(fb, reqs.kind(prefix), hidden)[:2]
                 eager = runner.forward_eager(fb, layer, hidden)
                 torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-5)
                 if layer != 1:
