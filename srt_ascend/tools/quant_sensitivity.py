@@ -47,21 +47,28 @@ def choose_float(
     shapes: dict[str, tuple[int, int]],
     scores: dict[str, float],
     memory_ratio: float,
+    num_layers: int,
 ) -> list[str]:
     """The layers (by decreasing score) kept float so that the scope's bytes stay within
-    `memory_ratio` of its bf16 bytes. `plan`: layer -> scheme (all quantized layers);
-    `shapes`: layer -> (n, k); `scores`: candidate layer -> sensitivity. A layer that does
-    not fit is skipped and smaller ones are still tried."""
-    scope = [name for name in plan if in_scope(name)]
-    budget = memory_ratio * sum(2 * shapes[n][0] * shapes[n][1] for n in scope)
-    used = sum(quantized_bytes(plan[n], *shapes[n]) for n in scope)
+    `memory_ratio` of its bf16 bytes, the main model's layers and the MTP layers'
+    (`num_layers` and above) each on their own: a server loads the main model with or without
+    the MTP layer. `plan`: layer -> scheme (all quantized layers); `shapes`: layer -> (n, k);
+    `scores`: candidate layer -> sensitivity. A layer that does not fit is skipped and
+    smaller ones are still tried."""
+    is_mtp = lambda name: int(name.split(".")[2]) >= num_layers  # noqa: E731
     chosen = []
-    for name in sorted(scores, key=lambda n: -scores[n]):
-        n, k = shapes[name]
-        extra = 2 * n * k - quantized_bytes(plan[name], n, k)
-        if used + extra <= budget:
-            chosen.append(name)
-            used += extra
+    for part in (False, True):
+        scope = [n for n in plan if in_scope(n) and is_mtp(n) == part]
+        budget = memory_ratio * sum(2 * shapes[n][0] * shapes[n][1] for n in scope)
+        used = sum(quantized_bytes(plan[n], *shapes[n]) for n in scope)
+        for name in sorted(scores, key=lambda n: -scores[n]):
+            if is_mtp(name) != part:
+                continue
+            n, k = shapes[name]
+            extra = 2 * n * k - quantized_bytes(plan[name], n, k)
+            if used + extra <= budget:
+                chosen.append(name)
+                used += extra
     return chosen
 
 

@@ -149,7 +149,8 @@ def quantize_checkpoint(
         config = json.load(f)
     dtype = _DTYPES.get(config.get("torch_dtype"), torch.bfloat16)
     shards = _source_shards(src)
-    plan, shapes = _plan(src, shards, scheme, config["num_hidden_layers"], quant_mtp)
+    layers = config["num_hidden_layers"]
+    plan, shapes = _plan(src, shards, scheme, layers, quant_mtp)
     cal = calibration
     static = {n for n, s in plan.items() if s == "W8A8"}
     os.makedirs(dst, exist_ok=True)
@@ -161,7 +162,7 @@ def quantize_checkpoint(
     if cal.memory_ratio is not None:
         tensors = lambda n, w: _quantize_layer(w, plan[n], dtype, ranges.get(n))  # noqa: E731
         scores = sensitivity(src, plan, tensors, cal.sensitivity_sequences)
-        for name in choose_float(plan, shapes, scores, cal.memory_ratio):
+        for name in choose_float(plan, shapes, scores, cal.memory_ratio, layers):
             del plan[name]
     weights = {f"{n}.weight": s for n, s in plan.items()}
     description = _write(src, dst, shards, weights, dtype, ranges)

@@ -11,7 +11,7 @@ products accumulated in int32, as the NPU's and the CPU's integer units do):
   deq_scale = input_scale * weight_scale.
 - W8A8_DYNAMIC (per-token symmetric activation, per-channel weight):
     s   = max_k |x[m, k]| / 127;   xq = clamp(round(x / s), -127, 127)
-    y   = (xq @ wq^T) * s[m] * weight_scale[n]
+    y   = (xq @ wq^T) * (s[m] * weight_scale[n])
 - block FP8 (DeepSeek-V3: weight float8_e4m3fn in bn x bk blocks, `weight_scale_inv`
   [ceil(N/bn), ceil(K/bk)] the factor each block dequantises by; activations per token per bk
   channels, s = max |x| / 448, xq = fp8(x / s)):
@@ -42,18 +42,20 @@ _TINY = 1e-12  # scale floor: an all-zero row quantises to zeros, not NaN
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor):
-    """W8A8 static: clamp(round(x / scale + offset)) as int8 (round half to even)."""
-    q = x.float().div(scale.float()).add_(offset.float()).round_()
+    """W8A8 static: clamp(round(x / scale + offset)) as int8 (round half to even). The
+    division promotes x to float32 (scale is a float32 tensor): no separate cast pass."""
+    q = torch.div(x, scale.float()).add_(offset.float()).round_()
     return q.clamp_(INT8_MIN, INT8_MAX).to(torch.int8)
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W8A8_DYNAMIC: x [M, K] -> (xq int8 [M, K], s float32 [M, 1]), s = max|x| / 127."""
     # |x / s| <= 127 by construction, so the formula's clamp never binds (a last-ulp
-    # 127.00001 still rounds to 127). (vector_norm(inf) costs several times abs + amax here.)
-    xf = x.float()
-    s = xf.abs().amax(-1, keepdim=True).clamp_(min=_TINY).div_(INT8_MAX)
-    return torch.div(xf, s).round_().to(torch.int8), s
+    # 127.00001 still rounds to 127). max|x| is exact in x's own dtype, so only the [M, 1]
+    # maxima are cast, and the division promotes x to float32 in the same pass (one pass
+    # fewer than casting x first; vector_norm(inf) costs several times abs + amax here).
+    s = x.abs().amax(-1, keepdim=True).float().clamp_(min=_TINY).div_(INT8_MAX)
+    return torch.div(x, s).round_().to(torch.int8), s
 
 
 def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,7 +83,7 @@ def w8a8_static_reference(x, wq, input_scale, input_offset, quant_bias, deq_scal
 def w8a8_dynamic_reference(x, wq, weight_scale):
     """The W8A8_DYNAMIC formula: x [M, K], weight_scale [N] -> float32 [M, N]."""
     xq, s = quantize_per_token(x)
-    return int8_matmul_reference(xq, wq).float() * s * weight_scale.float()
+    return int8_matmul_reference(xq, wq) * (s * weight_scale.float())
 
 
 def fp8_block_reference(x, wq, scale_inv, block: tuple[int, int]):
@@ -121,14 +123,19 @@ def int8_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return pick(_torch_table(), xq.device, int8_matmul_reference)(xq, wq)
 
 
+# The epilogues multiply the int32 sums by float32 scales directly (int32 * float32 promotes
+# to float32 in the same pass): no cast pass, one multiplication by the [M, N] scale product
+# (W8A8_DYNAMIC) or the [N] deq_scale (W8A8). Same arithmetic as the references.
+
+
 def _w8a8_static_torch(x, wq, input_scale, input_offset, quant_bias, deq_scale):
     acc = int8_matmul(quantize_per_tensor(x, input_scale, input_offset), wq)
-    return acc.add_(quant_bias).float().mul_(deq_scale)
+    return torch.mul(acc.add_(quant_bias), deq_scale)
 
 
 def _w8a8_dynamic_torch(x, wq, weight_scale):
     xq, s = quantize_per_token(x)
-    return int8_matmul(xq, wq).float().mul_(s).mul_(weight_scale)
+    return torch.mul(int8_matmul(xq, wq), s * weight_scale)
 
 
 def _npu_kernels():
