@@ -25,7 +25,7 @@ from srt_ascend.models.quant_config import (
     resolve_quantization,
 )
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
-from srt_ascend.tools.quantize import quantize_checkpoint
+from srt_ascend.tools.quantize import Calibration, quantize_checkpoint
 
 SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 
@@ -33,9 +33,9 @@ SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
+    every_layer = Calibration(sequences=2, memory_ratio=None)  # no fallback: all quantized
     return {
-        s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, quant_mtp=True, calib_sequences=2)
-        for s in SCHEMES
+        s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, True, every_layer) for s in SCHEMES
     }
 
 
@@ -246,7 +246,8 @@ def test_sharded_source_quantized_shard_by_shard(tiny_mtp_checkpoint, tmp_path, 
     """A sharded checkpoint (two shards + index, random weights) is written shard by shard
     with its index; the quantized model's logits follow the float model's."""
     src = tiny_mtp_checkpoint.path
-    dst = quantize_checkpoint(src, str(tmp_path / scheme), scheme, quant_mtp=True)
+    every_layer = Calibration(memory_ratio=None)
+    dst = quantize_checkpoint(src, str(tmp_path / scheme), scheme, True, every_layer)
     shards = sorted(n for n in os.listdir(dst) if n.endswith(".safetensors"))
     assert shards == sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     with open(os.path.join(dst, "model.safetensors.index.json")) as f:
