@@ -33,7 +33,9 @@ SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
-    every_layer = Calibration(sequences=2, memory_ratio=None)  # no fallback: all quantized
+    # every layer quantized (no fallback), unsmoothed: each quantized layer stands for the
+    # float checkpoint's own (smoothing: tests/unit/test_quant_calibration.py)
+    every_layer = Calibration(sequences=2, smooth_alpha=None, memory_ratio=None)
     return {
         s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, True, every_layer) for s in SCHEMES
     }
