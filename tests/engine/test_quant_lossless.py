@@ -40,6 +40,9 @@ def test_greedy_identical_with_mtp(quantized, scheme):
     outs, state = run(quantized[scheme], SUBSET, **spec)
     assert_same_greedy(f"{scheme} mtp", outs, base, TOLERANCE[scheme])
     assert 1.3 < state["avg_spec_accept_length"] <= 3
+    # the running server's weight memory: the quantized scope within the quantizer's budget
+    held, bf16 = state["quantized_weight_bytes"], state["quantized_weight_bytes_as_bf16"]
+    assert 0.5 < held / bf16 <= 0.55 and state["weight_bytes"] > held
     if scheme == "w8a8_dynamic":  # captured decode / verify / draft forwards (CPU replay)
         graphs, _ = run(quantized[scheme], SUBSET, enable_cpu_graph=True, **spec)
         assert_same_greedy(f"{scheme} mtp graphs", graphs, base, TOLERANCE[scheme])
