@@ -29,7 +29,8 @@ def weight_memory(roots: list[nn.Module | None]) -> dict[str, int]:
     quantized_weight_bytes: the quantized scope's parameters, quantized_weight_bytes_as_bf16:
     the same in bf16}. The scope: every linear layer and expert stack of a decoder layer
     (main or MTP) that holds a quantized layer, the layers a checkpoint keeps FLOAT in it
-    included (ModelSlim's fallback); zeros for a float checkpoint."""
+    included (ModelSlim's fallback); zeros for a float checkpoint. Bytes as held: float layers
+    count in the served dtype (a float32 server's fallback layers take twice bf16's)."""
     mods = [r for r in roots if r is not None]
     params = {id(p): p for r in mods for p in r.parameters()}
     total = sum(p.numel() * p.element_size() for p in params.values())

@@ -94,6 +94,10 @@ def test_detection(quantized):
     q = _resolve(quantized["fp8_block"], "fp8")
     assert "--tp-size" in refused_with(q, ServerArgs(tp_size=2))
     assert refused_with(q, ServerArgs()) is None
+    deterministic = ServerArgs(enable_deterministic_inference=True)
+    assert "FP8_BLOCK layers have no batch-invariant" in refused_with(q, deterministic)
+    for scheme in ("w8a8", "w8a8_dynamic"):  # int8 layers serve the mode
+        assert refused_with(_resolve(quantized[scheme]), deterministic) is None
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
