@@ -3,12 +3,14 @@ by `srt_ascend.tools.quantize` in each scheme (MTP layer quantized too with --qu
 
     python benchmark/quant.py [--schemes w8a8 w8a8_dynamic fp8_block] [--quant-mtp]
         [--batch-sizes 1 16] [--input-len 128] [--output-len 64] [--prompts 50]
-        [--ppl-windows 16] [--rounds 2] [--json-out FILE]
+        [--ppl-windows 16] [--rounds 2] [--no-fallback] [--out-dir DIR] [--json-out FILE]
 
 Per scheme:
-- weight memory: bytes of the quantized layers' tensors (weights, scales, offsets, biases) as
-  `load_model` builds them for the server, over the bytes the same layers take in bf16; and
-  the whole model's (main + MTP) ratio;
+- weight memory, read from the running server (its internal state, as /get_server_info
+  reports it; main model + MTP layer): the quantized scope's bytes (every linear layer and
+  expert stack of a decoder layer holding a quantized layer, the ones the quantizer's
+  fallback kept FLOAT included: weights, scales, offsets, biases) over the bytes the same
+  layers take in bf16; and the whole model's ratio;
 - quality: greedy agreement (`agree`) = share of output positions whose token equals bf16's,
   over `--prompts` held-out prompts (corpus files the tiny model never trained on), 32 tokens
   each, free running (after a first difference the continuations part); `top1`: the share of
@@ -32,30 +34,16 @@ from deterministic import measure, random_prompts
 from workload_args import workload_parser
 
 from srt_ascend import Engine
-from srt_ascend.layers.quantization import QuantModule
 from srt_ascend.models.loader import load_config, load_model, shard_files
 from srt_ascend.models.quant_config import resolve_quantization
 from srt_ascend.tools.corpus import list_files, split
-from srt_ascend.tools.quantize import SCHEMES, quantize_checkpoint
+from srt_ascend.tools.quantize import SCHEMES, Calibration, quantize_checkpoint
 
 
 def load(path: str):
     config = load_config(path)
     q = resolve_quantization(path, config, None, shard_files(path))
     return load_model(path, torch.bfloat16, load_mtp=True, config=config, quantization=q)
-
-
-def weight_bytes(model, mtp) -> tuple[int, int, int]:
-    """(bytes of quantized layers, the same layers in bf16, whole model's bytes)."""
-    quant = bf16 = 0
-    params = {id(p): p for m in (model, mtp) for p in m.parameters()}
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    for m in (x for root in (model, mtp) for x in root.modules()):
-        if isinstance(m, QuantModule):
-            own = list(m.parameters(recurse=False))
-            quant += sum(p.numel() * p.element_size() for p in own)
-            bf16 += 2 * sum(p.numel() for p in own if p.dtype in (torch.int8, torch.float8_e4m3fn))
-    return quant, bf16, total
 
 
 def held_out_texts() -> list[str]:
@@ -85,7 +73,8 @@ def perplexity(model, tokenizer, texts: list[str], windows: int, seq: int = 256)
     return math.exp(nll / count), torch.cat(top1)
 
 
-def greedy(path: str, prompts: list[str]) -> tuple[list[list[int]], float]:
+def greedy(path: str, prompts: list[str]) -> tuple[list[list[int]], dict]:
+    """The prompts' greedy outputs with MTP K = 2, and the server's internal state after."""
     engine = Engine(
         model_path=path, dtype="bfloat16", speculative_algorithm="MTP", speculative_num_steps=2
     )
@@ -93,8 +82,7 @@ def greedy(path: str, prompts: list[str]) -> tuple[list[list[int]], float]:
         params = {"max_new_tokens": 32, "temperature": 0, "ignore_eos": True}
         outs = engine.generate(prompts, params)
         assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
-        accept = engine.get_internal_state()["avg_spec_accept_length"]
-        return [o["output_ids"] for o in outs], accept
+        return [o["output_ids"] for o in outs], engine.get_internal_state()
     finally:
         engine.shutdown()
 
@@ -123,13 +111,19 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=50)
     p.add_argument("--ppl-windows", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--no-fallback", action="store_true", help="quantize every layer in scope")
+    p.add_argument("--out-dir", help="keep the quantized copies here (reused when present)")
     args = p.parse_args()
     from tokenizers import Tokenizer
 
-    tmp = tempfile.mkdtemp(prefix="quant_bench_")
+    tmp = args.out_dir or tempfile.mkdtemp(prefix="quant_bench_")
+    calibration = Calibration(memory_ratio=None) if args.no_fallback else Calibration()
     paths = {"bf16": args.model_path}
     for s in args.schemes:
-        paths[s] = quantize_checkpoint(args.model_path, os.path.join(tmp, s), s, args.quant_mtp)
+        dst = os.path.join(tmp, s)
+        if not os.path.isfile(os.path.join(dst, "config.json")):
+            quantize_checkpoint(args.model_path, dst, s, args.quant_mtp, calibration)
+        paths[s] = dst
     texts = held_out_texts()
     prompts = prompts_of(texts, args.prompts)
     tokenizer = Tokenizer.from_file(os.path.join(args.model_path, "tokenizer.json"))
@@ -137,21 +131,21 @@ def main() -> None:
     ref_tokens = ref_top1 = None
     for name, path in paths.items():
         model, mtp = load(path)
-        quant, as_bf16, total = weight_bytes(model, mtp)
         ppl, top1 = perplexity(model, tokenizer, texts[args.prompts :], args.ppl_windows)
         ref_top1 = top1 if ref_top1 is None else ref_top1
         del model, mtp
-        tokens, accept = greedy(path, prompts)
+        tokens, state = greedy(path, prompts)
+        quant, as_bf16 = state["quantized_weight_bytes"], state["quantized_weight_bytes_as_bf16"]
         ref_tokens = ref_tokens or tokens
         same = sum(a == b for x, y in zip(tokens, ref_tokens) for a, b in zip(x, y))
         rows[name] = {
             "quantized_bytes": quant,
             "memory_ratio": quant / as_bf16 if as_bf16 else 1.0,
-            "model_bytes": total,
+            "model_bytes": state["weight_bytes"],
             "ppl": ppl,
             "agreement": same / sum(len(x) for x in ref_tokens),
             "top1_agreement": float((top1 == ref_top1).float().mean()),
-            "accept_length": accept,
+            "accept_length": state["avg_spec_accept_length"],
         }
     for name, tps in throughput(paths, args).items():
         rows[name]["tokens_per_s"] = tps

@@ -229,7 +229,8 @@ class Serving:
         return {**state, "avg_spec_accept_length": self.metrics.avg_spec_accept_length}
 
     def server_info(self) -> dict:
-        """The server args with their secrets redacted (`ServerArgs.redacted`), plus sizes."""
+        """The server args with their secrets redacted (`ServerArgs.redacted`), plus sizes
+        (the weights' bytes as loaded: `models.weight_memory`)."""
         info = self.args.redacted()
         info.update(
             served_model_name=self.args.model_name,
@@ -237,6 +238,7 @@ class Serving:
             max_total_num_tokens=self.tm.runner.max_total_tokens,
             max_req_input_len=self.tm.context_len - 1,
             context_length=self.tm.context_len,
+            **self.tm.runner.weight_memory,
         )
         return info
 

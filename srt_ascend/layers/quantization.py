@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from srt_ascend.layers.linear import ordered_sum
 from srt_ascend.layers.ops import quant_matmul as qm
 from srt_ascend.layers.weight_stack import WeightStack
 
@@ -42,6 +43,10 @@ class QuantMethod:
     """One scheme's tensors and matmul. `block`: block FP8's (rows, columns) per scale."""
 
     name: ClassVar[str] = ""
+    # whether a row's output is the same bits in any batch (--enable-deterministic-inference):
+    # the scheme's GEMM is exact (integer) and everything else it does is per row or per
+    # element
+    batch_invariant: ClassVar[bool] = False
 
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
         self.block = block
@@ -87,6 +92,8 @@ class QuantMethod:
 class W8A8Static(QuantMethod):
     """ModelSlim W8A8: per-tensor static activation scale and offset, per-channel weights."""
 
+    batch_invariant = True  # int32 sums of int8 products; elementwise quantise / epilogue
+
     def tensors(self, n, k):
         f32 = torch.float32
         return {
@@ -113,6 +120,8 @@ class W8A8Static(QuantMethod):
 @register("W8A8_DYNAMIC")
 class W8A8Dynamic(QuantMethod):
     """ModelSlim W8A8_DYNAMIC: per-token symmetric activations, per-channel weights."""
+
+    batch_invariant = True  # int32 sums; per-token scales are max reductions within a row
 
     def tensors(self, n, k):
         f32 = torch.float32
@@ -142,14 +151,14 @@ class W8A8Dynamic(QuantMethod):
         t, inter = x.shape[0], two_i // 2
         xq, s = qm.quantize_per_token(x)
         acc = qm.int8_matmul(xq, w13.view(e * two_i, h))
-        gate_up = acc.float().mul_(s).mul_(stacks["w13_weight_scale"].view(-1))
+        gate_up = torch.mul(acc, s * stacks["w13_weight_scale"].view(-1))
         gate_up = gate_up.to(x.dtype).view(t, e, two_i)  # (as each expert's linear returns)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
         aq, a_s = qm.quantize_per_token(act.transpose(0, 1).reshape(e * t, inter))
         aq = aq.view(e, t, inter)
         down = torch.stack([qm.int8_matmul(aq[i], w2[i]) for i in range(e)])  # [E, T, H]
-        ys = down.float().mul_(a_s.view(e, t, 1)).mul_(stacks["w2_weight_scale"].view(e, 1, h))
-        return (ys.to(x.dtype).float() * weights.t().unsqueeze(-1)).sum(0)
+        ys = torch.mul(down, a_s.view(e, t, 1) * stacks["w2_weight_scale"].view(e, 1, h))
+        return ordered_sum(ys.to(x.dtype).float() * weights.t().unsqueeze(-1), 0)
 
     def dequantize(self, t):
         return (t["weight"].float() - t["weight_offset"]) * t["weight_scale"]

@@ -124,6 +124,7 @@ class MessagesMixin:
         graphs = self.runner.graph_runner
         return {
             "max_total_num_tokens": self.runner.max_total_tokens,
+            **self.runner.weight_memory,  # weight_bytes, quantized_weight_bytes(_as_bf16)
             "available_kv_tokens": self.allocator.available_size(),
             "cached_tokens_in_tree": self.tree.total_size(),
             "num_running_reqs": len(self.running) + (1 if self.chunked_req else 0),

@@ -31,6 +31,7 @@ from srt_ascend.model_executor.kernel_warmup import warm_up_kernels
 from srt_ascend.model_executor.torch_compile import compile_max_bs, set_intra_op_threads
 from srt_ascend.models.loader import load_config, load_model, shard_files
 from srt_ascend.models.quant_config import refused_with, resolve_quantization
+from srt_ascend.models.weight_memory import weight_memory
 from srt_ascend.platforms import Platform
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
 
@@ -103,6 +104,7 @@ class ModelRunner:
         self.model.eval()
         if self.mtp is not None:
             self.mtp.eval()
+        self.weight_memory = weight_memory([self.model, self.mtp])  # bytes, as loaded
         self.vocab_size = self.config.vocab_size
         # Speculative verify writes up to K positions past the committed length.
         max_ctx = self.config.max_position_embeddings - (

@@ -95,11 +95,19 @@ def refused_with(quantization: QuantConfig, server_args) -> str | None:
     name = f"a quantized checkpoint ({quantization.format})"
     if server_args.tp_size > 1:
         return f"{name} with --tp-size > 1 is not supported yet (scales are not split)"
-    if server_args.enable_deterministic_inference:
-        return f"{name} with --enable-deterministic-inference is not supported yet"
+    variant = sorted(s for s in set(quantization.schemes.values()) if not _invariant(s))
+    if server_args.enable_deterministic_inference and variant:
+        return (
+            f"{name} with --enable-deterministic-inference is not supported: {variant[0]} "
+            "layers have no batch-invariant kernel (their float GEMM's sums follow the batch)"
+        )
     if server_args.enable_torch_compile:
         return f"{name} with --enable-torch-compile is not supported yet"
     return None
+
+
+def _invariant(scheme: str) -> bool:
+    return QUANT_METHODS[scheme].batch_invariant
 
 
 def _modelslim(model_path: str) -> QuantConfig:

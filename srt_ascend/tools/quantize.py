@@ -1,7 +1,8 @@
 """Write a quantized copy of a float DeepSeek-V3 checkpoint in the layouts deployments use.
 
     python -m srt_ascend.tools.quantize --scheme {w8a8,w8a8_dynamic,fp8_block} SRC DST
-        [--quant-mtp] [--calib-sequences N]
+        [--quant-mtp] [--calib-sequences N] [--smooth-alpha A | --no-smooth]
+        [--memory-ratio R | --no-fallback]
 
 Quantized: every attention projection (q_a / q_b / q, kv_a_proj_with_mqa, o_proj), dense
 MLP, shared and routed expert of the main layers, and of the MTP layer's block with
@@ -25,6 +26,15 @@ head). The other tensors are copied as they are.
   scale = block max / 448), kv_b_proj included; config.json gains `quantization_config`
   {quant_method fp8, fmt e4m3, activation_scheme dynamic, weight_block_size [128, 128]}.
 
+Two calibrated steps keep the quantized model close to the float one, in the formats' own
+terms (no tensor a loader would not know):
+- W8A8 static layers are smoothed first (SmoothQuant, `--smooth-alpha` 0.5: per input channel
+  power-of-two factors folded into the RMSNorm weight or the previous linear,
+  srt_ascend.tools.smooth_quant), then their activation ranges are calibrated;
+- every scheme: the layers whose quantisation moves the next-token distributions most stay
+  `FLOAT` (ModelSlim's fallback; FP8: no `weight_scale_inv`) while the quantized scope's bytes
+  stay within `--memory-ratio` (0.55) of bf16's (srt_ascend.tools.quant_sensitivity).
+
 Scales and offsets are stored in the checkpoint's dtype (bf16 for the shipped one), as
 ModelSlim does; weights are quantised with the stored (rounded) scales.
 """
@@ -36,6 +46,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
@@ -43,6 +54,9 @@ from safetensors.torch import save_file
 
 from srt_ascend.layers.ops.quant_matmul import FP8_MAX, INT8_MAX, INT8_MIN
 from srt_ascend.models.quant_config import MODELSLIM_DESCRIPTION
+from srt_ascend.tools.calibration import input_stats
+from srt_ascend.tools.quant_sensitivity import DEFAULT_MEMORY_RATIO, choose_float, sensitivity
+from srt_ascend.tools.smooth_quant import DEFAULT_ALPHA, smooth_checkpoint
 
 SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 # W8A8's activation range: each calibration window's 0.01% / 99.99% quantiles, not its
@@ -100,74 +114,6 @@ def static_input_params(lo: float, hi: float, dtype: torch.dtype):
     return scale, offset.to(torch.int8)
 
 
-def calibration_ranges(
-    src: str, names: set[str], sequences: int, seq_len: int = 256, clip: float | None = None
-):
-    """{checkpoint layer name: (min, max)} of the inputs of the `names` layers over windows of
-    the training corpus, the float model run densely in float32; with `clip`, each window's
-    (1 - clip, clip) quantiles instead of its extremes (outliers saturate)."""
-    from tokenizers import Tokenizer
-
-    from srt_ascend.layers.linear import Linear
-    from srt_ascend.models.loader import load_model
-    from srt_ascend.tools.corpus import list_files, split
-
-    want_mtp = any(int(_LAYER.match(n + ".weight").group(1)) >= _num_layers(src) for n in names)
-    model, mtp = load_model(src, dtype=torch.float32, load_mtp=want_mtp)
-    layers = model.config.num_hidden_layers
-    ranges: dict[str, list[float]] = {}
-
-    def hook(name):
-        def record(_module, args):
-            x = args[0].detach().float().flatten()
-            if clip is None:
-                w_lo, w_hi = float(x.min()), float(x.max())
-            else:
-                w_lo, w_hi = torch.quantile(x, torch.tensor([1 - clip, clip])).tolist()
-            lo, hi = ranges.setdefault(name, [0.0, 0.0])
-            ranges[name] = [min(lo, w_lo), max(hi, w_hi)]
-
-        return record
-
-    roots = [(model, "")] + ([(mtp, "mtp")] if mtp is not None else [])
-    for root, kind in roots:
-        for path, module in root.named_modules():
-            for attr in ("qkv_a", "gate_up", "stacks"):
-                if attr in module.__dict__:  # unstacked: every projection's hook fires
-                    setattr(module, attr, None)
-            if type(module) is not Linear:
-                continue
-            if kind:
-                m = re.match(r"^layers\.(\d+)\.(block\.)?(.*)$", path)
-                path = f"model.layers.{layers + int(m.group(1))}.{m.group(3)}"
-            if path in names:
-                module.register_forward_pre_hook(hook(path))
-    tok = Tokenizer.from_file(os.path.join(src, "tokenizer.json"))
-    train, _ = split(list_files())
-    windows = []
-    for f in train[:: max(1, len(train) // (4 * sequences))]:
-        ids = tok.encode(f.read()[: 8 * seq_len]).ids
-        if len(ids) > seq_len + 1:
-            windows.append(ids[: seq_len + 1])
-        if len(windows) == sequences:
-            break
-    with torch.inference_mode():
-        for ids in windows:
-            x = torch.tensor([ids])
-            hidden = model(x[:, :-1], torch.arange(seq_len))
-            if mtp is not None:
-                mtp(x[:, 1:], hidden, torch.arange(seq_len))
-    missing = sorted(names - ranges.keys())
-    if missing:
-        raise RuntimeError(f"calibration never ran layer {missing[0]}")
-    return ranges
-
-
-def _num_layers(src: str) -> int:
-    with open(os.path.join(src, "config.json")) as f:
-        return int(json.load(f)["num_hidden_layers"])
-
-
 def _source_shards(src: str) -> list[str]:
     names = sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     if not names:
@@ -175,34 +121,84 @@ def _source_shards(src: str) -> list[str]:
     return names
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """How the quantizer uses its calibration corpus (module docstring)."""
+
+    sequences: int = 16  # windows for W8A8's activation ranges and SmoothQuant's maxima
+    clip: float | None = CALIB_CLIP  # W8A8's activation range quantile (None: extremes)
+    smooth_alpha: float | None = DEFAULT_ALPHA  # SmoothQuant's migration strength (None: off)
+    memory_ratio: float | None = DEFAULT_MEMORY_RATIO  # fallback budget (None: no fallback)
+    sensitivity_sequences: int = 2  # windows the fallback's sensitivities are measured on
+
+
 def quantize_checkpoint(
     src: str,
     dst: str,
     scheme: str,
     quant_mtp: bool = False,
-    calib_sequences: int = 16,
-    clip: float | None = CALIB_CLIP,
+    calibration: Calibration = Calibration(),
 ) -> str:
     """Writes the quantized copy of `src` to `dst` (module docstring), shard by shard (each
     source shard becomes one output shard of the same name, with an index when there are
-    several: memory follows the largest shard, plus the float model for W8A8's calibration);
-    returns dst."""
+    several: memory follows the largest shard, plus the float model for calibration);
+    returns dst. W8A8's smoothed float checkpoint is written to `dst`/.smoothed and removed."""
     if scheme not in SCHEMES:
         raise ValueError(f"unknown scheme {scheme!r} (one of {', '.join(SCHEMES)})")
     with open(os.path.join(src, "config.json")) as f:
         config = json.load(f)
     dtype = _DTYPES.get(config.get("torch_dtype"), torch.bfloat16)
     shards = _source_shards(src)
-    plan = {}
+    layers = config["num_hidden_layers"]
+    plan, shapes = _plan(src, shards, scheme, layers, quant_mtp)
+    cal = calibration
+    static = {n for n, s in plan.items() if s == "W8A8"}
+    os.makedirs(dst, exist_ok=True)
+    smoothed = os.path.join(dst, ".smoothed")
+    if static and cal.smooth_alpha is not None:
+        src = smooth_checkpoint(src, smoothed, static, cal.sequences, cal.smooth_alpha)
+    stats = input_stats(src, static, cal.sequences, cal.clip) if static else {}
+    ranges = {n: (st.lo, st.hi) for n, st in stats.items()}
+    if cal.memory_ratio is not None:
+        tensors = lambda n, w: _quantize_layer(w, plan[n], dtype, ranges.get(n))  # noqa: E731
+        scores = sensitivity(src, plan, tensors, cal.sensitivity_sequences)
+        for name in choose_float(plan, shapes, scores, cal.memory_ratio, layers):
+            del plan[name]
+    weights = {f"{n}.weight": s for n, s in plan.items()}
+    description = _write(src, dst, shards, weights, dtype, ranges)
+    shutil.rmtree(smoothed, ignore_errors=True)
+    if scheme == "fp8_block":
+        config["quantization_config"] = {
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "quant_method": "fp8",
+            "weight_block_size": list(FP8_BLOCK),
+        }
+    else:
+        model_type = "W8A8" if scheme == "w8a8" else "W8A8_DYNAMIC"
+        with open(os.path.join(dst, MODELSLIM_DESCRIPTION), "w") as f:
+            json.dump({"model_quant_type": model_type, **dict(sorted(description.items()))}, f)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return dst
+
+
+def _plan(src, shards, scheme, num_layers, quant_mtp):
+    """({layer: scheme} of the layers to quantize, {layer: (n, k)})."""
+    plan, shapes = {}, {}
     for shard in shards:
         with safe_open(os.path.join(src, shard), framework="pt") as f:
             for name in f.keys():
-                s = layer_scheme(name, scheme, config["num_hidden_layers"], quant_mtp)
+                s = layer_scheme(name, scheme, num_layers, quant_mtp)
                 if s is not None:
-                    plan[name] = s
-    static = {n[: -len(".weight")] for n, s in plan.items() if s == "W8A8"}
-    ranges = calibration_ranges(src, static, calib_sequences, clip=clip) if static else {}
-    os.makedirs(dst, exist_ok=True)
+                    layer = name[: -len(".weight")]
+                    plan[layer], shapes[layer] = s, tuple(f.get_slice(name).get_shape())
+    return plan, shapes
+
+
+def _write(src, dst, shards, plan, dtype, ranges) -> dict[str, str]:
+    """Writes the shards of `dst` (the `plan` weights quantized, the rest copied) and their
+    index; returns the description {tensor: scheme or FLOAT}."""
     description, weight_map = {}, {}
     for shard in shards:
         out = {}
@@ -226,20 +222,7 @@ def quantize_checkpoint(
         skip = name.endswith(".safetensors") or name.endswith(".index.json")
         if os.path.isfile(path) and not skip and name != "config.json":
             shutil.copyfile(path, os.path.join(dst, name))
-    if scheme == "fp8_block":
-        config["quantization_config"] = {
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "quant_method": "fp8",
-            "weight_block_size": list(FP8_BLOCK),
-        }
-    else:
-        model_type = "W8A8" if scheme == "w8a8" else "W8A8_DYNAMIC"
-        with open(os.path.join(dst, MODELSLIM_DESCRIPTION), "w") as f:
-            json.dump({"model_quant_type": model_type, **dict(sorted(description.items()))}, f)
-    with open(os.path.join(dst, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
-    return dst
+    return description
 
 
 def _quantize_layer(w: torch.Tensor, scheme: str, dtype: torch.dtype, rng) -> dict:
@@ -264,12 +247,27 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--calib-clip", type=float, default=CALIB_CLIP, help="W8A8 activation range quantile"
     )
+    p.add_argument(
+        "--smooth-alpha", type=float, default=DEFAULT_ALPHA, help="W8A8 SmoothQuant strength"
+    )
+    p.add_argument("--no-smooth", action="store_true", help="W8A8 without SmoothQuant")
+    p.add_argument(
+        "--memory-ratio",
+        type=float,
+        default=DEFAULT_MEMORY_RATIO,
+        help="most sensitive layers stay FLOAT within this share of the scope's bf16 bytes",
+    )
+    p.add_argument("--no-fallback", action="store_true", help="quantize every layer in scope")
     p.add_argument("src")
     p.add_argument("dst")
     args = p.parse_args(argv)
-    quantize_checkpoint(
-        args.src, args.dst, args.scheme, args.quant_mtp, args.calib_sequences, args.calib_clip
+    calibration = Calibration(
+        sequences=args.calib_sequences,
+        clip=args.calib_clip,
+        smooth_alpha=None if args.no_smooth else args.smooth_alpha,
+        memory_ratio=None if args.no_fallback else args.memory_ratio,
     )
+    quantize_checkpoint(args.src, args.dst, args.scheme, args.quant_mtp, calibration)
     print(f"wrote {args.dst} ({args.scheme}{', MTP quantized' if args.quant_mtp else ''})")
 
 

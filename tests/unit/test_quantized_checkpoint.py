@@ -25,7 +25,7 @@ from srt_ascend.models.quant_config import (
     resolve_quantization,
 )
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
-from srt_ascend.tools.quantize import quantize_checkpoint
+from srt_ascend.tools.quantize import Calibration, quantize_checkpoint
 
 SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 
@@ -33,9 +33,11 @@ SCHEMES = ("w8a8", "w8a8_dynamic", "fp8_block")
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     root = tmp_path_factory.mktemp("quantized")
+    # every layer quantized (no fallback), unsmoothed: each quantized layer stands for the
+    # float checkpoint's own (smoothing: tests/unit/test_quant_calibration.py)
+    every_layer = Calibration(sequences=2, smooth_alpha=None, memory_ratio=None)
     return {
-        s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, quant_mtp=True, calib_sequences=2)
-        for s in SCHEMES
+        s: quantize_checkpoint(SHIPPED_MODEL, str(root / s), s, True, every_layer) for s in SCHEMES
     }
 
 
@@ -92,6 +94,10 @@ def test_detection(quantized):
     q = _resolve(quantized["fp8_block"], "fp8")
     assert "--tp-size" in refused_with(q, ServerArgs(tp_size=2))
     assert refused_with(q, ServerArgs()) is None
+    deterministic = ServerArgs(enable_deterministic_inference=True)
+    assert "FP8_BLOCK layers have no batch-invariant" in refused_with(q, deterministic)
+    for scheme in ("w8a8", "w8a8_dynamic"):  # int8 layers serve the mode
+        assert refused_with(_resolve(quantized[scheme]), deterministic) is None
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
@@ -246,7 +252,8 @@ def test_sharded_source_quantized_shard_by_shard(tiny_mtp_checkpoint, tmp_path, 
     """A sharded checkpoint (two shards + index, random weights) is written shard by shard
     with its index; the quantized model's logits follow the float model's."""
     src = tiny_mtp_checkpoint.path
-    dst = quantize_checkpoint(src, str(tmp_path / scheme), scheme, quant_mtp=True)
+    every_layer = Calibration(memory_ratio=None)
+    dst = quantize_checkpoint(src, str(tmp_path / scheme), scheme, True, every_layer)
     shards = sorted(n for n in os.listdir(dst) if n.endswith(".safetensors"))
     assert shards == sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
     with open(os.path.join(dst, "model.safetensors.index.json")) as f:
