@@ -410,6 +410,12 @@ class TokenizerManager:
             meta["spec_accept_length"] = (
                 out.completion_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
             )
+            # this request's drafts: verified, accepted, and per step (its k_r on average)
+            meta["spec_draft_tokens"] = out.spec_draft_tokens
+            meta["spec_accepted_tokens"] = out.spec_accepted_tokens
+            meta["spec_draft_length"] = (
+                out.spec_draft_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
+            )
         if req.return_logprob:  # the entries are shared between a request's responses
             meta["input_token_logprobs"] = list(state.in_logprobs or [])
             meta["output_token_logprobs"] = list(state.out_logprobs)

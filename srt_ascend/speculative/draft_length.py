@@ -274,13 +274,16 @@ class DraftLength(ABC):
         k: int,
         accepted: Sequence[int],
         seconds: float | None,
+        limits: Sequence[int] | None = None,
     ) -> None:
         """After a step with K = k that took `seconds` (None: not to be timed) over requests
-        with these estimates (updated in place) that accepted `accepted` drafts each."""
+        with these estimates (updated in place) that accepted `accepted` drafts each, out of
+        `limits` (each request's own k_r; None: k)."""
         self.chosen[k] += 1
-        for estimate, n in zip(estimates, accepted):
-            self.acceptance.record(k, n)
-            update_estimate(estimate, k, n)
+        for i, (estimate, n) in enumerate(zip(estimates, accepted)):
+            k_r = k if limits is None else limits[i]
+            self.acceptance.record(k_r, n)
+            update_estimate(estimate, k_r, n)
 
     def initial_estimate(self) -> list[float]:
         return self.acceptance.rates()
@@ -350,8 +353,8 @@ class AdaptiveDraftLength(DraftLength):
         estimates = [self.initial_estimate()] * batch
         return self._best(self._rates(self.costs.bucket(batch), estimates)) == 0
 
-    def record(self, estimates, k, accepted, seconds):
-        super().record(estimates, k, accepted, seconds)
+    def record(self, estimates, k, accepted, seconds, limits=None):
+        super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
             self.costs.observe(len(estimates), k, seconds)
 
