@@ -92,10 +92,11 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
-        # K per step: --speculative-num-steps, or 0..K as --speculative-adaptive chooses, or
-        # the most the step's requests ask (`speculative_num_steps`): graph kinds for every K
-        # a step may run (the configured K's keep their plain names)
-        ks = range(k + 1)
+        # K per step: --speculative-num-steps, or 0..K as --speculative-adaptive chooses;
+        # graph kinds for every K a step may run (the configured K's keep their plain names).
+        # Requests asking fewer drafts (`speculative_num_steps`) ride a step of the smallest
+        # K that holds them (`_batch_k`): fixed K adds no kinds (nor their captures/compiles)
+        ks = range(k + 1) if args.speculative_adaptive else [k]
         suffix = {j: "" if j == k else f"_k{j}" for j in ks}
         self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
             k, graph_buckets(args.cuda_graph_bs, args.max_running_requests)
@@ -279,7 +280,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         the step must stay one forward (`_splits`): then they verify with limit 0."""
         started = time.perf_counter()
         plan = self._plan(reqs, count=True)
-        k = max(plan, default=0)
+        k = self._batch_k(plan)
         limit_of = {id(r): n for r, n in zip(reqs, plan)}
         if not k:
             apart, drafting = list(reqs), []
@@ -312,6 +313,13 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         if free:
             chosen = self.draft_length.choose(free) if count else self.draft_length.peek(free)
         return [chosen if a is None else a for a in asked]
+
+    def _batch_k(self, plan: list[int]) -> int:
+        """The step's K for requests drafting `plan`: 0 when none drafts, else the smallest K
+        with a verify (every one under --speculative-adaptive, the configured one else) that
+        holds the longest."""
+        most = max(plan, default=0)
+        return min(j for j in self.verifies if j >= most) if most else 0
 
     def _drafted_step(
         self, reqs: list[StepRequest], k: int, limits: list[int], loc: torch.Tensor

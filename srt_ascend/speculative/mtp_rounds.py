@@ -98,7 +98,7 @@ class OverlappedRoundsMixin:
         acceptance rule's limits; a batch mixing k_r = 0 with drafting requests is not
         launched (`step` runs the zeros apart)."""
         plan = self._plan(reqs, count=False)
-        k = max(plan, default=0)
+        k = self._batch_k(plan)
         if k and 0 in plan:
             return None
         limits = None if all(n == k for n in plan) else plan
