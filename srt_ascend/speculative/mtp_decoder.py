@@ -306,13 +306,16 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
     def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
         """Each request's drafts this step, k_r in 0..num_steps: its own
         `speculative_num_steps` when it asked, else what `draft_length` chooses for the
-        requests that did not ask (`count`: the step runs, the policy counts it; else a peek)."""
+        requests that did not ask: one K, or per request under --speculative-adaptive
+        (`lengths`; `count`: the step runs, the policy counts it; else a peek)."""
         asked = [r.sampling_params.speculative_num_steps for r in reqs]
         free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
-        chosen = 0
-        if free:
-            chosen = self.draft_length.choose(free) if count else self.draft_length.peek(free)
-        return [chosen if a is None else a for a in asked]
+        if not free:
+            return asked
+        policy = self.draft_length
+        chosen = policy.choose(free) if count else policy.peek(free)
+        own = iter(policy.lengths(free, chosen, count) if self._splits else [chosen] * len(free))
+        return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:
         """The step's K for requests drafting `plan`: 0 when none drafts, else the smallest K
