@@ -4,10 +4,11 @@ whatever its neighbours ask.
 Greedy, float32, shipped checkpoint: a batch whose requests ask 0, 1, 2, 3 drafts or leave it
 to the server (K = 3) is token-identical, request by request, to eager decoding without
 speculation (the session `baseline`), on both verify paths, with graphs on (expand) and
-overlapped rounds (fia), chunked prefill, logprobs, `n > 1` and a grammar. Sampled: requests
-of mixed lengths follow the target distribution (the chi-square check and stated power of
-test_spec_distribution: 800 samples detect a 0.058 shift between the two likeliest sequences
-with probability 0.9), and a biased rule served the same way is rejected (the control)."""
+overlapped rounds with per-request adaptive lengths (fia), chunked prefill, logprobs, `n > 1`
+and a grammar. Sampled: requests of mixed lengths follow the target distribution (the
+chi-square check and stated power of test_spec_distribution: 800 samples detect a 0.058
+shift between the two likeliest sequences with probability 0.9), and a biased rule served
+the same way is rejected (the control)."""
 
 from __future__ import annotations
 
@@ -29,8 +30,12 @@ CONFIGS = {
         "cuda_graph_bs": (1, 2, 4, 8),
         "chunked_prefill_size": 32,
     },
-    "fia-overlap": {**SPEC, "speculative_verify": "fia", "enable_overlap_schedule": True},
-    "fia-adaptive": {**SPEC, "speculative_verify": "fia", "speculative_adaptive": True},
+    "fia-overlap-adaptive": {
+        **SPEC,
+        "speculative_verify": "fia",
+        "enable_overlap_schedule": True,
+        "speculative_adaptive": True,
+    },
 }
 
 
