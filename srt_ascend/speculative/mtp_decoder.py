@@ -35,6 +35,15 @@ overlap an adaptive round's K is chosen at its launch, from the estimates of the
 read (one round stale); rounds of any K follow each other overlapped, except a round with
 drafts after a K = 0 step (its catch-up reads committed tokens), which runs `step`.
 
+Per request: each request drafts its own k_r (`_plan`: its `speculative_num_steps`, else the
+policy's choice, per request under --speculative-adaptive). A step drafts K = the smallest
+registered K holding the longest k_r, and the acceptance rule stops row r at k_r, as a
+K = k_r step over the same drafts and uniforms would (lossless per request, seeded draws
+independent of the neighbours). Requests with k_r = 0 beside drafting ones run apart as the
+plain decoder's step in the same `step` (not under DP attention, where every group must run
+the same forwards: there they verify with limit 0); overlapped rounds carry the limits, and a
+round mixing k_r = 0 with drafts runs `step`.
+
 Here: the decoder, its serial step and idle forwards; overlapped rounds (`launch`, `finish`)
 in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict (mixins).
 """
