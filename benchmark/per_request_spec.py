@@ -7,12 +7,13 @@ Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per 
 - mixed@16: 8 held-out code prompts at temperature 0 and 8 random-token prompts at
   temperature 1 (where drafts are rarely accepted);
 - code@1 / code@4 / code@16: held-out code prompts only, greedy.
-Configurations (one engine each, run one after the other; `rounds` timed calls per
-workload, the best kept): MTP off; fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K
-per step: `--speculative-adaptive` with the per-request split switched off in the policy);
-per-request adaptive (`--speculative-adaptive`); asked (K = 3 server; the code requests ask
-3 drafts, the random ones 0, through `sampling_params.speculative_num_steps`). Printed:
-output tokens per second and ratios against every other configuration, side by side.
+Configurations (one engine each, all started first and warmed on every workload; each round
+runs a workload on every configuration back to back, the best of `rounds` kept): MTP off;
+fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K per step: `--speculative-adaptive`
+with the per-request split switched off in the policy); per-request adaptive
+(`--speculative-adaptive`); asked (K = 3 server; the code requests ask 3 drafts, the random
+ones 0, through `sampling_params.speculative_num_steps`). Printed: output tokens per second
+and ratios against every other configuration, side by side.
 """
 
 from __future__ import annotations
@@ -53,41 +54,56 @@ def workloads(out_len: int, vocab: int) -> dict[str, tuple[list, list[dict]]]:
     return out
 
 
-def run_config(name: str, out_len: int, rounds: int, only: list[str]) -> dict[str, dict]:
+def start(name: str) -> Engine:
     engine = Engine(model_path=SHIPPED_MODEL, dtype="float32", **CONFIGS[name])
+    if name == "batch-adaptive":  # one K per step: the policy's per-request split off
+        policy = engine.tokenizer_manager.scheduler.decoder.draft_length
+        policy.lengths = lambda estimates, k, count: [k] * len(estimates)
+    return engine
+
+
+def timed(name: str, engine: Engine, ids: list[list[int]], params: list[dict]) -> dict:
+    """One timed `generate` of the workload; every request must end by its length."""
+    if name == "asked":  # code (greedy) requests ask 3 drafts, random ones 0
+        params = [{**p, "speculative_num_steps": 3 if not p["temperature"] else 0} for p in params]
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=ids, sampling_params=params)
+    seconds = time.perf_counter() - t0
+    reasons = {o["meta_info"]["finish_reason"]["type"] for o in outs}
+    assert reasons == {"length"}, (name, reasons)
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
+    drafts = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
+    verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
+    return {"tok_s": tokens / seconds, "drafts_per_step": drafts / verify if verify else 0.0}
+
+
+def run_all(names: list[str], out_len: int, rounds: int, only: list[str]) -> dict:
+    """Every engine started (and warmed) first; then each round runs each workload on every
+    configuration back to back (the machine's drift hits all alike); the best round kept."""
+    engines = {name: start(name) for name in names}
     try:
-        if name == "batch-adaptive":  # one K per step: the policy's per-request split off
-            policy = engine.tokenizer_manager.scheduler.decoder.draft_length
-            policy.lengths = lambda estimates, k, count: [k] * len(estimates)
-        tm = engine.tokenizer_manager
-        results = {}
-        for wl, (ps, params) in workloads(out_len, tm.runner.vocab_size).items():
-            if only and wl not in only:
-                continue
-            if name == "asked":  # code (greedy) requests ask 3 drafts, random ones 0
-                params = [{**p, "speculative_num_steps": 3 if not p["temperature"] else 0}
-                          for p in params]  # fmt: skip
-            ids = [p if isinstance(p, list) else tm.tokenize(p) for p in ps]
-            engine.generate(input_ids=ids[:1], sampling_params=params[:1])  # warm-up
-            best, outs = None, []
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                outs = engine.generate(input_ids=ids, sampling_params=params)
-                seconds = time.perf_counter() - t0
-                best = seconds if best is None else min(best, seconds)
-            reasons = {o["meta_info"]["finish_reason"]["type"] for o in outs}
-            assert reasons == {"length"}, (name, wl, reasons)
-            tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
-            drafts = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
-            verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-            results[wl] = {
-                "tok_s": tokens / best,
-                "drafts_per_step": drafts / verify if verify else 0.0,
-            }
-            print(f"  {name:15s} {wl:9s} {tokens / best:8.1f} tok/s", flush=True)
-        return results
+        tm = next(iter(engines.values())).tokenizer_manager
+        loads = {
+            wl: ([p if isinstance(p, list) else tm.tokenize(p) for p in ps], params)
+            for wl, (ps, params) in workloads(out_len, tm.runner.vocab_size).items()
+            if not only or wl in only
+        }
+        for name, engine in engines.items():  # warm-up: every workload once, not timed
+            for ids, params in loads.values():
+                timed(name, engine, ids, params)
+        res: dict[str, dict[str, dict]] = {name: {} for name in names}
+        for r in range(rounds):
+            for wl, (ids, params) in loads.items():
+                for name, engine in engines.items():
+                    got = timed(name, engine, ids, params)
+                    best = res[name].get(wl)
+                    if best is None or got["tok_s"] > best["tok_s"]:
+                        res[name][wl] = got
+                    print(f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s", flush=True)
+        return res
     finally:
-        engine.shutdown()
+        for engine in engines.values():
+            engine.shutdown()
 
 
 def report(res: dict[str, dict[str, dict]]) -> None:
@@ -121,13 +137,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--workloads", nargs="*", default=[])
-    ap.add_argument("--quick", action="store_true", help="16 tokens, 1 round, mixed@16 only")
+    ap.add_argument("--quick", action="store_true", help="16 tokens, 2 rounds, mixed@16 only")
     ap.add_argument("--json-out")
     args = ap.parse_args()
     if args.quick:
-        args.output_len, args.rounds, args.workloads = 16, 1, ["mixed@16"]
+        args.output_len, args.rounds, args.workloads = 16, 2, ["mixed@16"]
     before = machine_info()
-    res = {c: run_config(c, args.output_len, args.rounds, args.workloads) for c in args.configs}
+    res = run_all(args.configs, args.output_len, args.rounds, args.workloads)
     report(res)
     info = {"before": before, "after": machine_info()}
     print(json.dumps(info))
