@@ -68,6 +68,14 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
         assert_same_greedy(name, outs, baseline)
         _check_counts(outs, CONFIGS[name].get("speculative_adaptive", False))
         assert sum(o["meta_info"]["spec_accepted_tokens"] for o in outs) > 0
+        if CONFIGS[name].get("enable_overlap_schedule"):  # lengths 1..3 only: rounds overlap
+            before = engine.get_internal_state()["num_overlapped_steps"]
+            idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)]][:12]
+            some = engine.generate(
+                [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
+            )
+            assert_same_greedy(name, some, [baseline[i] for i in idx])
+            assert engine.get_internal_state()["num_overlapped_steps"] > before
         # n > 1: both samples of a greedy request are the baseline's
         twice = engine.generate(PROMPTS[3], {**GREEDY, "n": 2, "speculative_num_steps": 2})
         assert [o["output_ids"] for o in twice] == [baseline[3]["output_ids"]] * 2
