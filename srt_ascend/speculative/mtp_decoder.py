@@ -171,7 +171,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         )
         # a step may run requests with k_r = 0 apart, as a second forward (not under DP
         # attention: every group must run the same forwards)
-        self._splits = not args.enable_dp_attention
+        self.split_zeros = not args.enable_dp_attention
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
         self._read_at = 0.0  # perf_counter at the last overlapped round's read
 
@@ -293,7 +293,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         limit_of = {id(r): n for r, n in zip(reqs, plan)}
         if not k:
             apart, drafting = list(reqs), []
-        elif self._splits:
+        elif self.split_zeros:
             apart = [r for r, n in zip(reqs, plan) if not n]
             drafting = [r for r, n in zip(reqs, plan) if n]
         else:
@@ -323,14 +323,19 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             return asked
         policy = self.draft_length
         chosen = policy.choose(free) if count else policy.peek(free)
-        own = iter(policy.lengths(free, chosen, count) if self._splits else [chosen] * len(free))
+        own = iter(
+            policy.lengths(free, chosen, count) if self.split_zeros else [chosen] * len(free)
+        )
         return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:
-        """The step's K for requests drafting `plan`: 0 when none drafts, else the smallest K
-        with a verify (every one under --speculative-adaptive, the configured one else) that
-        holds the longest."""
+        """The step's K for requests drafting `plan`: the smallest K with a verify (every one
+        under --speculative-adaptive, the configured one else) that holds the longest; 0 when
+        none drafts, except under DP attention (no split), where every group runs the same
+        forwards: a group whose requests all ask 0 verifies the configured K with limit 0."""
         most = max(plan, default=0)
+        if not most and not self.split_zeros:
+            most = min(self.verifies, default=0)
         return min(j for j in self.verifies if j >= most) if most else 0
 
     def _drafted_step(

@@ -76,6 +76,18 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
             )
             assert_same_greedy(name, some, [baseline[i] for i in idx])
             assert engine.get_internal_state()["num_overlapped_steps"] > before
+        if name.startswith("expand"):  # as under DP attention: zeros verify with limit 0
+            engine.tokenizer_manager.scheduler.decoder.split_zeros = False
+            plain_steps = engine.get_internal_state()["spec_draft_length_steps"].get("0")
+            assert plain_steps  # the mixed batch above ran its zeros apart
+            idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)] in (0, 1)][:8]
+            some = engine.generate(
+                [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
+            )
+            assert_same_greedy(name, some, [baseline[i] for i in idx])
+            steps = engine.get_internal_state()["spec_draft_length_steps"]
+            assert steps.get("0") == plain_steps  # no plain step: they verified with limit 0
+            engine.tokenizer_manager.scheduler.decoder.split_zeros = True
         # n > 1: both samples of a greedy request are the baseline's
         twice = engine.generate(PROMPTS[3], {**GREEDY, "n": 2, "speculative_num_steps": 2})
         assert [o["output_ids"] for o in twice] == [baseline[3]["output_ids"]] * 2
