@@ -75,6 +75,9 @@ E2E_BUCKETS = (
     600.0,
 )
 
+# tokens per step (accept length) and drafts per step of one request: 1..K+1 and 0..K
+SPEC_LENGTH_BUCKETS = (0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0, 16.0)
+
 
 @dataclass
 class RequestStats:
@@ -87,6 +90,7 @@ class RequestStats:
     ttft: float | None  # None when no token was produced
     aborted: bool = False
     spec_verify_ct: int = 0  # verify forwards, MTP only
+    spec_draft_tokens: int = 0  # drafts verified (its k_r summed over its steps), MTP only
 
     @property
     def tpot(self) -> float | None:
@@ -168,6 +172,16 @@ class ServerMetrics:
             self.spec_accept_length = gauge(
                 "sglang:spec_accept_length", "Mean tokens committed per verify step"
             )
+            self.spec_request_accept_length = histogram(
+                "sglang:spec_request_accept_length",
+                "A finished request's tokens per step (its own accept length)",
+                SPEC_LENGTH_BUCKETS,
+            )
+            self.spec_request_draft_length = histogram(
+                "sglang:spec_request_draft_length",
+                "A finished request's drafts per step (its k_r: asked or adaptive)",
+                SPEC_LENGTH_BUCKETS,
+            )
             # Scheduler-side counters, advanced from internal_state at each scrape.
             self.spec_sched = {
                 key: counter(name, doc)
@@ -221,6 +235,9 @@ class ServerMetrics:
             self.spec_verify.inc(s.spec_verify_ct)
             self.spec_tokens_total.inc(s.completion_tokens)
             self.spec_accept_length.set(self.avg_spec_accept_length)
+            ct = s.spec_verify_ct
+            self.spec_request_accept_length.observe(s.completion_tokens / ct)
+            self.spec_request_draft_length.observe(s.spec_draft_tokens / ct)
 
     def observe_bad_request(self) -> None:
         self.num_bad.inc()

@@ -322,6 +322,8 @@ class SamplingParamsBody(BaseModel):
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # MTP drafts per step for this request: 0 .. the server's --speculative-num-steps
+    speculative_num_steps: int | None = Field(None, ge=0)
     stream_interval: int | None = None  # ignored: a server-wide setting here
 
 

@@ -105,6 +105,7 @@ class _SamplingFields(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     stop_regex: str | list[str] | None = None
+    speculative_num_steps: StrictInt | None = None  # MTP drafts per step for this request
     rid: str | None = None
     cache_salt: str | None = None
     extra_key: str | None = None
@@ -150,6 +151,7 @@ class _SamplingFields(BaseModel):
             "ebnf": self.ebnf,
             "stop_regex": self.stop_regex,
             "logit_bias": self.logit_bias,
+            "speculative_num_steps": self.speculative_num_steps,
         }
         if self.response_format is not None:
             sp.update(self.response_format.sampling_params())

@@ -194,6 +194,7 @@ class Serving:
                 ttft=None if first is None else first - start,
                 aborted=reason is None or reason.get("type") == "abort",
                 spec_verify_ct=meta.get("spec_verify_ct", 0),
+                spec_draft_tokens=meta.get("spec_draft_tokens", 0),
             )
         )
 

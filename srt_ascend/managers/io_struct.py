@@ -77,6 +77,7 @@ class ReqOutput:
     completion_tokens: int = 0
     cached_tokens: int = 0
     spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     input_token_logprobs: list | None = None  # [(logprob | None, token_id)], once
     input_top_logprobs: list | None = None

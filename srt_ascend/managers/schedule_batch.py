@@ -63,6 +63,7 @@ class Req:
     # owned by the decoder running the request (speculative.SpecState for MTP); reset on release
     decoder_state: Any = None
     spec_verify_ct: int = 0  # speculative verify steps the request took part in
+    spec_draft_tokens: int = 0  # drafts of it verified (its k_r summed over its steps)
     spec_accepted_tokens: int = 0  # drafts of it accepted
     # per-step outputs not yet sent: the tokens (held back up to --stream-interval), their
     # logprobs

@@ -117,6 +117,7 @@ class DecodeMixin:
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
             spec_verify_ct=req.spec_verify_ct,
+            spec_draft_tokens=req.spec_draft_tokens,
             spec_accepted_tokens=req.spec_accepted_tokens,
             output_token_logprobs=req.pending_logprobs,
             output_top_logprobs=req.pending_top_logprobs,

@@ -247,6 +247,18 @@ class TokenizerManager:
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in input_ids):
             raise RequestError(f"input_ids must be integers in [0, {vocab})")
 
+    def _check_draft_length(self, steps: int | None) -> None:
+        """RequestError (a 400) unless a request's `speculative_num_steps` is within what the
+        server drafts: 0 .. --speculative-num-steps with MTP, only 0 without it."""
+        if steps is None:
+            return
+        most = self.args.speculative_num_steps if self.args.spec_enabled else 0
+        if steps > most:
+            why = "the server's --speculative-num-steps" if most else "no speculative decoding"
+            raise RequestError(
+                f"sampling_params.speculative_num_steps must be in [0, {most}] ({why}), got {steps}"
+            )
+
     def make_request(
         self,
         input_ids: list[int],
@@ -269,6 +281,7 @@ class TokenizerManager:
             params.normalize()
         except (ValueError, TypeError) as e:
             raise RequestError(str(e)) from e
+        self._check_draft_length(params.speculative_num_steps)
         if not input_ids:
             raise RequestError("the input is empty")
         self.validate_input_ids(input_ids)
@@ -425,6 +438,12 @@ class TokenizerManager:
             meta["spec_verify_ct"] = out.spec_verify_ct
             meta["spec_accept_length"] = (
                 out.completion_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
+            )
+            # this request's drafts: verified, accepted, and per step (its k_r on average)
+            meta["spec_draft_tokens"] = out.spec_draft_tokens
+            meta["spec_accepted_tokens"] = out.spec_accepted_tokens
+            meta["spec_draft_length"] = (
+                out.spec_draft_tokens / out.spec_verify_ct if out.spec_verify_ct else 0.0
             )
         if req.return_logprob:  # the entries are shared between a request's responses
             meta["input_token_logprobs"] = list(state.in_logprobs or [])

@@ -81,6 +81,9 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # MTP drafts per step for this request (0 = none; None = the server's choice); at most the
+    # server's --speculative-num-steps (checked by the tokenizer manager, which knows it)
+    speculative_num_steps: int | None = None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
@@ -181,9 +184,10 @@ class SamplingParams:
             and all(isinstance(t, int) and not isinstance(t, bool) for t in ids)
         ):
             raise ValueError(f"stop_token_ids must be a list of integers, got {ids!r}.")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        for name in ("seed", "speculative_num_steps"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer, got {value!r}.")
 
     def _verify_grammar(self) -> None:
         """At most one grammar, given as a string (whether it compiles is checked apart)."""
@@ -222,6 +226,9 @@ class SamplingParams:
             )
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}.")
+        steps = self.speculative_num_steps
+        if steps is not None and steps < 0:
+            raise ValueError(f"speculative_num_steps must be at least 0, got {steps}.")
 
     def _verify_lengths_and_stops(self, vocab_size: int) -> None:
         if self.max_new_tokens < 0:

@@ -1,8 +1,12 @@
 """Which draft tokens a verify step keeps, and the one target token emitted after them.
 
 Every rule returns (accept_len [B], emitted [B, K+1]): `accept_len` counts accepted drafts
-(0..K); `emitted[b, :accept_len+1]` are the accepted drafts followed by one target token (the
-correction at the first rejection, or the bonus token after all K), and the rest is -1.
+(0..k_r, where `limits` [B] gives each row its own k_r in 0..K, K when None);
+`emitted[b, :accept_len+1]` are the accepted drafts followed by one target token (the
+correction at the first rejection, or the bonus token after all k_r), and the rest is -1.
+A row with limit k_r gets exactly what a K = k_r step over the same drafts and uniforms gives
+(drafts past k_r never accepted, the bonus from p_t[k_r] at U_{k_r+1}): its result and its
+randomness do not depend on its neighbours' lengths.
 Probabilities come from `layers.sampler.processed_probs`, applied to the target and the draft
 logits alike, so temperature/top-k/top-p/min-p shape both distributions before the test.
 
@@ -32,6 +36,7 @@ class AcceptResult(NamedTuple):
 def greedy_accept(
     draft_tokens: torch.Tensor,  # [B, K]
     target_argmax: torch.Tensor,  # [B, K+1], target's argmax after each verified position
+    limits: torch.Tensor | None = None,  # [B] int64 k_r in 0..K (None: K)
 ) -> AcceptResult:
     """Greedy verification.
 
@@ -40,7 +45,7 @@ def greedy_accept(
     drafts equal the target's argmax, emitted[:accept_len+1] == target_argmax[:accept_len+1].
     Runs `spec_accept.greedy_accept` (dispatch by device).
     """
-    return AcceptResult(*spec_accept.greedy_accept(draft_tokens, target_argmax))
+    return AcceptResult(*spec_accept.greedy_accept(draft_tokens, target_argmax, limits))
 
 
 def recovered_probs(
@@ -66,6 +71,7 @@ def rejection_sample(
     target_probs: torch.Tensor,  # [B, K+1, V]: p_t after each verified position
     uniforms: torch.Tensor | None = None,  # [B, K+1] or [B, K], in (0, 1]
     generators: Sequence[torch.Generator | None] | None = None,  # [B]: draws what uniforms lack
+    limits: torch.Tensor | None = None,  # [B] int64 k_r in 0..K (None: K)
 ) -> AcceptResult:
     """Speculative (rejection) sampling; the emitted tokens are distributed exactly as p_t.
 
@@ -82,7 +88,7 @@ def rejection_sample(
     uniforms = _uniforms(draft_tokens.shape[0], k, uniforms, generators, target_probs.device)
     draft_tokens = draft_tokens.to(torch.int64)
     return AcceptResult(
-        *spec_accept.rejection_sample(draft_tokens, draft_probs, target_probs, uniforms)
+        *spec_accept.rejection_sample(draft_tokens, draft_probs, target_probs, uniforms, limits)
     )
 
 
@@ -92,6 +98,7 @@ def block_verify(
     target_probs: torch.Tensor,  # [B, K+1, V]: p_t after each verified position
     uniforms: torch.Tensor | None = None,  # [B, K+1] or [B, K], in (0, 1]
     generators: Sequence[torch.Generator | None] | None = None,  # [B]: draws what uniforms lack
+    limits: torch.Tensor | None = None,  # [B] int64 k_r in 0..K (None: K)
 ) -> AcceptResult:
     """Block verification (Sun et al., ICLR 2025, Algorithm 2): the drafts are accepted as a
     block, the emitted tokens are distributed exactly as p_t, and in expectation at least as
@@ -107,16 +114,21 @@ def block_verify(
     by inverting the CDF at U_{K+1}. Given the drafts so far, P(tau >= i) = p_i, so the
     expected accepted length is sum_i E[p_i]. Randomness as in `rejection_sample`: a row with
     its own generator gets the same result whatever its batch neighbours are. One-hot targets
-    (greedy rows) give exactly `greedy_accept`.
+    (greedy rows) give exactly `greedy_accept`. With a limit k_r: h_{k_r} = p_{k_r}, and
+    positions past k_r never hit.
     """
     batch, k = draft_tokens.shape
-    uniforms = _uniforms(batch, k, uniforms, generators, target_probs.device)
+    device = target_probs.device
+    uniforms = _uniforms(batch, k, uniforms, generators, device)
+    limit = spec_accept.full_limits(limits, batch, k, device).view(-1, 1)  # [B, 1]
     draft_tokens = draft_tokens.to(torch.int64)
     target_probs, draft_probs = target_probs.to(torch.float32), draft_probs.to(torch.float32)
     weights = _block_weights(draft_tokens, draft_probs, target_probs)  # [B, K+1]: p_0..p_K
     stop = _block_stop_probs(weights, draft_probs, target_probs)  # [B, K]: h_1..h_K
     positions = torch.arange(1, k + 1, device=draft_tokens.device).view(1, -1)
-    hits = torch.where(uniforms[:, :k].to(torch.float32) <= stop, positions, 0)  # [B, K]
+    stop = torch.where(positions == limit, weights[:, 1:], stop)  # h_{k_r} = p_{k_r}
+    hit = (positions <= limit) & (uniforms[:, :k].to(torch.float32) <= stop)
+    hits = torch.where(hit, positions, 0)  # [B, K]
     accept_len = torch.cat([hits.new_zeros(batch, 1), hits], dim=1).amax(dim=1)  # [B]
     index = accept_len.view(batch, 1)
     scale = weights.gather(1, index)  # [B, 1] p_tau
@@ -126,8 +138,9 @@ def block_verify(
         p_d = torch.zeros_like(p_t)
     else:
         at = index.clamp(max=k - 1).view(batch, 1, 1).expand(batch, 1, vocab)
-        p_d = draft_probs.gather(1, at).squeeze(1) * (accept_len < k).view(batch, 1)
-    final_token = inverse_cdf_sample(recovered_probs(scale * p_t, p_d), uniforms[:, k])
+        p_d = draft_probs.gather(1, at).squeeze(1) * (index < limit)
+    final_u = uniforms.gather(1, limit).squeeze(1)  # U_{k_r+1}
+    final_token = inverse_cdf_sample(recovered_probs(scale * p_t, p_d), final_u)
     return AcceptResult(accept_len, _emit(draft_tokens, accept_len, final_token))
 
 

@@ -29,6 +29,11 @@ and is a contender, so a K = 0 that never runs where drafts do still gets measur
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
 tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
 several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
+Per request (`lengths`): the requests expecting the fewest tokens from drafts may run apart as
+a plain step beside one step of j drafts over the rest, when that pair of steps (each costed
+at its own bucket) promises SPEC_MARGIN times the chosen K's tokens per second; every
+EXPLORE_EVERY-th such plan drafts for all, so that their acceptance keeps being measured. A
+request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
 before the round in flight is read: from estimates one round stale; its timing is the time
@@ -268,19 +273,28 @@ class DraftLength(ABC):
         """A step over `batch` requests runs the K `peek` gave (a policy that counts its
         steps counts it)."""
 
+    def lengths(self, estimates: Sequence[list[float]], k: int, count: bool) -> list[int]:
+        """Each request's k_r in a step for which `choose`/`peek` gave K = k: k for every one
+        by default; 0 runs a request apart, as the plain step beside the drafting one.
+        `count`: the step runs (a policy may count it)."""
+        return [k] * len(estimates)
+
     def record(
         self,
         estimates: Sequence[list[float]],
         k: int,
         accepted: Sequence[int],
         seconds: float | None,
+        limits: Sequence[int] | None = None,
     ) -> None:
         """After a step with K = k that took `seconds` (None: not to be timed) over requests
-        with these estimates (updated in place) that accepted `accepted` drafts each."""
+        with these estimates (updated in place) that accepted `accepted` drafts each, out of
+        `limits` (each request's own k_r; None: k)."""
         self.chosen[k] += 1
-        for estimate, n in zip(estimates, accepted):
-            self.acceptance.record(k, n)
-            update_estimate(estimate, k, n)
+        for i, (estimate, n) in enumerate(zip(estimates, accepted)):
+            k_r = k if limits is None else limits[i]
+            self.acceptance.record(k_r, n)
+            update_estimate(estimate, k_r, n)
 
     def initial_estimate(self) -> list[float]:
         return self.acceptance.rates()
@@ -314,6 +328,7 @@ class AdaptiveDraftLength(DraftLength):
         self.buckets = buckets
         self.costs: CostTable | None = None  # from `calibrate`, before the first step
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
+        self.plans = 0  # steps planned per request (`lengths`)
 
     def calibrate(self, run_step_forwards, synchronize) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
@@ -346,12 +361,42 @@ class AdaptiveDraftLength(DraftLength):
     def advance(self, batch: int) -> None:
         self.steps[self.costs.bucket(batch)] += 1
 
+    def lengths(self, estimates, k, count):
+        """Per-request lengths: the m requests expecting the fewest tokens from drafts run
+        apart as the plain step (k_r = 0) and the rest as one step of j drafts when that pair
+        of steps promises SPEC_MARGIN times the tokens per second of the chosen K step over
+        all; the best (m >= 1, j >= 1). Every EXPLORE_EVERY-th such plan drafts j for every
+        request instead, so the acceptance of requests set apart keeps being measured."""
+        n, costs = len(estimates), self.costs
+        if count:
+            self.plans += 1
+        if n < 2:
+            return [k] * n
+        order = sorted(range(n), key=lambda r: expected_tokens(estimates[r], self.max_k))
+        whole = sum(expected_tokens(e, k) for e in estimates) / costs.cost(costs.bucket(n), k)
+        best, plan = SPEC_MARGIN * whole, (0, k)
+        for j in costs.ks[1:]:
+            tails = [0.0] * (n + 1)  # tails[m]: expected tokens of the requests past the m first
+            for i in range(n - 1, -1, -1):
+                tails[i] = tails[i + 1] + expected_tokens(estimates[order[i]], j)
+            for m in range(1, n):
+                split = costs.cost(costs.bucket(m), 0) + costs.cost(costs.bucket(n - m), j)
+                if (m + tails[m]) / split > best:
+                    best, plan = (m + tails[m]) / split, (m, j)
+        m, j = plan
+        if not m:
+            return [k] * n
+        if self.plans % EXPLORE_EVERY == 0:  # the split's drafts for all: all measured
+            return [j] * n
+        apart = set(order[:m])
+        return [0 if r in apart else j for r in range(n)]
+
     def prefers_plain(self, batch: int) -> bool:
         estimates = [self.initial_estimate()] * batch
         return self._best(self._rates(self.costs.bucket(batch), estimates)) == 0
 
-    def record(self, estimates, k, accepted, seconds):
-        super().record(estimates, k, accepted, seconds)
+    def record(self, estimates, k, accepted, seconds, limits=None):
+        super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
             self.costs.observe(len(estimates), k, seconds)
 

@@ -35,6 +35,15 @@ overlap an adaptive round's K is chosen at its launch, from the estimates of the
 read (one round stale); rounds of any K follow each other overlapped, except a round with
 drafts after a K = 0 step (its catch-up reads committed tokens), which runs `step`.
 
+Per request: each request drafts its own k_r (`_plan`: its `speculative_num_steps`, else the
+policy's choice, per request under --speculative-adaptive). A step drafts K = the smallest
+registered K holding the longest k_r, and the acceptance rule stops row r at k_r, as a
+K = k_r step over the same drafts and uniforms would (lossless per request, seeded draws
+independent of the neighbours). Requests with k_r = 0 beside drafting ones run apart as the
+plain decoder's step in the same `step` (not under DP attention, where every group must run
+the same forwards: there they verify with limit 0); overlapped rounds carry the limits, and a
+round mixing k_r = 0 with drafts runs `step`.
+
 Here: the decoder, its serial step and idle forwards; overlapped rounds (`launch`, `finish`)
 in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict (mixins).
 """
@@ -93,7 +102,9 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         super().__init__(args, handles)
         runner, k = self.runner, args.speculative_num_steps
         # K per step: --speculative-num-steps, or 0..K as --speculative-adaptive chooses;
-        # graph kinds for every K a step may run (the configured K's keep their plain names)
+        # graph kinds for every K a step may run (the configured K's keep their plain names).
+        # Requests asking fewer drafts (`speculative_num_steps`) ride a step of the smallest
+        # K that holds them (`_batch_k`): fixed K adds no kinds (nor their captures/compiles)
         ks = range(k + 1) if args.speculative_adaptive else [k]
         suffix = {j: "" if j == k else f"_k{j}" for j in ks}
         self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
@@ -158,6 +169,9 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self._takes_bounds = runner.attn_backend.takes_length_bounds(device) and all(
             v.backend.takes_length_bounds(device) for v in self.verifies.values()
         )
+        # a step may run requests with k_r = 0 apart, as a second forward (not under DP
+        # attention: every group must run the same forwards)
+        self.split_zeros = not args.enable_dp_attention
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
         self._read_at = 0.0  # perf_counter at the last overlapped round's read
 
@@ -269,15 +283,68 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
 
     @torch.inference_mode()
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
+        """One serial step. Each request drafts its own k_r (`_plan`); the batch drafts
+        K = max k_r and the acceptance rule stops each row at its k_r. Requests with k_r = 0
+        beside drafting ones run apart, as the plain decoder's step (`_plain_step`), unless
+        the step must stay one forward (`_splits`): then they verify with limit 0."""
         started = time.perf_counter()
-        k = self.draft_length.choose([self._estimate(r) for r in reqs])
-        k1 = k + 1
-        reqs, loc = self.h.kv.alloc_running(reqs, k1)
-        if not reqs:
+        plan = self._plan(reqs, count=True)
+        k = self._batch_k(plan)
+        limit_of = {id(r): n for r, n in zip(reqs, plan)}
+        if not k:
+            apart, drafting = list(reqs), []
+        elif self.split_zeros:
+            apart = [r for r, n in zip(reqs, plan) if not n]
+            drafting = [r for r, n in zip(reqs, plan) if n]
+        else:
+            apart, drafting = [], list(reqs)
+        plain_loc = loc = None
+        if apart:
+            apart, plain_loc = self.h.kv.alloc_running(apart, 1)
+        if drafting:
+            drafting, loc = self.h.kv.alloc_running(drafting, k + 1)
+        if not apart and not drafting:
             self.idle_step()
             return []
-        if not k:
-            return self._plain_step(reqs, loc, started)
+        ran = self._plain_step(apart, plain_loc, started) if apart else []
+        if drafting:
+            limits = [limit_of[id(r)] for r in drafting]
+            ran += self._drafted_step(drafting, k, limits, loc)
+        return ran
+
+    def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
+        """Each request's drafts this step, k_r in 0..num_steps: its own
+        `speculative_num_steps` when it asked, else what `draft_length` chooses for the
+        requests that did not ask: one K, or per request under --speculative-adaptive
+        (`lengths`; `count`: the step runs, the policy counts it; else a peek)."""
+        asked = [r.sampling_params.speculative_num_steps for r in reqs]
+        free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
+        if not free:
+            return asked
+        policy = self.draft_length
+        chosen = policy.choose(free) if count else policy.peek(free)
+        own = iter(
+            policy.lengths(free, chosen, count) if self.split_zeros else [chosen] * len(free)
+        )
+        return [next(own) if a is None else a for a in asked]
+
+    def _batch_k(self, plan: list[int]) -> int:
+        """The step's K for requests drafting `plan`: the smallest K with a verify (every one
+        under --speculative-adaptive, the configured one else) that holds the longest; 0 when
+        none drafts, except under DP attention (no split), where every group runs the same
+        forwards: a group whose requests all ask 0 verifies the configured K with limit 0."""
+        most = max(plan, default=0)
+        if not most and not self.split_zeros:
+            most = min(self.verifies, default=0)
+        return min(j for j in self.verifies if j >= most) if most else 0
+
+    def _drafted_step(
+        self, reqs: list[StepRequest], k: int, limits: list[int], loc: torch.Tensor
+    ) -> list[StepRequest]:
+        """The serial step with K = k drafts over requests whose K+1 slots `loc` are
+        allocated; request i accepts at most limits[i] of them."""
+        started = time.perf_counter()
+        k1 = k + 1
         loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
         caught_up = time.perf_counter()
         self.worker.catch_up(reqs)
@@ -286,7 +353,10 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         generated = [len(r.output_ids) for r in reqs]
         last = to_device([[r.last_id] for r in reqs], self.runner.device)
         rows = [r.req_pool_idx for r in reqs]
-        res, logits, hidden = self._verify(reqs, k, loc, starts, last, None, generated, rows)
+        limited = self._limits(limits, k)
+        res, logits, hidden = self._verify(
+            reqs, k, loc, starts, last, None, generated, rows, limited
+        )
         ahead = self._drafts_ahead(reqs)
         if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
             self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
@@ -296,7 +366,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         committed = []
         for i, r in enumerate(reqs):
             n = verdict.accept_len[i]
-            self._count(r, k, n)
+            self._count(r, limits[i], n)
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             committed.append(r.seq_len - 1 - starts[i])  # positions start .. start+c-1 have KV
         if not ahead:  # d_1 follows the committed tokens' state (penalties, grammars, ranks)
@@ -308,9 +378,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
         self.h.kv.free_positions_many(reqs, [r.kv_len for r in reqs], [s + k1 for s in starts])
-        seconds = time.perf_counter() - started - caught_up
-        self.draft_length.record(estimates, k, verdict.accept_len, self._timed(seconds))
+        seconds = self._timed(time.perf_counter() - started - caught_up)
+        self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
+
+    def _limits(self, limits: list[int], k: int) -> torch.Tensor | None:
+        """The acceptance rule's per-row limits on the device; None when every row drafts K."""
+        if all(n == k for n in limits):
+            return None
+        return to_device(limits, self.runner.device)
 
     def _verify(
         self,
@@ -322,6 +398,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         first: FirstDrafts | None,  # d_1 (None: from the requests' states)
         generated: list[int] | Counts,  # tokens each request generated before the round
         rows: list[int],  # their req_to_token rows
+        limits: torch.Tensor | None = None,  # [B] drafts each row may accept (None: K)
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
         (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
@@ -337,7 +414,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         )
         hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
         logits = logits[:, : self.vocab].view(len(reqs), k + 1, -1)
-        res, logits = self._accept(reqs, logits, drafts, generated)
+        res, logits = self._accept(reqs, logits, drafts, generated, limits)
         return res, logits, hidden
 
     def _drafts_ahead(self, reqs: list[StepRequest]) -> bool:
@@ -371,6 +448,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
 
     def _count(self, req: StepRequest, k: int, accepted: int) -> None:
         req.spec_verify_ct += 1
+        req.spec_draft_tokens += k
         req.spec_accepted_tokens += accepted
         self.num_verify += 1
         self.num_drafts += k

@@ -54,6 +54,7 @@ class LaunchedRound(LaunchedStep):
     own starts (a lower bound)."""
 
     k: int = 0
+    limits: list[int] | None = None  # each request's k_r (None: k for every one)
     launched_at: float = 0.0  # perf_counter at launch (the round's cost for draft_length)
 
 
@@ -93,8 +94,14 @@ class OverlappedRoundsMixin:
         with drafts after a K = 0 step (it first runs the deferred passes from committed
         tokens, `MTPWorker.catch_up`), and a K = 0 round after one with drafts over a seeded
         sampled request (its sampling draws from the host stream of its count, which prev's
-        accept lengths leave open)."""
-        k = self.draft_length.peek([self._estimate(r) for r in reqs])
+        accept lengths leave open). Per-request lengths (`_plan`) ride along as the
+        acceptance rule's limits; a batch mixing k_r = 0 with drafting requests is not
+        launched (`step` runs the zeros apart)."""
+        plan = self._plan(reqs, count=False)
+        k = self._batch_k(plan)
+        if k and 0 in plan:
+            return None
+        limits = None if all(n == k for n in plan) else plan
         k1, device = k + 1, self.runner.device
         if prev is None:
             states = [state_of(r) for r in reqs]
@@ -121,7 +128,9 @@ class OverlappedRoundsMixin:
             return None
         if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
             return None
-        self.draft_length.advance(len(reqs))  # the round runs: the policy counts it once
+        free = sum(r.sampling_params.speculative_num_steps is None for r in reqs)
+        if free:  # the round runs: the policy counts it once (as `_plan` peeked)
+            self.draft_length.advance(free)
         for r, e in zip(reqs, ends):
             r.kv_len = e
         rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
@@ -130,6 +139,7 @@ class OverlappedRoundsMixin:
         # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
         generated = [len(r.output_ids) for r in reqs]
         batch, table = list(reqs), self.h.req_to_token
+        limited = None if limits is None else to_device(limits, device)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(starts, device)
@@ -159,7 +169,9 @@ class OverlappedRoundsMixin:
             at = Starts(start, bounds)
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
-            res, logits, hidden = self._verify(batch, k, loc, at, tail, first, counts, rows)
+            res, logits, hidden = self._verify(
+                batch, k, loc, at, tail, first, counts, rows, limited
+            )
             verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
             nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
             return RoundOut(res, logits, nxt, start, verdict=verdict)
@@ -168,7 +180,7 @@ class OverlappedRoundsMixin:
         # prev fail) prev's own: the KV before them is all that is surely valid
         known = list(starts) if prev is None else list(base)
         future = self.h.worker.submit(run)
-        self._latest = LaunchedRound(batch, known, future, k, time.perf_counter())
+        self._latest = LaunchedRound(batch, known, future, k, limits, time.perf_counter())
         return self._latest
 
     def _plain_round(
@@ -216,14 +228,15 @@ class OverlappedRoundsMixin:
         else:
             lps = out.logprobs
             logprobs = [None if lps is None else lps.rows(i, i + 1) for i in range(len(step.reqs))]
-        committed, estimates, accepted, deferred = [], [], [], []
+        committed, estimates, accepted, deferred, limits = [], [], [], [], []
         for i, r in enumerate(step.reqs):
             if r.finished:  # found one round late or aborted: this round's tokens are dropped
                 continue
             n = verdict.accept_len[i]
             estimates.append(self._estimate(r))
             accepted.append(n)
-            self._count(r, step.k, n)
+            limits.append(step.k if step.limits is None else step.limits[i])
+            self._count(r, limits[-1], n)
             self.h.commit(r, verdict.emitted[i][: n + 1], logprobs[i])
             committed.append(r)
             if not step.k:
@@ -244,5 +257,6 @@ class OverlappedRoundsMixin:
         seconds = now - max(step.launched_at, self._read_at)
         self._read_at = now
         if committed:
-            self.draft_length.record(estimates, step.k, accepted, self._timed(seconds))
+            seconds = self._timed(seconds)
+            self.draft_length.record(estimates, step.k, accepted, seconds, limits)
         return committed

@@ -37,24 +37,26 @@ class VerdictMixin:
         logits: torch.Tensor,
         drafts: Drafts,
         generated: list[int] | Counts,
+        limits: torch.Tensor | None = None,  # [B] drafts each row may accept (None: K)
     ) -> tuple[AcceptResult, torch.Tensor]:
         """Target distributions per position (penalties see the drafts before it), then the
         lossless acceptance rule; greedy requests get one-hot distributions = exact greedy.
         A seeded request's uniforms come from the stream of its count (`Counts`: picked on
         the device). Returns the verdict and the logits it read [B, K+1, V] (penalties
-        applied), both on the device."""
+        applied), both on the device. Row i accepts at most limits[i] drafts, as a step with
+        that many drafts would (`acceptance`)."""
         k1, device = logits.shape[1], logits.device
         tokens = drafts.tokens  # [B, K]
         low, ranged = lower(generated), isinstance(generated, Counts)
         if all_plain_greedy(reqs, low):  # nothing modifies the logits: raw argmax
-            return greedy_accept(tokens, logits.argmax(dim=-1)), logits
+            return greedy_accept(tokens, logits.argmax(dim=-1), limits), logits
         params = [r.sampling_params for r in reqs]  # a range: `stream_uniforms` below
         info = SamplingBatchInfo.from_params(
             params, self.vocab, device, seed_offsets=low, generators=not ranged
         )
         logits = verify_logits(logits, reqs, info, self.h.eos_ids, tokens)  # [B, K+1, V]
         if info.is_all_greedy:  # the same rule without materialising one-hot distributions
-            return greedy_accept(tokens, logits.argmax(dim=-1)), logits
+            return greedy_accept(tokens, logits.argmax(dim=-1), limits), logits
         target = torch.stack([processed_probs(logits[:, j], info) for j in range(k1)], dim=1)
         draft_probs = drafts.probs
         if draft_probs is None:  # greedy drafts: one-hot at the token
@@ -63,7 +65,9 @@ class VerdictMixin:
         if ranged:
             uniforms = stream_uniforms(reqs, generated, 0, k1)
         gens = list(info.generators)
-        res = self.accept(tokens, draft_probs, target, uniforms=uniforms, generators=gens)
+        res = self.accept(
+            tokens, draft_probs, target, uniforms=uniforms, generators=gens, limits=limits
+        )
         return res, logits
 
     def _copy_verdict(self, res: AcceptResult) -> HostCopy:

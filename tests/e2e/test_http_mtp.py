@@ -175,3 +175,38 @@ def test_a_repetition_penalty_near_zero_is_its_limit(server, mtp_server):
             "/generate", json={**prompt, "sampling_params": {**sp, "repetition_penalty": 1e-46}}
         )
         assert got.json()["output_ids"] == want, s.url
+
+
+def test_per_request_draft_length_is_checked_and_reported(server, mtp_server):
+    """`sampling_params.speculative_num_steps`: 400 naming it past the server's K (2 here),
+    when negative, or when the server drafts nothing; on /generate and the OpenAI routes.
+    Asked lengths stay lossless and reach meta_info and /metrics' per-request histograms.
+    (Last in this module: the earlier test counts the server's fixed-K steps.)"""
+    body = {"text": PROMPTS[0], "sampling_params": {**GREEDY, "speculative_num_steps": 3}}
+    for s, steps in ((mtp_server, 3), (mtp_server, -1), (server, 1)):
+        body["sampling_params"]["speculative_num_steps"] = steps
+        r = s.post("/generate", json=body)
+        assert r.status_code == 400 and "speculative_num_steps" in r.text, r.text[:300]
+    completion = {"model": "tiny-mtp", "prompt": PROMPTS[0], "max_tokens": 4}
+    r = mtp_server.post("/v1/completions", json={**completion, "speculative_num_steps": 3})
+    assert r.status_code == 400 and "speculative_num_steps" in r.text, r.text[:300]
+    r = mtp_server.post("/v1/completions", json={**completion, "speculative_num_steps": 1})
+    assert r.status_code == 200, r.text[:300]
+    body["sampling_params"]["speculative_num_steps"] = 0
+    assert server.post("/generate", json=body).status_code == 200  # 0 is always allowed
+
+    before = mtp_server.metric("sglang:spec_request_draft_length_count")
+    plain = server.post("/generate", json={"text": PROMPTS, "sampling_params": GREEDY}).json()
+    asked = [0, 1, None]
+    params = [{**GREEDY, "speculative_num_steps": k} for k in asked]
+    outs = mtp_server.post("/generate", json={"text": PROMPTS, "sampling_params": params}).json()
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in plain]
+    for o, k in zip(outs, (0, 1, 2)):
+        meta = o["meta_info"]
+        assert meta["finish_reason"]["type"] == "length"
+        assert meta["spec_draft_tokens"] == k * meta["spec_verify_ct"] > 0 or k == 0
+        assert meta["spec_draft_length"] == k
+        assert 0 <= meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
+    assert outs[0]["meta_info"]["spec_accepted_tokens"] == 0
+    assert mtp_server.metric("sglang:spec_request_draft_length_count") == before + 3
+    assert mtp_server.metric("sglang:spec_request_accept_length_count") == before + 3

@@ -123,12 +123,14 @@ def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
         assert p > ALPHA, f"K={k} {method} {name}: chi-square p = {p:.2e}"
 
 
-def _sharpened_block_verify(tokens, draft_probs, target_probs, uniforms=None, generators=None):
+def _sharpened_block_verify(
+    tokens, draft_probs, target_probs, uniforms=None, generators=None, limits=None
+):
     """Broken on purpose: block verification against the target raised to the power 1.5 and
     renormalised (a sampler whose temperature is 2/3 of the one asked for)."""
     sharp = target_probs.pow(1.5)
     return block_verify(
-        tokens, draft_probs, sharp / sharp.sum(-1, keepdim=True), uniforms, generators
+        tokens, draft_probs, sharp / sharp.sum(-1, keepdim=True), uniforms, generators, limits
     )
 
 

@@ -55,6 +55,8 @@ def test_from_dict_rejects_unknown_fields_by_name() -> None:
         ("ignore_eos", 1, "ignore_eos must be a boolean"),
         ("stop", ["a", 3], "stop must be a string or a list"),
         ("seed", "1", "seed must be an integer"),
+        ("speculative_num_steps", True, "speculative_num_steps must be an integer"),
+        ("speculative_num_steps", -1, "speculative_num_steps must be at least 0"),
         ("stop_regex", "(a", "stop_regex '\\(a' is not a valid regex"),
         ("stop_regex", [3], "stop_regex must be a string or a list"),
         ("logit_bias", [1, 2], "logit_bias must be an object"),

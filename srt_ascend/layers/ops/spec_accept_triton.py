@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from srt_ascend.layers.ops.spec_accept import full_limits
+
 # torch.finfo(torch.float32).tiny. A constexpr: a jitted function may read a module global only
 # when it is one (Triton refuses a plain float at compile time; the interpreter accepted it, so
 # sampled MTP aborted every request on CUDA while the CPU tests passed).
@@ -22,14 +24,17 @@ TINY = tl.constexpr(1.1754943508222875e-38)
 # over it are `while` loops), so neither a batch's layout nor adaptive K picks a variant.
 @triton.jit(
     do_not_specialize=["K"],
-    do_not_specialize_on_alignment=["draft_ptr", "target_ptr", "accept_ptr", "emitted_ptr"],
-)
-def _greedy_kernel(draft_ptr, target_ptr, accept_ptr, emitted_ptr, K):
+    do_not_specialize_on_alignment=[
+        "draft_ptr", "target_ptr", "limit_ptr", "accept_ptr", "emitted_ptr"
+    ],
+)  # fmt: skip
+def _greedy_kernel(draft_ptr, target_ptr, limit_ptr, accept_ptr, emitted_ptr, K):
     b = tl.program_id(0)
+    limit = tl.load(limit_ptr + b).to(tl.int32)  # k_r: drafts past it are never accepted
     accept = 0
     run = 1
     i = 0
-    while i < K:
+    while i < limit:
         d = tl.load(draft_ptr + b * K + i)
         t = tl.load(target_ptr + b * (K + 1) + i)
         run = run * (d == t).to(tl.int32)
@@ -57,18 +62,19 @@ def _final_value(tp_row, dp_row, offs, vocab, has_draft, mass, pt_sum):
 
 @triton.jit(
     do_not_specialize=["K", "stride_db", "stride_tb"],
-    do_not_specialize_on_alignment=["draft_ptr", "u_ptr", "accept_ptr", "emitted_ptr"],
+    do_not_specialize_on_alignment=["draft_ptr", "u_ptr", "limit_ptr", "accept_ptr", "emitted_ptr"],
 )
 def _rejection_kernel(
-    draft_ptr, dprobs_ptr, tprobs_ptr, u_ptr, accept_ptr, emitted_ptr, vocab,
+    draft_ptr, dprobs_ptr, tprobs_ptr, u_ptr, limit_ptr, accept_ptr, emitted_ptr, vocab,
     stride_db, stride_dk, stride_tb, stride_tk, K,
     BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    limit = tl.load(limit_ptr + b).to(tl.int32)  # k_r: drafts past it are never accepted
     accept = 0
     run = 1
     i = 0
-    while i < K:
+    while i < limit:
         d = tl.load(draft_ptr + b * K + i).to(tl.int64)
         p_t = tl.load(tprobs_ptr + b * stride_tb + i * stride_tk + d).to(tl.float32)
         p_d = tl.load(dprobs_ptr + b * stride_db + i * stride_dk + d).to(tl.float32)
@@ -76,7 +82,7 @@ def _rejection_kernel(
         run = run * ((p_t > 0) & (u * p_d <= p_t)).to(tl.int32)
         accept += run
         i += 1
-    has_draft = accept < K  # the bonus position has no draft distribution
+    has_draft = accept < limit  # the bonus position has no draft distribution
     tp_row = tprobs_ptr + b * stride_tb + accept * stride_tk
     dp_row = dprobs_ptr + b * stride_db + tl.minimum(accept, K - 1) * stride_dk
 
@@ -101,7 +107,7 @@ def _rejection_kernel(
         values = _final_value(tp_row, dp_row, offs, vocab, has_draft, mass_total, pt_total)
         total += tl.sum(values, 0)
         v0 += BLOCK_V
-    threshold = tl.load(u_ptr + b * (K + 1) + K).to(tl.float32) * total
+    threshold = tl.load(u_ptr + b * (K + 1) + limit).to(tl.float32) * total  # U_{k_r+1}
 
     token = vocab - 1  # searchsorted past the end, clamped to the last token
     carry = 0.0
@@ -123,19 +129,20 @@ def _rejection_kernel(
         j += 1
 
 
-def greedy_accept(draft_tokens, target_argmax) -> tuple[torch.Tensor, torch.Tensor]:
+def greedy_accept(draft_tokens, target_argmax, limits=None) -> tuple[torch.Tensor, torch.Tensor]:
     batch, k = draft_tokens.shape
     draft_tokens = draft_tokens.contiguous()
     target_argmax = target_argmax.contiguous()
+    limits = full_limits(limits, batch, k, draft_tokens.device).contiguous()
     accept_len = torch.empty(batch, dtype=torch.int64, device=draft_tokens.device)
     emitted = torch.empty(batch, k + 1, dtype=torch.int64, device=draft_tokens.device)
     if batch:
-        _greedy_kernel[(batch,)](draft_tokens, target_argmax, accept_len, emitted, K=k)
+        _greedy_kernel[(batch,)](draft_tokens, target_argmax, limits, accept_len, emitted, K=k)
     return accept_len, emitted
 
 
 def rejection_sample(
-    draft_tokens, draft_probs, target_probs, uniforms
+    draft_tokens, draft_probs, target_probs, uniforms, limits=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     batch, k = draft_tokens.shape
     vocab = target_probs.shape[-1]
@@ -147,11 +154,12 @@ def rejection_sample(
     draft_probs = draft_probs.contiguous()
     target_probs = target_probs.contiguous()
     uniforms = uniforms.contiguous()
+    limits = full_limits(limits, batch, k, draft_tokens.device).contiguous()
     accept_len = torch.empty(batch, dtype=torch.int64, device=draft_tokens.device)
     emitted = torch.empty(batch, k + 1, dtype=torch.int64, device=draft_tokens.device)
     if batch:
         _rejection_kernel[(batch,)](
-            draft_tokens, draft_probs, target_probs, uniforms, accept_len, emitted, vocab,
+            draft_tokens, draft_probs, target_probs, uniforms, limits, accept_len, emitted, vocab,
             draft_probs.stride(0), draft_probs.stride(1),
             target_probs.stride(0), target_probs.stride(1),
             K=k, BLOCK_V=min(1024, triton.next_power_of_2(vocab)),

@@ -1,0 +1,148 @@
+"""Per-request draft lengths (`sampling_params.speculative_num_steps`): lossless per request
+whatever its neighbours ask.
+
+Greedy, float32, shipped checkpoint: a batch whose requests ask 0, 1, 2, 3 drafts or leave it
+to the server (K = 3) is token-identical, request by request, to eager decoding without
+speculation (the session `baseline`), on both verify paths, with graphs on (expand) and
+overlapped rounds with per-request adaptive lengths (fia), chunked prefill, logprobs, `n > 1`
+and a grammar. Sampled: requests of mixed lengths follow the target distribution (the
+chi-square check and stated power of test_spec_distribution: 800 samples detect a 0.058
+shift between the two likeliest sequences with probability 0.9), and a biased rule served
+the same way is rejected (the control)."""
+
+from __future__ import annotations
+
+import pytest
+from lossless import GREEDY, PROMPTS, assert_same_greedy
+from test_spec_distribution import ALPHA, PROMPT, SAMPLE, SAMPLES, _p_value, exact  # noqa: F401
+
+from srt_ascend import Engine
+from srt_ascend.speculative.acceptance import rejection_sample
+
+K = 3
+ASKED = [None, 0, 1, 2, 3]  # prompt i asks ASKED[i % 5]
+SPEC = {"speculative_algorithm": "MTP", "speculative_num_steps": K, "dtype": "float32"}
+CONFIGS = {
+    "expand-graphs-chunked": {
+        **SPEC,
+        "speculative_verify": "expand",
+        "enable_cpu_graph": True,
+        "cuda_graph_bs": (1, 2, 4, 8),
+        "chunked_prefill_size": 32,
+    },
+    "fia-overlap-adaptive": {
+        **SPEC,
+        "speculative_verify": "fia",
+        "enable_overlap_schedule": True,
+        "speculative_adaptive": True,
+    },
+}
+
+
+def _params(i: int) -> dict:
+    return {**GREEDY, "speculative_num_steps": ASKED[i % len(ASKED)]}
+
+
+def _check_counts(outs: list[dict], adaptive: bool) -> None:
+    """Each request drafted exactly the length it asked per step (the server's K, or at most
+    it when adaptive, when it asked none), and accepted at most that."""
+    for i, o in enumerate(outs):
+        meta = o["meta_info"]
+        asked = ASKED[i % len(ASKED)]
+        k_r = K if asked is None else asked
+        drafted = meta["spec_draft_tokens"]
+        if asked is None and adaptive:
+            assert drafted <= K * meta["spec_verify_ct"], (i, meta)
+        else:
+            assert drafted == k_r * meta["spec_verify_ct"], (i, meta)
+            assert meta["spec_draft_length"] == (k_r if meta["spec_verify_ct"] else 0.0)
+        assert 0 <= meta["spec_accepted_tokens"] <= drafted
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
+    engine = Engine(model_path=model_path, **CONFIGS[name])
+    try:
+        params = [_params(i) for i in range(len(PROMPTS))]
+        outs = engine.generate(PROMPTS, params, return_logprob=True)
+        assert_same_greedy(name, outs, baseline)
+        _check_counts(outs, CONFIGS[name].get("speculative_adaptive", False))
+        assert sum(o["meta_info"]["spec_accepted_tokens"] for o in outs) > 0
+        if CONFIGS[name].get("enable_overlap_schedule"):  # lengths 1..3 only: rounds overlap
+            before = engine.get_internal_state()["num_overlapped_steps"]
+            idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)]][:12]
+            some = engine.generate(
+                [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
+            )
+            assert_same_greedy(name, some, [baseline[i] for i in idx])
+            assert engine.get_internal_state()["num_overlapped_steps"] > before
+        if name.startswith("expand"):  # as under DP attention: zeros verify with limit 0
+            engine.tokenizer_manager.scheduler.decoder.split_zeros = False
+            plain_steps = engine.get_internal_state()["spec_draft_length_steps"].get("0")
+            assert plain_steps  # the mixed batch above ran its zeros apart
+            idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)] in (0, 1)][:8]
+            some = engine.generate(
+                [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
+            )
+            assert_same_greedy(name, some, [baseline[i] for i in idx])
+            steps = engine.get_internal_state()["spec_draft_length_steps"]
+            assert steps.get("0") == plain_steps  # no plain step: they verified with limit 0
+            engine.tokenizer_manager.scheduler.decoder.split_zeros = True
+        # n > 1: both samples of a greedy request are the baseline's
+        twice = engine.generate(PROMPTS[3], {**GREEDY, "n": 2, "speculative_num_steps": 2})
+        assert [o["output_ids"] for o in twice] == [baseline[3]["output_ids"]] * 2
+        # a grammar: asking 0, 2 or the server's K gives the same constrained output
+        regex = {**GREEDY, "regex": r"[a-z_]+\((self|x)(, [a-z]+)*\)"}
+        outs = engine.generate(
+            [PROMPTS[7]] * 3, [{**regex, "speculative_num_steps": s} for s in (0, 2, None)]
+        )
+        assert all(o["meta_info"]["finish_reason"]["type"] in ("stop", "length") for o in outs)
+        assert outs[0]["output_ids"] == outs[1]["output_ids"] == outs[2]["output_ids"]
+        state = engine.get_internal_state()
+        assert (
+            state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+            == state["max_total_num_tokens"]
+        ), "KV slots leaked"
+    finally:
+        engine.shutdown()
+
+
+def _mixed(seeded: bool) -> list[dict]:
+    return [
+        {
+            **SAMPLE,
+            "speculative_num_steps": ASKED[s % len(ASKED)],
+            **({"seed": s} if seeded else {}),
+        }
+        for s in range(SAMPLES)
+    ]
+
+
+def _biased(tokens, draft_probs, target_probs, uniforms=None, generators=None, limits=None):
+    """Broken on purpose: token-wise acceptance against the target sharpened to the power 1.5
+    (a sampler at 2/3 of the asked temperature)."""
+    sharp = target_probs.pow(1.5)
+    sharp = sharp / sharp.sum(-1, keepdim=True)
+    return rejection_sample(tokens, draft_probs, sharp, uniforms, generators, limits)
+
+
+def test_mixed_lengths_follow_target_distribution(model_path, exact):  # noqa: F811
+    engine = Engine(model_path=model_path, max_running_requests=64, **SPEC)
+    try:
+        seeded = engine.generate([PROMPT] * SAMPLES, _mixed(True))
+        unseeded = engine.generate([PROMPT] * SAMPLES, _mixed(False))
+        for name, outs in (("seeded", seeded), ("unseeded", unseeded)):
+            assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs)
+            p = _p_value(name, outs, exact)
+            assert p > ALPHA, f"{name}: chi-square p = {p:.2e}"
+        assert sum(o["meta_info"]["spec_accepted_tokens"] for o in seeded) > SAMPLES // 4
+        # a seeded request's tokens do not depend on its neighbours' lengths
+        alone = engine.generate(PROMPT, _mixed(True)[7])
+        assert alone["output_ids"] == seeded[7]["output_ids"]
+        engine.tokenizer_manager.scheduler.decoder.accept = _biased  # the control
+        biased = engine.generate([PROMPT] * SAMPLES, _mixed(True))
+        assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in biased)
+        p = _p_value("biased", biased, exact)
+        assert p < ALPHA, f"the biased rule passed: chi-square p = {p:.2e}"
+    finally:
+        engine.shutdown()

@@ -1,0 +1,60 @@
+"""Per-request lengths under --speculative-adaptive (`AdaptiveDraftLength.lengths`), on the
+synthetic costs of test_draft_length: a batch mixing requests that accept every draft with
+requests that accept none runs the latter apart as the plain step when that pays by the
+margin, drafts for every request when they all accept alike, and sets none apart on every
+EXPLORE_EVERY-th plan; the fixed policy always gives K."""
+
+from __future__ import annotations
+
+from test_draft_length import BUCKETS
+
+from srt_ascend.speculative.draft_length import (
+    EXPLORE_EVERY,
+    AdaptiveDraftLength,
+    CostTable,
+    FixedDraftLength,
+)
+
+HIGH, LOW = [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]
+
+
+def costed() -> AdaptiveDraftLength:
+    """A policy over a hand-made cost table: up to 8 requests every step costs 1 (memory
+    bound); at 16, K drafts cost 1 + K (the verify's tokens now count)."""
+    policy = AdaptiveDraftLength(3, BUCKETS)
+    table = {(b, k): 1.0 for b in BUCKETS for k in range(4)}
+    table.update({(16, k): 1.0 + k for k in range(4)})
+    policy.costs = CostTable(BUCKETS, 3, table)
+    return policy
+
+
+def test_low_acceptance_requests_run_apart():
+    policy = costed()
+    # 16 requests, half accepting everything, half nothing: the best single K is 0 (16 tokens
+    # for 1; K = 3 gives 40 for 4), a plain step over the LOW half and K = 3 over the HIGH
+    # one give 40 for 1 + 1 (1.25x: past the margin). At 8 requests K = 3 for all wins.
+    estimates = [HIGH, LOW] * 8
+    k = policy.choose(estimates)
+    lengths = policy.lengths(estimates, k, count=True)
+    assert [lengths[r] for r in range(1, 16, 2)] == [0] * 8  # the LOW ones run apart
+    assert [lengths[r] for r in range(0, 16, 2)] == [3] * 8  # the HIGH ones draft
+    small = [HIGH, LOW] * 4
+    assert policy.lengths(small, policy.choose(small), count=True) == [3] * 8
+
+
+def test_alike_requests_draft_together_and_exploration_sets_none_apart():
+    policy = costed()
+    same = [HIGH] * 8
+    k = policy.choose(same)
+    assert k == 3 and policy.lengths(same, k, count=True) == [3] * 8
+    mixed = [HIGH, LOW] * 8
+    k = policy.choose(mixed)
+    seen = [policy.lengths(mixed, k, count=True) for _ in range(EXPLORE_EVERY)]
+    assert seen.count([3] * 16) == 1  # the explored plan: everyone drafts, nobody apart
+    assert sum(0 in plan for plan in seen) == EXPLORE_EVERY - 1
+    assert policy.lengths(mixed, k, count=False) == policy.lengths(mixed, k, count=False)
+
+
+def test_fixed_policy_gives_every_request_k():
+    policy = FixedDraftLength(2, BUCKETS)
+    assert policy.lengths([HIGH, LOW, LOW], 2, count=True) == [2, 2, 2]
