@@ -100,6 +100,27 @@ class RequestStats:
         return (self.e2e_latency - self.ttft) / (self.completion_tokens - 1)
 
 
+class _Make:
+    """Metric constructors on one registry: the single-series ones already labelled with the
+    model name; `labelled` leaves the extra labels (after `model_name`) to the caller."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry, self.model_name = registry, model_name
+
+    def counter(self, name: str, doc: str):
+        return Counter(name, doc, ("model_name",), registry=self.registry).labels(self.model_name)
+
+    def gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ("model_name",), registry=self.registry).labels(self.model_name)
+
+    def histogram(self, name: str, doc: str, buckets):
+        metric = Histogram(name, doc, ("model_name",), buckets=buckets, registry=self.registry)
+        return metric.labels(self.model_name)
+
+    def labelled(self, kind, name: str, doc: str, labels: tuple[str, ...]):
+        return kind(name, doc, ("model_name", *labels), registry=self.registry)
+
+
 class ServerMetrics:
     def __init__(self, model_name: str, spec_enabled: bool = False) -> None:
         self.registry = CollectorRegistry()
@@ -107,18 +128,15 @@ class ServerMetrics:
         self.spec_tokens = 0  # completion tokens of requests that ran MTP verify steps
         self.spec_verify_ct = 0
         self._seen: dict[str, float] = {}  # scheduler totals already counted (`_advance`)
-        labels = ("model_name",)
-        r = self.registry
+        self._model_name = model_name
+        make = _Make(self.registry, model_name)
+        self._add_request_metrics(make)
+        self._add_scheduler_gauges(make)
+        if spec_enabled:
+            self._add_spec_metrics(make)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, labels, registry=r).labels(model_name)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
-
-        def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
-
+    def _add_request_metrics(self, make: _Make) -> None:
+        counter, histogram = make.counter, make.histogram
         self.num_requests = counter("sglang:num_requests", "Finished requests")
         self.num_aborted = counter("sglang:num_aborted_requests", "Aborted requests")
         self.num_bad = counter("sglang:num_bad_requests", "Requests rejected with HTTP 400")
@@ -154,6 +172,9 @@ class ServerMetrics:
         self.e2e = histogram(
             "sglang:e2e_request_latency_seconds", "End-to-end request latency", E2E_BUCKETS
         )
+
+    def _add_scheduler_gauges(self, make: _Make) -> None:
+        gauge = make.gauge
         self.num_running = gauge("sglang:num_running_reqs", "Requests in the running batch")
         self.num_queue = gauge("sglang:num_queue_reqs", "Requests waiting to be scheduled")
         self.token_usage = gauge("sglang:token_usage", "Fraction of KV slots in use or cached")
@@ -161,61 +182,56 @@ class ServerMetrics:
             "sglang:cache_hit_rate",
             "Prompt tokens served from the radix cache / prompt tokens, since start",
         )
-        if spec_enabled:
-            self.spec_verify = counter(
-                "sglang:spec_verify_steps", "MTP verify forwards (one per request per step)"
+
+    def _add_spec_metrics(self, make: _Make) -> None:
+        counter, histogram = make.counter, make.histogram
+        self.spec_verify = counter(
+            "sglang:spec_verify_steps", "MTP verify forwards (one per request per step)"
+        )
+        self.spec_tokens_total = counter(
+            "sglang:spec_output_tokens",
+            "Output tokens of requests decoded with MTP (accept length numerator)",
+        )
+        self.spec_accept_length = make.gauge(
+            "sglang:spec_accept_length", "Mean tokens committed per verify step"
+        )
+        self.spec_request_accept_length = histogram(
+            "sglang:spec_request_accept_length",
+            "A finished request's tokens per step (its own accept length)",
+            SPEC_LENGTH_BUCKETS,
+        )
+        self.spec_request_draft_length = histogram(
+            "sglang:spec_request_draft_length",
+            "A finished request's drafts per step (its k_r: asked or adaptive)",
+            SPEC_LENGTH_BUCKETS,
+        )
+        # Scheduler-side counters, advanced from internal_state at each scrape.
+        self.spec_sched = {
+            key: counter(name, doc)
+            for key, name, doc in (
+                ("spec_num_verify", "sglang:spec_num_drafts", "Draft chains verified"),
+                ("spec_draft_tokens", "sglang:spec_draft_tokens", "Draft tokens verified"),
+                ("spec_accepted_tokens", "sglang:spec_accepted_tokens", "Drafts accepted"),
             )
-            self.spec_tokens_total = counter(
-                "sglang:spec_output_tokens",
-                "Output tokens of requests decoded with MTP (accept length numerator)",
-            )
-            self.spec_accept_length = gauge(
-                "sglang:spec_accept_length", "Mean tokens committed per verify step"
-            )
-            self.spec_request_accept_length = histogram(
-                "sglang:spec_request_accept_length",
-                "A finished request's tokens per step (its own accept length)",
-                SPEC_LENGTH_BUCKETS,
-            )
-            self.spec_request_draft_length = histogram(
-                "sglang:spec_request_draft_length",
-                "A finished request's drafts per step (its k_r: asked or adaptive)",
-                SPEC_LENGTH_BUCKETS,
-            )
-            # Scheduler-side counters, advanced from internal_state at each scrape.
-            self.spec_sched = {
-                key: counter(name, doc)
-                for key, name, doc in (
-                    ("spec_num_verify", "sglang:spec_num_drafts", "Draft chains verified"),
-                    ("spec_draft_tokens", "sglang:spec_draft_tokens", "Draft tokens verified"),
-                    ("spec_accepted_tokens", "sglang:spec_accepted_tokens", "Drafts accepted"),
-                )
-            }
-            self.spec_per_position = Counter(
-                "sglang:spec_accepted_per_position",
-                "Drafts accepted at each draft position",
-                ("model_name", "position"),
-                registry=r,
-            )
-            self.spec_draft_length = Counter(
-                "sglang:spec_draft_length_steps",
-                "Decode steps by the number of drafts K verified (--speculative-adaptive chooses)",
-                ("model_name", "k"),
-                registry=r,
-            )
-            self.spec_acceptance = Gauge(
-                "sglang:spec_acceptance_rate",
-                "Drafts accepted / drafts verified at each draft position",
-                ("model_name", "position"),
-                registry=r,
-            )
-            self.spec_step_cost = Gauge(
-                "sglang:spec_step_cost_seconds",
-                "The adaptive policy's cost estimate of a step, per batch bucket and K",
-                ("model_name", "bucket", "k"),
-                registry=r,
-            )
-            self._model_name = model_name
+        }
+        self.spec_per_position = make.labelled(
+            Counter, "sglang:spec_accepted_per_position",
+            "Drafts accepted at each draft position", ("position",),
+        )  # fmt: skip
+        self.spec_draft_length = make.labelled(
+            Counter, "sglang:spec_draft_length_steps",
+            "Decode steps by the number of drafts K verified (--speculative-adaptive chooses)",
+            ("k",),
+        )  # fmt: skip
+        self.spec_acceptance = make.labelled(
+            Gauge, "sglang:spec_acceptance_rate",
+            "Drafts accepted / drafts verified at each draft position", ("position",),
+        )  # fmt: skip
+        self.spec_step_cost = make.labelled(
+            Gauge, "sglang:spec_step_cost_seconds",
+            "The adaptive policy's cost estimate of a step, per batch bucket and K",
+            ("bucket", "k"),
+        )  # fmt: skip
 
     def observe_request(self, s: RequestStats) -> None:
         self.num_requests.inc()
