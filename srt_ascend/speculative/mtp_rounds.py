@@ -103,31 +103,10 @@ class OverlappedRoundsMixin:
             return None
         limits = None if all(n == k for n in plan) else plan
         k1, device = k + 1, self.runner.device
-        if prev is None:
-            states = [state_of(r) for r in reqs]
-            if k and any(s.token is None or s.deferred for s in states):
-                return None
-            starts = [r.kv_len for r in reqs]  # exact: nothing in flight
-            bounds, ends = starts, [st + k1 for st in starts]
-        else:
-            assert isinstance(prev, LaunchedRound)
-            if k and not prev.k:  # deferred passes to catch up, from prev's committed token
-                return None
-            seeded = [r for r in reqs if r.sampling_params.seed is not None]
-            if not k and prev.k and any(not r.sampling_params.is_greedy for r in seeded):
-                return None  # a K = 0 round samples from host streams: its count must be exact
-            order = [prev.index.get(id(r)) for r in reqs]
-            if None in order:
-                return None
-            base = [prev.starts[i] for i in order]  # exact: filled by prev's predecessor
-            ahead = prev.k + 1  # the most prev commits
-            bounds, ends = [b + ahead for b in base], [b + ahead + k1 for b in base]
-        # a round after a larger K may need no new slot: prev's cover it (kv_len never shrinks)
-        ends = [max(e, r.kv_len) for r, e in zip(reqs, ends)]
-        if max(ends) > self.h.req_to_token.shape[1]:
+        reserved = self._reserve(reqs, prev, k)
+        if reserved is None:
             return None
-        if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
-            return None
+        known, bounds, ends, order = reserved
         free = sum(r.sampling_params.speculative_num_steps is None for r in reqs)
         if free:  # the round runs: the policy counts it once (as `_plan` peeked)
             self.draft_length.advance(free)
@@ -142,7 +121,7 @@ class OverlappedRoundsMixin:
         limited = None if limits is None else to_device(limits, device)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
-            begin = to_device(starts, device)
+            begin = to_device(known, device)
             initial = self.worker.first_of(reqs) if k else None
         else:
             picked = None if order == list(range(len(prev.reqs))) else to_device(order, device)
@@ -176,12 +155,44 @@ class OverlappedRoundsMixin:
             nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
             return RoundOut(res, logits, nxt, start, verdict=verdict)
 
-        # with prev in flight the starts are filled in by prev's finish; until then (should
-        # prev fail) prev's own: the KV before them is all that is surely valid
-        known = list(starts) if prev is None else list(base)
         future = self.h.worker.submit(run)
-        self._latest = LaunchedRound(batch, known, future, k, limits, time.perf_counter())
+        self._latest = LaunchedRound(batch, list(known), future, k, limits, time.perf_counter())
         return self._latest
+
+    def _reserve(self, reqs: list[StepRequest], prev: LaunchedStep | None, k: int):
+        """The round's KV positions, its slots allocated (`try_alloc_running`), or None where
+        the round cannot launch (see `launch`) or the slots are not there. Returns
+        ``(known, bounds, ends, order)``: the starts known on the host (exact without prev;
+        with prev in flight, prev's own until its finish fills them in: the KV before them is
+        all that is surely valid), the lowest position each request may start at, the end of
+        its slots, and each request's row in prev (None without prev). Sets no `kv_len`."""
+        k1, order = k + 1, None
+        if prev is None:
+            states = [state_of(r) for r in reqs]
+            if k and any(s.token is None or s.deferred for s in states):
+                return None
+            known = [r.kv_len for r in reqs]  # exact: nothing in flight
+            bounds, ends = known, [st + k1 for st in known]
+        else:
+            assert isinstance(prev, LaunchedRound)
+            if k and not prev.k:  # deferred passes to catch up, from prev's committed token
+                return None
+            seeded = [r for r in reqs if r.sampling_params.seed is not None]
+            if not k and prev.k and any(not r.sampling_params.is_greedy for r in seeded):
+                return None  # a K = 0 round samples from host streams: its count must be exact
+            order = [prev.index.get(id(r)) for r in reqs]
+            if None in order:
+                return None
+            known = [prev.starts[i] for i in order]  # exact: filled by prev's predecessor
+            ahead = prev.k + 1  # the most prev commits
+            bounds, ends = [b + ahead for b in known], [b + ahead + k1 for b in known]
+        # a round after a larger K may need no new slot: prev's cover it (kv_len never shrinks)
+        ends = [max(e, r.kv_len) for r, e in zip(reqs, ends)]
+        if max(ends) > self.h.req_to_token.shape[1]:
+            return None
+        if self.h.kv.try_alloc_running(reqs, [e - r.kv_len for r, e in zip(reqs, ends)]) is None:
+            return None
+        return known, bounds, ends, order
 
     def _plain_round(
         self,
