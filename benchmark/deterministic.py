@@ -3,7 +3,7 @@ off and on, at 1 and 16 concurrent requests, side by side in one run.
 
     python benchmark/deterministic.py [--model-path DIR] [--dtype bfloat16]
         [--batch-sizes 1 16] [--input-len 128] [--output-len 64] [--mtp-steps 2]
-        [--rounds 2] [--json-out FILE]
+        [--rounds 2] [--json-out FILE] [--drift N [--drift-only]]
 
 For each (speculation, batch size) the flagged and unflagged engines alternate, `rounds` times
 each (best round kept: this machine is shared). Per engine and batch size B: B requests of
@@ -17,6 +17,10 @@ ratio`). And since other processes' load moves wall times by tens of percent, th
 time of the `output-len` generate (user + system, every thread: the engine's scheduler runs in
 this process) per token is reported too: `CPU ratio` = median over rounds of CPU per token
 without the flag / with it, the work the flag adds whatever the machine's load.
+
+`--drift N` adds what the flag is for (cache_drift.py): N held-out prompts cold vs warm radix
+cache vs 16-token chunks, float32 and bfloat16, with and without the flag: how many differ and
+by how much. `--drift-only` skips the throughput rounds.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import statistics
 import time
 
 import torch
+from cache_drift import drift_table
 from workload_args import workload_parser
 
 from srt_ascend import Engine
@@ -105,7 +110,20 @@ def main() -> None:
     p.set_defaults(batch_sizes=[1, 16], output_len=64)
     p.add_argument("--mtp-steps", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--drift", type=int, default=0, help="held-out prompts of the drift table")
+    p.add_argument("--drift-only", action="store_true", help="the drift table alone")
     args = p.parse_args()
+    drift = (
+        drift_table(args.model_path, ["float32", "bfloat16"], args.drift, 8) if args.drift else []
+    )
+    rows = [] if args.drift_only else throughput_rows(args)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "rows": rows, "drift": drift}, f, indent=1)
+
+
+def throughput_rows(args) -> list[dict]:
+    """The throughput table (printed): every (speculation, batch size) row."""
     prompts = random_prompts(max(args.batch_sizes), args.input_len, 8192, seed=0)
     specs = {
         "mtp off": {},
@@ -132,9 +150,7 @@ def main() -> None:
             f"{r['ratio']:.2f}x | {r['median_pair_ratio']:.2f}x | {r['median_cpu_ratio']:.2f}x | "
             f"{r['tpot_off_s'] * 1e3:.1f} | {r['tpot_on_s'] * 1e3:.1f} |"
         )
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":
