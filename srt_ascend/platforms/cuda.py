@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from srt_ascend.platforms.accelerator import AcceleratorPlatform
@@ -39,3 +41,10 @@ class CudaPlatform(AcceleratorPlatform):
         # the fixed-tile Triton GEMM (layers/ops/matmul_triton.py), the triton attention
         # backend's batch-invariant variant, ordered small sums (linear.ordered_sum)
         return None
+
+
+@functools.lru_cache(maxsize=16)
+def cuda_capability(index: int) -> int:
+    """Device `index`'s compute capability as one number (90 for sm_90), asked once."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor

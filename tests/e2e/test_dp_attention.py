@@ -39,7 +39,7 @@ CONFIGS = {
 }
 DP = ("--tp-size", "2", "--enable-dp-attention", "--dp-size", "2")
 REPLAYED = {  # graph kinds rank 0 must have replayed
-    "graphs-ep": {"decode"},
+    "graphs-ep": {"decode_greedy"},  # greedy without logprobs: forward + argmax in one graph
     "graphs-ep-mtp-expand": {"verify_expand", "draft_extend", "draft_step0"},
 }
 

@@ -54,7 +54,7 @@ def start_and_replay(path: str, at_start: bool = True, tmpdir: str | None = None
     )
     runner = ModelRunner(args, CpuPlatform())
     decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
-    runner.capture_graphs(decoder.graph_kinds())
+    runner.capture_graphs([decoder.kind])  # the package's kind (compiled: decode alone)
     gr = runner.graph_runner
     (shape,) = gr.graphs
     g = torch.Generator().manual_seed(0)
@@ -138,7 +138,7 @@ def test_a_package_that_does_not_fit_this_process_is_refused(cold):
     )
     runner = ModelRunner(args, CpuPlatform())
     decoder = PlainDecoder(args, DecoderHandles(runner, kv=None, commit=None, eos_ids=[]))
-    runner.capture_graphs(decoder.graph_kinds())
+    runner.capture_graphs([decoder.kind])  # the package's kind (compiled: decode alone)
     gr = runner.graph_runner
     (shape,) = gr.graphs
     roots = {"fb": gr.graphs[shape].fb, "hidden": None, "model": runner.model, "mtp": None}

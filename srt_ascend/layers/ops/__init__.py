@@ -51,3 +51,10 @@ def pick(table: dict[str, Callable[[], Callable]], device: torch.device, referen
     in `table` (imported lazily), else `reference`."""
     loader = table.get(device.type)
     return reference if loader is None else loader()
+
+
+def full_limits(limits: torch.Tensor | None, batch: int, k: int, device) -> torch.Tensor:
+    """The per-row draft limits [B] int64 on `device`: `limits`, or K for every row."""
+    if limits is None:
+        return torch.full((batch,), k, dtype=torch.int64, device=device)
+    return limits.to(device=device, dtype=torch.int64)

@@ -293,12 +293,6 @@ def plan(num_heads: int, max_q_len: int, half: bool, capability: int, fixed: boo
     return Plan(block_q, block_h, tile.keys, tile.stages, tile.warps)
 
 
-@functools.lru_cache(maxsize=16)
-def _cuda_capability(index: int) -> int:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major * 10 + minor
-
-
 def capability(device: torch.device) -> int:
     """The CUDA capability kernels on `device` compile for (90 for sm_90): the device's own;
     for CPU tensors the active Triton driver's target (`triton_offline.compiling_for`); 0
@@ -306,7 +300,9 @@ def capability(device: torch.device) -> int:
     if INTERPRETED:
         return 0
     if device.type == "cuda":
-        return _cuda_capability(device.index if device.index is not None else 0)
+        from srt_ascend.platforms.cuda import cuda_capability
+
+        return cuda_capability(device.index if device.index is not None else 0)
     return triton.runtime.driver.active.get_current_target().arch
 
 

@@ -29,15 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from srt_ascend.layers.ops import pick, triton_available
+from srt_ascend.layers.ops import full_limits, pick, triton_available
 from srt_ascend.layers.sampler import inverse_cdf_sample
-
-
-def full_limits(limits: torch.Tensor | None, batch: int, k: int, device) -> torch.Tensor:
-    """The per-row draft limits [B] int64 on `device`: `limits`, or K for every row."""
-    if limits is None:
-        return torch.full((batch,), k, dtype=torch.int64, device=device)
-    return limits.to(device=device, dtype=torch.int64)
 
 
 def greedy_accept_reference(

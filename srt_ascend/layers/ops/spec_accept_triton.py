@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from srt_ascend.layers.ops.spec_accept import full_limits
+from srt_ascend.layers.ops import full_limits
 
 # torch.finfo(torch.float32).tiny. A constexpr: a jitted function may read a module global only
 # when it is one (Triton refuses a plain float at compile time; the interpreter accepted it, so
