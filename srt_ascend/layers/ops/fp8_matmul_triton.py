@@ -1,0 +1,153 @@
+"""DeepSeek's block-FP8 GEMM in Triton: `fp8_block_linear` on CUDA (`quant_matmul` routes there).
+
+A = the activations quantised per token per 128 channels (fp8 [M, K], scales float32
+[M, ceil(K/128)], `quant_matmul.quantize_fp8_groups` on the device), B = the weight as on disk
+(float8_e4m3fn [N, K], `weight_scale_inv` float32 [ceil(N/bn), ceil(K/128)]). Each program
+computes one BLOCK_M x BLOCK_N tile of the output; BLOCK_N divides the weight block's rows, so
+a tile reads one scale row. The K loop walks the 128-wide blocks from 0 upwards: per block one
+fp8 x fp8 dot accumulated in float32 (products of e4m3 values are exact in float32), times
+a_scale[m, kb] * w_scale_inv[nb, kb], added to the float32 accumulator - the format's formula
+(`quant_matmul.fp8_block_reference`) up to float32 summation order inside a block. Output in
+the activation's dtype. N or K not multiples of the tile are masked (zeros past the edge).
+
+The dot: sm_89 / sm_90 have fp8 MMA (`tl.dot` on float8e4nv); sm_80 has none, so the tiles
+are upcast to bf16 in the kernel first (e4m3's 3 mantissa bits are exact in bf16's 7, so the
+products are the same). Each K block's dot starts from zero and is promoted to the float32
+accumulator after its 128 products: on Hopper the in-block sum is the tensor core's fp8
+accumulator (Triton's default for fp8 dots there), which is DeepSeek-V3's own recipe
+(promotion to float32 every 128 K elements). Under the interpreter (`TRITON_INTERPRET=1`, the
+CPU tests) the fp8 path runs: fp8 loads and an fp8 `tl.dot` (which the interpreter computes
+in float32 from exact float16 copies); the bf16-upcast path is compile-checked only (the
+interpreter's bf16 dot is wrong in Triton 3.3, see matmul_triton).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# TRITON_INTERPRET is read by `triton.jit` when this module is imported.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# The fixed tile: 64 x 128 outputs per program, the K loop in 128-wide (one scale) steps.
+# Shared memory per stage: a [64, 128] + b [128, 128] fp8 = 24 KiB; 3 stages 72 KiB (within
+# sm_86/89's 99 KiB); accumulator 64 x 128 fp32 = 64 registers per thread at 4 warps.
+BLOCK_M = 64
+BLOCK_N = 128
+BLOCK_K = 128
+NUM_WARPS = 4
+NUM_STAGES = 3
+FP8_MMA_CAPABILITY = 89  # sm_89 (Ada) and sm_90 (Hopper) have fp8 tensor-core dots
+
+
+@triton.jit
+def _block_step(a_rows, b_cols, as_rows, bs_ptr, acc, offs_m, offs_n, kb, M, N, K,
+                stride_ak, stride_bk, stride_ask, stride_bsk,
+                FP8_DOT: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
+    """acc + (a[:, Kb] @ b[Kb, :]) * a_scale[:, kb] * w_scale_inv[nb, kb] for K block `kb`:
+    one dot per block from zero (fp8 MMA, or bf16 MMA on upcast tiles), promoted to the
+    float32 accumulator with its scales."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    a = tl.load(a_rows + k[None, :] * stride_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K),
+                other=0.0)  # fmt: skip
+    b = tl.load(b_cols + k[:, None] * stride_bk, mask=(k[:, None] < K) & (offs_n[None, :] < N),
+                other=0.0)  # fmt: skip
+    if FP8_DOT:
+        part = tl.dot(a, b, out_dtype=tl.float32)
+    else:  # e4m3 -> bf16 is exact: the same products
+        part = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    a_s = tl.load(as_rows + kb * stride_ask, mask=offs_m < M, other=0.0)
+    b_s = tl.load(bs_ptr + kb * stride_bsk)
+    return acc + part * (a_s[:, None] * b_s)
+
+
+# M (the batch's tokens) and the K block count are plain arguments: one variant serves every
+# batch, a one-token decode included (see layers/ops/__init__.py).
+@triton.jit(do_not_specialize=["M", "num_k"])
+def _fp8_block_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, M, N, K, num_k,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
+    stride_om, stride_on,
+    GROUP_N: tl.constexpr, FP8_DOT: tl.constexpr, WHILE_LOOP: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n0 = tl.program_id(1) * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    a_rows = a_ptr + offs_m[:, None] * stride_am
+    b_cols = b_ptr + offs_n[None, :] * stride_bn
+    as_rows = as_ptr + offs_m * stride_asm
+    bs_row = bs_ptr + (n0 // GROUP_N) * stride_bsn  # BLOCK_N divides GROUP_N: one scale row
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if WHILE_LOOP:  # the interpreter: its range() rejects a bound passed as an argument
+        kb = 0
+        while kb < num_k:
+            acc = _block_step(a_rows, b_cols, as_rows, bs_row, acc, offs_m, offs_n, kb, M, N,
+                              K, stride_ak, stride_bk, stride_ask, stride_bsk, FP8_DOT,
+                              BLOCK_K)  # fmt: skip
+            kb += 1
+    else:  # a `for`, software-pipelined (Hopper's wgmma needs one, not a `while`)
+        for kb in range(0, num_k):
+            acc = _block_step(a_rows, b_cols, as_rows, bs_row, acc, offs_m, offs_n, kb, M, N,
+                              K, stride_ak, stride_bk, stride_ask, stride_bsk, FP8_DOT,
+                              BLOCK_K)  # fmt: skip
+    tl.store(
+        out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+def supports(block: tuple[int, int]) -> bool:
+    """Whether the kernel serves weight blocks `block` (rows, columns): 128-wide K blocks (one
+    scale per K step) and row blocks that BLOCK_N divides (one scale row per tile)."""
+    bn, bk = block
+    return bk == BLOCK_K and bn % BLOCK_N == 0
+
+
+def fp8_dot() -> bool:
+    """Whether the target has fp8 MMA (sm_89+; else the tiles are upcast to bf16). The
+    target is the active Triton driver's (`triton_offline` sets one). The interpreter runs
+    the fp8 dot (its `tl.dot` converts e4m3 to float16, exactly, and sums in float32)."""
+    if INTERPRETED:
+        return True
+    return triton.runtime.driver.active.get_current_target().arch >= FP8_MMA_CAPABILITY
+
+
+def fp8_block_matmul(xq, x_scale, wq, scale_inv, group_n: int, out_dtype: torch.dtype,
+                     fp8_mma: bool | None = None):  # fmt: skip
+    """xq fp8 [M, K] (scales float32 [M, ceil(K/128)]) times wq fp8 [N, K]^T (scale_inv
+    float32 [ceil(N/group_n), ceil(K/128)]) -> [M, N] in `out_dtype`, a new tensor on xq's
+    device (module docstring's arithmetic). `fp8_mma`: force the dot's kind (tests); by
+    default `fp8_dot()`."""
+    m, k = xq.shape
+    n = wq.shape[0]
+    out = torch.empty(m, n, dtype=out_dtype, device=xq.device)
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    _fp8_block_kernel[grid](
+        xq, wq, x_scale, scale_inv, out, m, n, k, triton.cdiv(k, BLOCK_K),
+        *xq.stride(), *wq.stride(), *x_scale.stride(), *scale_inv.stride(), *out.stride(),
+        GROUP_N=group_n, FP8_DOT=fp8_dot() if fp8_mma is None else fp8_mma, WHILE_LOOP=INTERPRETED,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
+    """Block FP8 linear, x [..., K] -> [..., N] in x's dtype: the activation quantised on the
+    device (`quantize_fp8_groups`), then the fp8 GEMM; blocks the kernel does not serve
+    (`supports`) take `quant_matmul`'s dequantising path."""
+    from srt_ascend.layers.ops import quant_matmul as qm
+
+    if not supports(block):
+        return qm.fp8_block_linear_dequant(x, wq, scale_inv, block)
+    k = wq.shape[1]
+    xq, s = qm.quantize_fp8_groups(x.reshape(-1, k), block[1])
+    y = fp8_block_matmul(xq, s, wq, scale_inv, block[0], x.dtype)
+    return y.view(*x.shape[:-1], wq.shape[0])
