@@ -10,15 +10,17 @@ a_scale[m, kb] * w_scale_inv[nb, kb], added to the float32 accumulator - the for
 (`quant_matmul.fp8_block_reference`) up to float32 summation order inside a block. Output in
 the activation's dtype. N or K not multiples of the tile are masked (zeros past the edge).
 
-The dot: sm_89 / sm_90 have fp8 MMA (`tl.dot` on float8e4nv); sm_80 has none, so the tiles
-are upcast to bf16 in the kernel first (e4m3's 3 mantissa bits are exact in bf16's 7, so the
-products are the same). Each K block's dot starts from zero and is promoted to the float32
-accumulator after its 128 products: on Hopper the in-block sum is the tensor core's fp8
-accumulator (Triton's default for fp8 dots there), which is DeepSeek-V3's own recipe
-(promotion to float32 every 128 K elements). Under the interpreter (`TRITON_INTERPRET=1`, the
-CPU tests) the fp8 path runs: fp8 loads and an fp8 `tl.dot` (which the interpreter computes
-in float32 from exact float16 copies); the bf16-upcast path is compile-checked only (the
-interpreter's bf16 dot is wrong in Triton 3.3, see matmul_triton).
+The dot: sm_89 / sm_90 have fp8 MMA (`tl.dot` on float8e4nv); sm_80 has none, and Triton
+3.3 refuses float8e4nv there altogether, so the kernel reads the operands' bits (uint8 views)
+and decodes them to float16 in registers (`_e4m3_bits_to_fp16`: a shift, exact, subnormals
+included, each value scaled by 2^-8) for a float16 MMA; products of 4-bit significands are
+exact in float32 either way, and the dot is multiplied back by 2^16. Each K block's dot
+starts from zero and is promoted to the float32 accumulator after its 128 products: on
+Hopper the in-block sum is the tensor core's fp8 accumulator (Triton's default for fp8 dots
+there), which is DeepSeek-V3's own recipe (promotion to float32 every 128 K elements).
+Under the interpreter (`TRITON_INTERPRET=1`, the CPU tests) both paths run: fp8 loads and an
+fp8 `tl.dot` (which the interpreter computes in float32 from exact float16 copies), and the
+bit decoding with its float16 dot.
 """
 
 from __future__ import annotations
@@ -34,13 +36,23 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # The fixed tile: 64 x 128 outputs per program, the K loop in 128-wide (one scale) steps.
 # Shared memory per stage: a [64, 128] + b [128, 128] fp8 = 24 KiB; 3 stages 72 KiB (within
-# sm_86/89's 99 KiB); accumulator 64 x 128 fp32 = 64 registers per thread at 4 warps.
+# sm_86/89's 99 KiB); accumulator 64 x 128 fp32 = 32 registers per thread at 8 warps (at 4
+# warps sm_80's float16 path spilled: 255 registers and an 8-byte stack).
 BLOCK_M = 64
 BLOCK_N = 128
 BLOCK_K = 128
-NUM_WARPS = 4
+NUM_WARPS = 8
 NUM_STAGES = 3
 FP8_MMA_CAPABILITY = 89  # sm_89 (Ada) and sm_90 (Hopper) have fp8 tensor-core dots
+
+
+@triton.jit
+def _e4m3_bits_to_fp16(bits):
+    """float8_e4m3fn bits (uint8) -> float16 of value / 2^8, exactly: the sign to bit 15, the
+    4 exponent and 3 mantissa bits to bits 13..7 (float16's bias 15 is e4m3's 7 + 8, and an
+    e4m3 subnormal lands on a float16 subnormal). No NaN: quantised values are finite."""
+    b = bits.to(tl.uint16)
+    return (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -48,8 +60,8 @@ def _block_step(a_rows, b_cols, as_rows, bs_ptr, acc, offs_m, offs_n, kb, M, N, 
                 stride_ak, stride_bk, stride_ask, stride_bsk,
                 FP8_DOT: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """acc + (a[:, Kb] @ b[Kb, :]) * a_scale[:, kb] * w_scale_inv[nb, kb] for K block `kb`:
-    one dot per block from zero (fp8 MMA, or bf16 MMA on upcast tiles), promoted to the
-    float32 accumulator with its scales."""
+    one dot per block from zero (fp8 MMA, or float16 MMA on tiles decoded from fp8 bits),
+    promoted to the float32 accumulator with its scales."""
     k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
     a = tl.load(a_rows + k[None, :] * stride_ak, mask=(offs_m[:, None] < M) & (k[None, :] < K),
                 other=0.0)  # fmt: skip
@@ -57,16 +69,19 @@ def _block_step(a_rows, b_cols, as_rows, bs_ptr, acc, offs_m, offs_n, kb, M, N, 
                 other=0.0)  # fmt: skip
     if FP8_DOT:
         part = tl.dot(a, b, out_dtype=tl.float32)
-    else:  # e4m3 -> bf16 is exact: the same products
-        part = tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), out_dtype=tl.float32)
+    else:  # uint8 bits decoded to float16 (values / 256 each: the product's 2^16 put back)
+        part = tl.dot(_e4m3_bits_to_fp16(a), _e4m3_bits_to_fp16(b), out_dtype=tl.float32)
+        part = part * 65536.0
     a_s = tl.load(as_rows + kb * stride_ask, mask=offs_m < M, other=0.0)
     b_s = tl.load(bs_ptr + kb * stride_bsk)
     return acc + part * (a_s[:, None] * b_s)
 
 
 # M (the batch's tokens) and the K block count are plain arguments: one variant serves every
-# batch, a one-token decode included (see layers/ops/__init__.py).
-@triton.jit(do_not_specialize=["M", "num_k"])
+# batch, a one-token decode included (see layers/ops/__init__.py); so are the scale tensors'
+# row strides (K / 128: 1, 4, 56, 112, ... in DeepSeek-V3), which would otherwise make a
+# variant per specialisation class for loads too small to gain from it.
+@triton.jit(do_not_specialize=["M", "num_k", "stride_asm", "stride_bsn"])
 def _fp8_block_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, out_ptr, M, N, K, num_k,
     stride_am, stride_ak, stride_bn, stride_bk, stride_asm, stride_ask, stride_bsn, stride_bsk,
@@ -129,10 +144,13 @@ def fp8_block_matmul(xq, x_scale, wq, scale_inv, group_n: int, out_dtype: torch.
     if m == 0:
         return out
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    fp8 = fp8_dot() if fp8_mma is None else fp8_mma
+    if not fp8:  # no float8e4nv before sm_89 in Triton: the kernel reads the bits
+        xq, wq = xq.view(torch.uint8), wq.view(torch.uint8)
     _fp8_block_kernel[grid](
         xq, wq, x_scale, scale_inv, out, m, n, k, triton.cdiv(k, BLOCK_K),
         *xq.stride(), *wq.stride(), *x_scale.stride(), *scale_inv.stride(), *out.stride(),
-        GROUP_N=group_n, FP8_DOT=fp8_dot() if fp8_mma is None else fp8_mma, WHILE_LOOP=INTERPRETED,
+        GROUP_N=group_n, FP8_DOT=fp8, WHILE_LOOP=INTERPRETED,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
         num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
