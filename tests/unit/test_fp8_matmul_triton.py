@@ -69,6 +69,36 @@ def test_fp8_bits_decode_exactly():
         assert torch.equal(y, values.float()), fp8_mma
 
 
+def _near_every_code() -> torch.Tensor:
+    """Groups whose scale is 1 (a 448 first) holding every e4m3 value, the midpoints between
+    neighbours (ties: to even) and the floats either side of each midpoint."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    grid = codes[(codes & 0x7F) != 0x7F].view(torch.float8_e4m3fn).float().sort().values
+    mids = (grid[1:] + grid[:-1]) / 2
+    up, down = torch.full_like(mids, 1e9), torch.full_like(mids, -1e9)
+    near = torch.cat([grid, mids, torch.nextafter(mids, up), torch.nextafter(mids, down)])
+    near = torch.nn.functional.pad(near, (0, -near.numel() % 127)).view(-1, 127)
+    return torch.cat([torch.full((near.shape[0], 1), 448.0), near], 1)
+
+
+@pytest.mark.parametrize("case", ["random-float32", "random-bfloat16", "every-code"])
+def test_fused_quantisation_is_the_reference(case):
+    """`quantize_groups` (one launch) gives `quantize_fp8_groups`'s scales bit for bit and
+    its fp8 values: random groups spanning 9 decades (K unaligned), and the values around
+    every e4m3 code. (Values, not bits: the interpreter's cast drops a negative zero's sign,
+    a GPU's keeps it.)"""
+    if case == "every-code":
+        x = _near_every_code()
+    else:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(33, 200, generator=g) * torch.logspace(-6, 3, 200)
+        x = x.to(getattr(torch, case.split("-")[1]))
+    xq, s = fp8_triton.quantize_groups(x, 128)
+    ref_q, ref_s = qm.quantize_fp8_groups(x, 128)
+    assert torch.equal(s, ref_s) and torch.equal(xq.float(), ref_q.float())
+    assert case != "every-code" or bool((s == 1).all())
+
+
 def test_output_in_the_activation_dtype_and_rows_independent():
     x, wq, scale_inv = _problem(33, 256, 256, seed=7)
     y = fp8_triton.fp8_block_linear(x.to(torch.bfloat16).view(3, 11, 256), wq, scale_inv, BLOCK)
@@ -100,7 +130,12 @@ def test_cuda_dispatch_reaches_the_kernel(monkeypatch):
         launches.append((xq.device.type, xq.dtype, x_scale.dtype, wq.dtype, group_n, out_dtype))
         return torch.empty(xq.shape[0], wq.shape[0], dtype=out_dtype, device=xq.device)
 
+    def quantize(x, group):
+        launches.append(("quantize", x.device.type, x.dtype, group))
+        return qm.quantize_fp8_groups(x, group)  # torch ops: shapes only under the fake mode
+
     monkeypatch.setattr(fp8_triton, "fp8_block_matmul", record)
+    monkeypatch.setattr(fp8_triton, "quantize_groups", quantize)
     method = QUANT_METHODS["FP8_BLOCK"]()
     with FakeTensorMode(allow_non_fake_inputs=True):
         cuda = torch.device("cuda")
@@ -109,4 +144,7 @@ def test_cuda_dispatch_reaches_the_kernel(monkeypatch):
         y = method.linear(torch.empty(2, 5, 384, dtype=torch.bfloat16, device=cuda), t)
         assert y.shape == (2, 5, 256) and y.device.type == "cuda"
     fp8 = torch.float8_e4m3fn
-    assert launches == [("cuda", fp8, torch.float32, fp8, 128, torch.bfloat16)]
+    assert launches == [
+        ("quantize", "cuda", torch.bfloat16, 128),
+        ("cuda", fp8, torch.float32, fp8, 128, torch.bfloat16),
+    ]

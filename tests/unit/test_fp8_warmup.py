@@ -25,7 +25,7 @@ from tests.unit.triton_interpreter import import_interpreted
 import_interpreted()
 from srt_ascend.layers.ops import fp8_matmul_triton  # noqa: E402 (interpreted)
 
-K = 2  # draft tokens per verify
+K = 2  # draft tokens per MTP round
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +52,10 @@ def runner(tmp_path_factory):
 
 
 def _serve(runner: ModelRunner) -> None:
-    """Eager forwards as serving issues them: a 2-row decode, a 7-token extend over a cached
-    prefix, a 2-row verify, and the MTP draft extend after each."""
+    """Eager forwards as serving issues them: a 2-row decode, a 5-token extend over a cached
+    prefix, and the MTP draft extend after each (the row count is never specialised, so
+    verifies and longer prefills are the same variants; the interpreter runs each program
+    in Python, so few rows keep this quick)."""
     pool, alloc = runner.req_to_token_pool, runner.allocator
     rows = pool.alloc(2)
     slots = [alloc.alloc(40) for _ in rows]
@@ -62,8 +64,7 @@ def _serve(runner: ModelRunner) -> None:
             pool.write([row], [0], s, [40])
         plans = [
             (ForwardMode.DECODE, [1, 1], [30, 17]),
-            (ForwardMode.EXTEND, [7], [20]),
-            (ForwardMode.TARGET_VERIFY, [K + 1] * 2, [25, 33]),
+            (ForwardMode.EXTEND, [5], [20]),
         ]
         for mode, q, seq in plans:
             b = len(q)
@@ -94,6 +95,7 @@ def test_warm_up_compiles_every_fp8_gemm_variant(runner):
         serving = set(recorder.keys)
     finally:
         uninstall()
-    assert {name for name, _ in warm} == {"_fp8_block_kernel"}
-    assert {name for name, _ in serving} == {"_fp8_block_kernel"}, "nothing was served"
+    fp8 = {"_quantize_groups_kernel", "_fp8_block_kernel"}  # the activation's, the GEMM
+    assert {name for name, _ in warm} == fp8
+    assert {name for name, _ in serving} == fp8, "nothing was served"
     assert not serving - warm, f"variants first launched while serving: {serving - warm}"

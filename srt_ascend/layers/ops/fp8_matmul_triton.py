@@ -116,6 +116,60 @@ def _fp8_block_kernel(
     )
 
 
+@triton.jit
+def _round_to_e4m3(q):
+    """float32 q (|q| <= 448) rounded to e4m3's grid, to nearest even, in float32: the
+    spacing is 2^(exponent - 3), 2^-9 below e4m3's smallest normal 2^-6; adding and removing
+    1.5 * 2^23 spacings leaves float32 that spacing, so its own rounding does it. (The cast
+    after it is then exact: Triton 3.3's interpreter rounds float32 -> fp8 wrongly when the
+    mantissa carries, 31.0 becoming 16.)"""
+    bits = q.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    spacing = ((exponent + 124) << 23).to(tl.float32, bitcast=True)  # 2^(exponent - 3)
+    magic = spacing * 12582912.0  # 1.5 * 2^23: exact (a power of two times 3)
+    rounded = (tl.abs(q) + magic) - magic
+    return tl.where(bits < 0, -rounded, rounded)  # q's sign, a negative zero's included
+
+
+# The activation's quantisation, one program per (row, 128-channel group); the row count is
+# the grid's, so one variant per activation dtype and K class serves every batch (the
+# scales' row stride, K / 128, unspecialised as in the GEMM).
+@triton.jit(do_not_specialize=["stride_sm"])
+def _quantize_groups_kernel(x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm, stride_sm,
+                            GROUP: tl.constexpr, FP8_MAX: tl.constexpr,
+                            TINY: tl.constexpr):  # fmt: skip
+    """`quant_matmul.quantize_fp8_groups` for one group: s = max(max|x|, TINY) / FP8_MAX,
+    q = fp8(x / s), both divisions IEEE-rounded (`div_rn`) as torch's are, the rounding to
+    e4m3 to nearest even as torch's cast is: the reference's bits."""
+    row = tl.program_id(0)
+    g = tl.program_id(1)
+    cols = g * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_xm + cols, mask=cols < K, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), TINY), FP8_MAX)
+    q = _round_to_e4m3(tl.math.div_rn(x, s))
+    tl.store(q_ptr + row * stride_qm + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+    tl.store(s_ptr + row * stride_sm + g, s)
+
+
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq fp8 [M, K], s float32 [M, ceil(K/group)]) in one launch, the bits of
+    `quant_matmul.quantize_fp8_groups` (new tensors on x's device). Targets with fp8 (sm_89+
+    and the interpreter); sm_80's Triton has no float8e4nv to store."""
+    from srt_ascend.layers.ops import quant_matmul as qm
+
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    xq = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty(m, groups, dtype=torch.float32, device=x.device)
+    if m == 0:
+        return xq, s
+    _quantize_groups_kernel[(m, groups)](
+        x, xq, s, k, x.stride(0), xq.stride(0), s.stride(0),
+        GROUP=group, FP8_MAX=qm.FP8_MAX, TINY=qm._TINY,
+    )  # fmt: skip
+    return xq, s
+
+
 def supports(block: tuple[int, int]) -> bool:
     """Whether the kernel serves weight blocks `block` (rows, columns): 128-wide K blocks (one
     scale per K step) and row blocks that BLOCK_N divides (one scale row per tile)."""
@@ -124,7 +178,7 @@ def supports(block: tuple[int, int]) -> bool:
 
 
 def fp8_dot() -> bool:
-    """Whether the target has fp8 MMA (sm_89+; else the tiles are upcast to bf16). The
+    """Whether the target has fp8 MMA (sm_89+; else the tiles are decoded to float16). The
     target is the active Triton driver's (`triton_offline` sets one). The interpreter runs
     the fp8 dot (its `tl.dot` converts e4m3 to float16, exactly, and sums in float32)."""
     if INTERPRETED:
@@ -159,13 +213,15 @@ def fp8_block_matmul(xq, x_scale, wq, scale_inv, group_n: int, out_dtype: torch.
 
 def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
     """Block FP8 linear, x [..., K] -> [..., N] in x's dtype: the activation quantised on the
-    device (`quantize_fp8_groups`), then the fp8 GEMM; blocks the kernel does not serve
-    (`supports`) take `quant_matmul`'s dequantising path."""
+    device (one Triton launch where the target stores fp8, else `quantize_fp8_groups`'s torch
+    ops), then the fp8 GEMM; blocks the kernel does not serve (`supports`) take
+    `quant_matmul`'s dequantising path."""
     from srt_ascend.layers.ops import quant_matmul as qm
 
     if not supports(block):
         return qm.fp8_block_linear_dequant(x, wq, scale_inv, block)
     k = wq.shape[1]
-    xq, s = qm.quantize_fp8_groups(x.reshape(-1, k), block[1])
+    quantize = quantize_groups if fp8_dot() else qm.quantize_fp8_groups
+    xq, s = quantize(x.reshape(-1, k), block[1])
     y = fp8_block_matmul(xq, s, wq, scale_inv, block[0], x.dtype)
     return y.view(*x.shape[:-1], wq.shape[0])
