@@ -1,8 +1,9 @@
 """DeepSeek's block-FP8 GEMM in Triton: `fp8_block_linear` on CUDA (`quant_matmul` routes there).
 
-A = the activations quantised per token per 128 channels (fp8 [M, K], scales float32
-[M, ceil(K/128)], `quant_matmul.quantize_fp8_groups` on the device), B = the weight as on disk
-(float8_e4m3fn [N, K], `weight_scale_inv` float32 [ceil(N/bn), ceil(K/128)]). Each program
+A = the activations quantised per token per 128 channels (fp8 [M, K], scales float32 [M,
+ceil(K/128)]: `quantize_groups`, one launch giving `quant_matmul.quantize_fp8_groups`'s bits,
+where Triton stores fp8 (sm_89+); that function's torch ops on sm_80), B = the weight as on
+disk (float8_e4m3fn [N, K], `weight_scale_inv` float32 [ceil(N/bn), ceil(K/128)]). Each program
 computes one BLOCK_M x BLOCK_N tile of the output; BLOCK_N divides the weight block's rows, so
 a tile reads one scale row. The K loop walks the 128-wide blocks from 0 upwards: per block one
 fp8 x fp8 dot accumulated in float32 (products of e4m3 values are exact in float32), times

@@ -25,7 +25,8 @@ Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's in
 imported when first used; the references' semantics). Block FP8 on CUDA runs a Triton fp8
 GEMM (`fp8_matmul_triton`: fp8 MMA on sm_89 / sm_90, bf16 MMA on upcast tiles on sm_80, the
 per-block scales applied to each 128-wide K block's float32 dot; the activations quantised
-per token per 128 channels on the device), for 128-wide K blocks whose row blocks its tile
+per token per 128 channels on the device, by one fused launch with `quantize_fp8_groups`'s
+bits on sm_89+), for 128-wide K blocks whose row blocks its tile
 divides (DeepSeek-V3's 128 x 128); CPU and NPU (and CUDA for other blocks) dequantise the
 weight tile by tile per call (`fp8_block_linear_dequant`, the reference's value up to float
 summation order). The weights stay fp8 in memory everywhere.
