@@ -22,7 +22,9 @@ In-process engines on the shipped checkpoint (no HTTP: faster, same scheduler an
    (finish reasons checked);
 7. the Triton kernels against their references (fp32 at DeepSeek-V3's shapes within 1e-5:
    true float32 dots, not TF32), their timings, and each compiled attention kernel's shared
-   memory, registers and spills (no spills), against the HBM and compute floors (`kernels.py`).
+   memory, registers and spills (no spills), against the HBM and compute floors (`kernels.py`);
+   the block-FP8 GEMM and its fused activation quantisation against the format's formula
+   (`fp8_gemm.py`).
 Prints one summary table; with $OUT set, writes $OUT/device_check.json (every figure).
 """
 
@@ -40,6 +42,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import fp8_gemm  # noqa: E402
 import kernels  # noqa: E402
 import kv_window  # noqa: E402
 from spec_decode import accept_length  # noqa: E402
@@ -344,6 +347,10 @@ def check_kernels(rep: Report, device: str) -> None:
                 r["vs_floor"] <= 3 or (r["batch"], r["kv"]) != (32, 4096)
             )
             rep.add("decode attention kernel", f"b={r['batch']} kv={r['kv']}", figure, ok)
+        fp8 = fp8_gemm.check(device)  # the block-FP8 GEMM (issue 44) against its formula
+        rep.data["fp8_gemm_checks"] = fp8
+        for r in fp8:
+            rep.add("block-FP8 GEMM vs formula", r["case"], f"rel err {r['err']:.1e}", r["ok"])
         used = kernels.resources()
         rep.data["kernel_resources"] = used
         for r in used:

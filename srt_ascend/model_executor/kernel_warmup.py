@@ -8,10 +8,12 @@ unspecialised argument (query blocks, KV parts, row counts, index views), so wha
 is a small fixed set per server: the attention tile's height (a bucket of the longest query,
 `q_len_buckets`), whether the KV is split, the model's dtypes and shapes, and the draft
 lengths of acceptance. `warm_up_kernels` launches each of them through the real forward
-path - so every op a forward reaches (KV store, attention, the deterministic GEMM) meets the
-argument layouts serving gives it - and the ops outside forwards (acceptance, request-table
-writes), over the padding row and slot. A request's lengths then pick a variant, never
-create one (tests/unit/test_kernel_variants.py checks it under the interpreter).
+path - so every op a forward reaches (KV store, attention, the deterministic GEMM, block
+FP8's GEMM in every quantized linear and expert; at least one forward runs, whatever the
+attention backend) meets the argument layouts serving gives it - and the ops outside
+forwards (acceptance, request-table writes), over the padding row and slot. A request's
+lengths then pick a variant, never create one (tests/unit/test_kernel_variants.py checks it
+under the interpreter; tests/unit/test_fp8_warmup.py for a block-FP8 model).
 """
 
 from __future__ import annotations
@@ -27,11 +29,14 @@ from srt_ascend.model_executor.forward_batch import ForwardMode
 
 def warm_up_runs(runner) -> list[tuple[str, tuple]]:
     """What `warm_up_kernels` runs: ("extend", (query length, KV length)) per attention
-    variant, ("accept", (K,)) per draft length acceptance can run with, ("write", ())."""
+    variant (one 1-token extend where attention has none), ("accept", (K,)) per draft
+    length acceptance can run with, ("write", ())."""
     cfg = runner.config
     heads = cfg.num_attention_heads // runner.server_args.attn_tp_size
     lengths = runner.attn_backend.warm_up_lengths(heads, runner.context_len)
     runs = [("extend", (q, kv)) for q, kv in lengths if kv <= runner.context_len]
+    if not runs:  # attention compiles nothing: one forward still reaches every linear's
+        runs.append(("extend", (1, 1)))  # kernel (block FP8's GEMM, the same for any M)
     if runner.mtp is not None:  # adaptive K runs any 0..num_steps
         runs += [("accept", (k,)) for k in range(runner.server_args.speculative_num_steps + 1)]
     runs.append(("write", ()))

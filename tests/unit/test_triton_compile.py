@@ -3,7 +3,8 @@ cubin for sm_90 and sm_80 with the ptxas Triton ships (`layers/ops/triton_offlin
 ops' own launch functions run over CPU tensors laid out as serving lays them out, once per
 launch-constant set a server can choose (every attention tile height, one KV part or several,
 batch-invariant parts, acceptance at K = 0..15, KV store, request table, the deterministic
-GEMM), and each launch compiles its variant for the target instead of running.
+GEMM, the block-FP8 GEMM), and each launch compiles its variant for the target instead of
+running.
 
 The interpreter tests cannot see Triton's compile rules: a module global read inside a
 jitted function (`spec_accept_triton.TINY`, which aborted every sampled MTP request on an
@@ -31,8 +32,9 @@ SM90_SHARED = 232448  # triton_offline.MAX_SHARED[90]
 CASES = ["deepseek-v3:bfloat16", "deepseek-v3:float32", "tiny:float32"]
 KERNELS = {
     "_mla_attention_kernel", "_merge_splits_kernel", "_store_kv_kernel", "_assign_kernel",
-    "_greedy_kernel", "_rejection_kernel", "_bmm_kernel",
+    "_greedy_kernel", "_rejection_kernel", "_bmm_kernel", "_fp8_block_kernel",
 }  # fmt: skip
+FP8_QUANTIZE = "_quantize_groups_kernel"  # where Triton stores fp8: sm_89 on
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def _table(rows: list[dict]) -> str:
 def test_every_kernel_variant_compiles(compiled, cap):
     rows = compiled[cap]
     print("\n" + _table(rows))  # shared memory, registers, stack (spills) per variant
-    assert {r["kernel"] for r in rows} == KERNELS
+    assert {r["kernel"] for r in rows} == (KERNELS | {FP8_QUANTIZE} if cap == 90 else KERNELS)
     attention = [r for r in rows if r["kernel"] == "_mla_attention_kernel"]
     # Per case: (one tile height + the batch-invariant fixed tile) x (one KV part, split):
     # DeepSeek-V3's 128 heads fill every tile with one token's head block; tiny's 8 heads
@@ -100,3 +102,10 @@ def test_every_kernel_variant_compiles(compiled, cap):
     assert sum(r["kernel"] == "_rejection_kernel" for r in rows) == 2  # two vocab tiles
     # The GEMM: per dtype, with and without bias, whatever the reduction length.
     assert sum(r["kernel"] == "_bmm_kernel" for r in rows) == 4
+    # Block FP8: one variant per activation dtype whatever the weight's shape (the scales'
+    # strides unspecialised); fp8 MMA on sm_90, float16 from the bits on sm_80; no spills.
+    fp8 = [r for r in rows if r["kernel"] == "_fp8_block_kernel"]
+    assert len(fp8) == 2, fp8
+    for r in fp8:
+        assert r["stack"] == 0 and r["constants"]["FP8_DOT"] == (cap == 90), r
+    assert sum(r["kernel"] == FP8_QUANTIZE for r in rows) == (2 if cap == 90 else 0)

@@ -22,12 +22,14 @@ KERNEL_MODULES = (
     "srt_ascend.layers.ops.kv_cache_triton",
     "srt_ascend.layers.ops.spec_accept_triton",
     "srt_ascend.layers.ops.matmul_triton",
+    "srt_ascend.layers.ops.fp8_matmul_triton",
 )
 
 
 def import_interpreted():
     """The kernel modules, interpreted (imported here first; an earlier compiled import would
-    fail the assertion rather than run on CPU)."""
+    fail the assertion rather than run on CPU): returns the attention, KV, acceptance and GEMM
+    modules; the block-FP8 GEMM's is imported too (import it by name afterwards)."""
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
@@ -49,21 +51,35 @@ def import_interpreted():
         "triton was imported before the interpreter was set: import torch._dynamo/_inductor "
         "or triton inside test functions, not at a test module's top level"
     )
-    return mods
+    return mods[:4]
 
 
 def _interpreted_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
     """The interpreter's `create_dot`, each output element its products summed in k order
     (a [..., M, K] @ b [..., K, N] + d): the same bits wherever its row or column sits.
-    Float8 operands are not used by these kernels."""
+    Float8 operands (held as their uint8 bits) are converted to float16 first, exactly, as
+    the interpreter's own dot does."""
     from triton.runtime.interpreter import TensorHandle
 
     dtype = d.data.dtype
-    prods = a.data.astype(dtype)[..., :, :, None] * b.data.astype(dtype)[..., None, :, :]
+    a_data, b_data = _fp8_as_float16(a), _fp8_as_float16(b)
+    prods = a_data.astype(dtype)[..., :, :, None] * b_data.astype(dtype)[..., None, :, :]
     out = d.data.copy()
     for k in range(prods.shape[-2]):  # sequential: no pairwise or blocked summation
         out += prods[..., k, :]
     return TensorHandle(out, d.dtype.scalar)
+
+
+def _fp8_as_float16(t):
+    """An interpreted tensor's values as numpy: float8 bits decoded to float16 (exact for
+    e4m3 and e5m2), anything else as it is."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime.interpreter import _convert_float
+
+    if t.dtype.primitive_bitwidth == 8 and t.dtype.is_floating():
+        return _convert_float(t.data, t.dtype, tl.float16, None).view(np.float16)
+    return t.data
 
 
 def exact_order_dot() -> None:

@@ -37,7 +37,7 @@ import torch
 # The modules holding Triton kernels (imported only where used).
 KERNEL_MODULES = tuple(
     f"srt_ascend.layers.ops.{m}_triton"
-    for m in ("mla_attention", "kv_cache", "spec_accept", "matmul")
+    for m in ("mla_attention", "kv_cache", "spec_accept", "matmul", "fp8_matmul")
 )
 
 

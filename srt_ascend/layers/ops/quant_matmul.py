@@ -22,9 +22,14 @@ Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's in
 (`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
 `torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
 `npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
-imported when first used; the references' semantics). Block FP8 has no fp8 GEMM here: CPU,
-CUDA and NPU dequantise the weight tile by tile per call (`fp8_block_linear`, the
-reference's value up to float summation order); the weights stay fp8 in memory.
+imported when first used; the references' semantics). Block FP8 on CUDA runs a Triton fp8
+GEMM (`fp8_matmul_triton`: fp8 MMA on sm_89 / sm_90, bf16 MMA on upcast tiles on sm_80, the
+per-block scales applied to each 128-wide K block's float32 dot; the activations quantised
+per token per 128 channels on the device, by one fused launch with `quantize_fp8_groups`'s
+bits on sm_89+), for 128-wide K blocks whose row blocks its tile
+divides (DeepSeek-V3's 128 x 128); CPU and NPU (and CUDA for other blocks) dequantise the
+weight tile by tile per call (`fp8_block_linear_dequant`, the reference's value up to float
+summation order). The weights stay fp8 in memory everywhere.
 """
 
 from __future__ import annotations
@@ -62,10 +67,10 @@ def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torc
     per token per `group` channels, s = max|x| / 448."""
     m, k = x.shape
     pad = -k % group
-    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, -1, group)
+    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, (k + pad) // group, group)
     s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
-    xq = (xf / s).to(torch.float8_e4m3fn).view(m, -1)[:, :k]
-    return xq, s.squeeze(-1)
+    xq = (xf / s).to(torch.float8_e4m3fn).view(m, k + pad)
+    return (xq[:, :k] if pad else xq), s.squeeze(-1)  # (M may be 0: no -1 in the views)
 
 
 def int8_matmul_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
@@ -173,7 +178,24 @@ def dequantize_fp8_blocks(wq: torch.Tensor, scale_inv: torch.Tensor, block: tupl
     return wq.float() * scale
 
 
+# device type -> loader of the block-FP8 GEMM for tensors there (else the dequantising path)
+_FP8_BLOCK_KERNELS = {"cuda": lambda: _fp8_triton().fp8_block_linear}
+
+
+def _fp8_triton():
+    from srt_ascend.layers.ops import fp8_matmul_triton  # imported only where used
+
+    return fp8_matmul_triton
+
+
 def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
+    """Block FP8: x [..., K], wq fp8 [N, K] -> [..., N] in x's dtype, the reference's value up
+    to float32 summation order. CUDA: the Triton fp8 GEMM (`fp8_matmul_triton`); elsewhere
+    `fp8_block_linear_dequant`."""
+    return pick(_FP8_BLOCK_KERNELS, x.device, fp8_block_linear_dequant)(x, wq, scale_inv, block)
+
+
+def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
     """Block FP8 without an fp8 GEMM: the activation quantised as the format says, both
     operands dequantised tile by tile, one matmul in float32. x [..., K] -> [..., N]."""
     bn, bk = block

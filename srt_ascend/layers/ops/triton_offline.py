@@ -198,7 +198,21 @@ def launch_every_variant(shape: ModelShape, dtype: torch.dtype, max_draft: int) 
             weight = torch.zeros(32, k, dtype=dtype)
             matmul_triton.linear(torch.zeros(2, k, dtype=dtype), weight, bias)
             calls += 1
-    return calls
+    return calls + _launch_fp8_gemms(shape, dtype)
+
+
+def _launch_fp8_gemms(shape: ModelShape, dtype: torch.dtype) -> int:
+    """The block-FP8 GEMM over each reduction length of `shape`, 128 x 128 weight blocks (a
+    DeepSeek FP8 checkpoint served at `dtype`): one weight block row per launch."""
+    from srt_ascend.layers.ops import fp8_matmul_triton
+
+    for k in shape.gemm_ks:
+        wq = torch.zeros(128, k, dtype=torch.float8_e4m3fn)
+        scale_inv = torch.ones(1, -(-k // 128))
+        fp8_matmul_triton.fp8_block_linear(
+            torch.zeros(2, k, dtype=dtype), wq, scale_inv, (128, 128)
+        )
+    return len(shape.gemm_ks)
 
 
 SHAPES = {s.name: s for s in (DEEPSEEK_V3, TINY)}
@@ -207,10 +221,15 @@ SHAPES = {s.name: s for s in (DEEPSEEK_V3, TINY)}
 def compile_cases(capability: int, cases: list[tuple[ModelShape, torch.dtype]], max_draft: int):
     """Every variant of every kernel (`launch_every_variant`) for each (shape, dtype) case,
     compiled for `capability`: the variants' resources, one per distinct compiled kernel."""
-    from srt_ascend.layers.ops import kv_cache_triton, matmul_triton, spec_accept_triton
+    from srt_ascend.layers.ops import (
+        fp8_matmul_triton,
+        kv_cache_triton,
+        matmul_triton,
+        spec_accept_triton,
+    )
     from srt_ascend.layers.ops import mla_attention_triton as attn
 
-    mods = (attn, kv_cache_triton, spec_accept_triton, matmul_triton)
+    mods = (attn, kv_cache_triton, spec_accept_triton, matmul_triton, fp8_matmul_triton)
     with compiling_for(capability, jit_kernels(mods)) as compiled:
         for shape, dtype in cases:
             launch_every_variant(shape, dtype, max_draft)
