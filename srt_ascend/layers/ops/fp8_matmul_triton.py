@@ -156,7 +156,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
     """x [M, K] -> (xq fp8 [M, K], s float32 [M, ceil(K/group)]) in one launch, the bits of
     `quant_matmul.quantize_fp8_groups` (new tensors on x's device). Targets with fp8 (sm_89+
     and the interpreter); sm_80's Triton has no float8e4nv to store."""
-    from srt_ascend.layers.ops import quant_matmul as qm
+    from srt_ascend.layers.ops import fp8_blocks as qm
 
     m, k = x.shape
     groups = triton.cdiv(k, group)
@@ -166,7 +166,7 @@ def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
         return xq, s
     _quantize_groups_kernel[(m, groups)](
         x, xq, s, k, x.stride(0), xq.stride(0), s.stride(0),
-        GROUP=group, FP8_MAX=qm.FP8_MAX, TINY=qm._TINY,
+        GROUP=group, FP8_MAX=qm.FP8_MAX, TINY=qm.TINY,
     )  # fmt: skip
     return xq, s
 
@@ -217,7 +217,7 @@ def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
     device (one Triton launch where the target stores fp8, else `quantize_fp8_groups`'s torch
     ops), then the fp8 GEMM; blocks the kernel does not serve (`supports`) take
     `quant_matmul`'s dequantising path."""
-    from srt_ascend.layers.ops import quant_matmul as qm
+    from srt_ascend.layers.ops import fp8_blocks as qm
 
     if not supports(block):
         return qm.fp8_block_linear_dequant(x, wq, scale_inv, block)

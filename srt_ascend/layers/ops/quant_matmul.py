@@ -37,10 +37,14 @@ from __future__ import annotations
 import torch
 
 from srt_ascend.layers.ops import pick
+from srt_ascend.layers.ops.fp8_blocks import FP8_MAX as FP8_MAX
+from srt_ascend.layers.ops.fp8_blocks import TINY as _TINY
+from srt_ascend.layers.ops.fp8_blocks import dequantize_fp8_blocks as dequantize_fp8_blocks
+from srt_ascend.layers.ops.fp8_blocks import fp8_block_linear_dequant as fp8_block_linear_dequant
+from srt_ascend.layers.ops.fp8_blocks import fp8_block_reference as fp8_block_reference
+from srt_ascend.layers.ops.fp8_blocks import quantize_fp8_groups as quantize_fp8_groups
 
 INT8_MIN, INT8_MAX = -128, 127
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
-_TINY = 1e-12  # scale floor: an all-zero row quantises to zeros, not NaN
 
 
 # ---- references (the formats' definitions) ----
@@ -62,17 +66,6 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(xf, s).round_().to(torch.int8), s
 
 
-def quantize_fp8_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Block FP8's activations: x [M, K] -> (xq fp8 [M, K], s float32 [M, ceil(K/group)]),
-    per token per `group` channels, s = max|x| / 448."""
-    m, k = x.shape
-    pad = -k % group
-    xf = torch.nn.functional.pad(x.float(), (0, pad)).view(m, (k + pad) // group, group)
-    s = xf.abs().amax(-1, keepdim=True).clamp(min=_TINY) / FP8_MAX
-    xq = (xf / s).to(torch.float8_e4m3fn).view(m, k + pad)
-    return (xq[:, :k] if pad else xq), s.squeeze(-1)  # (M may be 0: no -1 in the views)
-
-
 def int8_matmul_reference(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     """xq int8 [M, K] @ wq int8 [N, K]^T -> int32 [M, N], exact (int32 accumulation)."""
     return xq.to(torch.int32) @ wq.to(torch.int32).t()
@@ -88,20 +81,6 @@ def w8a8_dynamic_reference(x, wq, weight_scale):
     """The W8A8_DYNAMIC formula: x [M, K], weight_scale [N] -> float32 [M, N]."""
     xq, s = quantize_per_token(x)
     return int8_matmul_reference(xq, wq) * (s * weight_scale.float())
-
-
-def fp8_block_reference(x, wq, scale_inv, block: tuple[int, int]):
-    """The block-FP8 formula: x [M, K], wq fp8 [N, K] -> float32 [M, N], block by block."""
-    bn, bk = block
-    n, k = wq.shape
-    xq, s = quantize_fp8_groups(x, bk)
-    ws = scale_inv.float().repeat_interleave(bn, 0)[:n]  # [N, K blocks]
-    out = x.new_zeros(x.shape[0], n, dtype=torch.float32)
-    for j in range(-(-k // bk)):
-        cols = slice(j * bk, (j + 1) * bk)
-        part = xq[:, cols].float() @ wq[:, cols].float().t()
-        out += part * s[:, j : j + 1] * ws[:, j]
-    return out
 
 
 # ---- device implementations ----
@@ -169,15 +148,6 @@ def w8a8_dynamic_linear(x, wq, weight_scale):
     return y.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
-def dequantize_fp8_blocks(wq: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
-    """wq fp8 [N, K], scale_inv [ceil(N/bn), ceil(K/bk)] -> float32 [N, K]: each bn x bk
-    block times its factor (a partial last block too)."""
-    bn, bk = block
-    n, k = wq.shape
-    scale = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
-    return wq.float() * scale
-
-
 # device type -> loader of the block-FP8 GEMM for tensors there (else the dequantising path)
 _FP8_BLOCK_KERNELS = {"cuda": lambda: _fp8_triton().fp8_block_linear}
 
@@ -193,20 +163,3 @@ def fp8_block_linear(x, wq, scale_inv, block: tuple[int, int]):
     to float32 summation order. CUDA: the Triton fp8 GEMM (`fp8_matmul_triton`); elsewhere
     `fp8_block_linear_dequant`."""
     return pick(_FP8_BLOCK_KERNELS, x.device, fp8_block_linear_dequant)(x, wq, scale_inv, block)
-
-
-def fp8_block_linear_dequant(x, wq, scale_inv, block: tuple[int, int]):
-    """Block FP8 without an fp8 GEMM: the activation quantised as the format says, both
-    operands dequantised tile by tile, one matmul in float32. x [..., K] -> [..., N]."""
-    bn, bk = block
-    n, k = wq.shape
-    flat = x.reshape(-1, k)
-    xq, s = quantize_fp8_groups(flat, bk)
-    if k % bk == 0 and n % bn == 0:  # blocks as broadcast views, no expanded scale tensors
-        xd = (xq.float().view(-1, k // bk, bk) * s.unsqueeze(-1)).view(-1, k)
-        tiles = wq.float().view(n // bn, bn, k // bk, bk) * scale_inv.float()[:, None, :, None]
-        w = tiles.view(n, k)
-    else:
-        xd = xq.float() * s.repeat_interleave(bk, 1)[:, :k]
-        w = dequantize_fp8_blocks(wq, scale_inv, block)
-    return (xd @ w.t()).to(x.dtype).view(*x.shape[:-1], n)
