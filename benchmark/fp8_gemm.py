@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.nn.functional as F
+from kernels import cuda_time
 
 # (name, N, K): q_a + kv_a (stacked), q_b, o_proj, dense gate_up, dense down, an expert's
 DEEPSEEK_V3 = [
@@ -68,19 +69,6 @@ def check(device: str) -> list[dict]:
     return rows
 
 
-def cuda_us(fn, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
-
-
 def bench(shapes, rows: list[int], iters: int) -> None:
     """Per (shape, rows): bf16 F.linear, the dequantising path, the Triton fp8 GEMM (us)."""
     from srt_ascend.layers.ops import fp8_matmul_triton as tri
@@ -94,7 +82,7 @@ def bench(shapes, rows: list[int], iters: int) -> None:
         for m in rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             t_bf16, t_deq, t_fp8 = (
-                cuda_us(lambda fn=fn, args=args, x=x: fn(x, *args), iters)
+                cuda_time(lambda fn=fn, args=args, x=x: fn(x, *args), iters)
                 for fn, args in (
                     (F.linear, (w,)),
                     (qm.fp8_block_linear_dequant, (wq, si, (128, 128))),
