@@ -196,9 +196,14 @@ class Decoder(ABC):
         settings, logprobs as asked; the tokens `agree`d across ranks), committed through
         the handle."""
         res = sample_rows(logits, reqs, self.vocab, self.h.eos_ids)
-        token_ids = self.agree(res.token_ids)
+        self.commit_tokens(reqs, res.token_ids, res.logprobs)
+
+    def commit_tokens(self, reqs: list[StepRequest], token_ids: list[int], logprobs) -> None:
+        """Request i's token `token_ids[i]` (this rank's host read, `agree`d across ranks) and
+        its row of `logprobs` (None: not asked), committed through the handle."""
+        token_ids = self.agree(token_ids)
         for i, r in enumerate(reqs):
-            lps = None if res.logprobs is None else res.logprobs.rows(i, i + 1)
+            lps = None if logprobs is None else logprobs.rows(i, i + 1)
             self.h.commit(r, [token_ids[i]], lps)
 
     def decode_and_commit(
@@ -220,18 +225,17 @@ class Decoder(ABC):
             [1] * len(reqs),
             loc,
         )
-        if greedy_kind is not None and greedy_without_logprobs(reqs):
-            hidden, tokens = self.runner.forward_greedy(fb, greedy_kind)
-            for r in reqs:
-                r.kv_len += 1
-            token_ids = self.agree(HOST_READS.read(tokens))
-            for r, t in zip(reqs, token_ids):
-                self.h.commit(r, [t], None)
-            return hidden
-        hidden, logits = self.runner.forward_logits(fb, kind)
+        greedy = greedy_kind is not None and greedy_without_logprobs(reqs)
+        if greedy:  # the graph's tokens, or the logits to sample from
+            hidden, out = self.runner.forward_greedy(fb, greedy_kind)
+        else:
+            hidden, out = self.runner.forward_logits(fb, kind)
         for r in reqs:
             r.kv_len += 1
-        self.sample_and_commit(reqs, logits)
+        if greedy:
+            self.commit_tokens(reqs, HOST_READS.read(out), None)
+        else:
+            self.sample_and_commit(reqs, out)
         return hidden
 
     @abstractmethod

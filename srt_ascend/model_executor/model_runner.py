@@ -33,6 +33,7 @@ from srt_ascend.models.loader import load_config, load_model, shard_files
 from srt_ascend.models.quant_config import refused_with, resolve_quantization
 from srt_ascend.models.weight_memory import weight_memory
 from srt_ascend.platforms import Platform
+from srt_ascend.sampling.sample_step import greedy_tokens
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -47,13 +48,6 @@ def resolve_dtype(name: str, config) -> torch.dtype:
     if isinstance(ckpt, torch.dtype):
         return ckpt
     return _DTYPES.get(str(ckpt).replace("torch.", ""), torch.bfloat16)
-
-
-def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[T] int64: each row's argmax over the first `vocab_size` columns of `logits` [T, V]
-    (columns past the tokenizer's vocabulary are padding): greedy sampling's rule, the same
-    op inside a graph and out, so both give the same tokens."""
-    return logits[:, :vocab_size].argmax(dim=-1)
 
 
 class ModelRunner:

@@ -149,6 +149,14 @@ def all_plain_greedy(
     return True
 
 
+def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[T] int64: each row's argmax over the first `vocab_size` columns of `logits` [T, V]
+    (columns past the tokenizer's vocabulary are padding): greedy sampling's rule, the one op
+    `sample_tokens` and a graph ending with the argmax (GraphKind.argmax_vocab) both run, so
+    both give the same tokens."""
+    return logits[:, :vocab_size].argmax(dim=-1)
+
+
 def greedy_without_logprobs(
     reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None
 ) -> bool:
@@ -182,7 +190,7 @@ def sample_tokens(
     """One token per row, left on the device (the logprobs, when asked, are read)."""
     generated = generated_counts(reqs, generated)
     if greedy_without_logprobs(reqs, generated):
-        return SampledTokens(logits[:, :vocab_size].argmax(dim=-1), None)
+        return SampledTokens(greedy_tokens(logits, vocab_size), None)
     info = SamplingBatchInfo.from_params(
         [r.sampling_params for r in reqs],
         vocab_size,

@@ -101,7 +101,6 @@ class OverlappedRoundsMixin:
         k = self._batch_k(plan)
         if k and 0 in plan:
             return None
-        limits = None if all(n == k for n in plan) else plan
         k1, device = k + 1, self.runner.device
         reserved = self._reserve(reqs, prev, k)
         if reserved is None:
@@ -118,7 +117,8 @@ class OverlappedRoundsMixin:
         # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
         generated = [len(r.output_ids) for r in reqs]
         batch, table = list(reqs), self.h.req_to_token
-        limited = None if limits is None else to_device(limits, device)
+        limited = self._limits(plan, k)  # None when every row drafts k
+        limits = None if limited is None else plan
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
