@@ -13,24 +13,11 @@ flag every count is 0 (tests/engine/test_deterministic_cache.py asserts it).
 
 from __future__ import annotations
 
+from spec_decode import prompts as held_out_prompts
+
 from srt_ascend import Engine
-from srt_ascend.tools.corpus import list_files, split
 
 CHUNK = 16
-
-
-def held_out_prompts(n: int, chars: int = 300) -> list[str]:
-    """`n` snippets of held-out standard-library files (never trained on), one per file."""
-    _, held = split(list_files())
-    out = []
-    for i, f in enumerate(held):
-        text = f.read()
-        if len(text) > 2 * chars:
-            start = (i * 7919) % (len(text) - chars)
-            out.append(text[start : start + chars])
-        if len(out) == n:
-            break
-    return out
 
 
 def _generate(engine: Engine, prompts: list[str], output_len: int) -> list[dict]:
