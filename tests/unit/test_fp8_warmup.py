@@ -19,7 +19,7 @@ from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms import get_platform
 from srt_ascend.server_args import SHIPPED_MODEL, ServerArgs
 from srt_ascend.tools.quantize import Calibration, quantize_checkpoint
-from tests.unit.test_kernel_variants import VariantRecorder
+from tests.unit.test_kernel_variants import VariantRecorder, eager_forwards
 from tests.unit.triton_interpreter import import_interpreted
 
 import_interpreted()
@@ -56,29 +56,8 @@ def _serve(runner: ModelRunner) -> None:
     prefix, and the MTP draft extend after each (the row count is never specialised, so
     verifies and longer prefills are the same variants; the interpreter runs each program
     in Python, so few rows keep this quick)."""
-    pool, alloc = runner.req_to_token_pool, runner.allocator
-    rows = pool.alloc(2)
-    slots = [alloc.alloc(40) for _ in rows]
-    try:
-        for row, s in zip(rows, slots):
-            pool.write([row], [0], s, [40])
-        plans = [
-            (ForwardMode.DECODE, [1, 1], [30, 17]),
-            (ForwardMode.EXTEND, [5], [20]),
-        ]
-        for mode, q, seq in plans:
-            b = len(q)
-            loc = torch.cat([s[n - m : n] for s, n, m in zip(slots, seq, q)])
-            ids = torch.randint(3, runner.vocab_size, (sum(q),))
-            fb = runner.build_forward_batch(mode, ids, rows[:b], seq, q, loc)
-            hidden = runner.forward_eager(fb)
-            assert torch.isfinite(runner.compute_logits(hidden)).all()
-            draft = runner.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, rows[:b], seq, q, loc)
-            runner.forward_eager(draft, 0, hidden)
-    finally:
-        for s in slots:
-            alloc.free(s)
-        pool.free(rows)
+    plans = [(ForwardMode.DECODE, [1, 1], [30, 17]), (ForwardMode.EXTEND, [5], [20])]
+    eager_forwards(runner, plans, 2, 40)
 
 
 @torch.inference_mode()

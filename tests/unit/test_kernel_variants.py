@@ -138,35 +138,46 @@ def _warm_then_serve(tiny_mtp_factory):
         uninstall()
 
 
+def eager_forwards(runner: ModelRunner, plans, n_rows: int, length: int) -> None:
+    """Eager forwards through `runner` over `n_rows` request rows of `length` KV slots each:
+    for each (mode, query lengths q, KV lengths seq) of `plans`, a batch of the first len(q)
+    rows with random ids, its logits (asserted finite), then the MTP draft extend after it.
+    The rows and slots are freed after."""
+    pool, alloc = runner.req_to_token_pool, runner.allocator
+    rows = pool.alloc(n_rows)
+    slots = [alloc.alloc(length) for _ in rows]
+    try:
+        for row, s in zip(rows, slots):
+            pool.write([row], [0], s, [length])
+        for mode, q, seq in plans:
+            b = len(q)
+            loc = torch.cat([s[n - m : n] for s, n, m in zip(slots, seq, q)])
+            ids = torch.randint(3, runner.vocab_size, (sum(q),))
+            fb = runner.build_forward_batch(mode, ids, rows[:b], seq, q, loc)
+            hidden = runner.forward_eager(fb)
+            assert torch.isfinite(runner.compute_logits(hidden)).all()
+            draft = runner.build_forward_batch(ForwardMode.DRAFT_EXTEND, ids, rows[:b], seq, q, loc)
+            runner.forward_eager(draft, 0, hidden)
+    finally:
+        for s in slots:
+            alloc.free(s)
+        pool.free(rows)
+
+
 def _random_forwards(runner: ModelRunner, rng: random.Random) -> None:
     """Eager forwards of random shapes: prefills over random cached prefixes (a radix hit
     or an earlier chunk), decodes and verifies of random batches, MTP draft extends."""
-    pool, alloc = runner.req_to_token_pool, runner.allocator
-    rows = pool.alloc(3)
-    slots = [alloc.alloc(470) for _ in rows]
-    try:
-        for row, s in zip(rows, slots):
-            pool.write([row], [0], s, [470])
+
+    def plans():
         for _ in range(6):
             batch = rng.randint(1, 3)
             mode = rng.choice([EXTEND, ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
             q = [1 if mode == ForwardMode.DECODE else rng.randint(1, 40) for _ in range(batch)]
             if mode == ForwardMode.TARGET_VERIFY:
                 q = [K + 1] * batch
-            seq = [rng.randint(n, 460) for n in q]
-            loc = torch.cat([s[n - m : n] for s, n, m in zip(slots, seq, q)])
-            ids = torch.randint(3, runner.vocab_size, (sum(q),))
-            fb = runner.build_forward_batch(mode, ids, rows[:batch], seq, q, loc)
-            hidden = runner.forward_eager(fb)
-            runner.compute_logits(hidden)
-            fb = runner.build_forward_batch(
-                ForwardMode.DRAFT_EXTEND, ids, rows[:batch], seq, q, loc
-            )
-            runner.forward_eager(fb, 0, hidden)
-    finally:
-        for s in slots:
-            alloc.free(s)
-        pool.free(rows)
+            yield mode, q, [rng.randint(n, 460) for n in q]
+
+    eager_forwards(runner, plans(), 3, 470)
 
 
 def test_serving_launches_only_warmed_variants(served):
