@@ -30,16 +30,10 @@ import resource
 import statistics
 import time
 
-import torch
 from cache_drift import drift_table
-from workload_args import workload_parser
+from workload_args import random_prompts, workload_parser
 
 from srt_ascend import Engine
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
 def process_cpu_s() -> float:

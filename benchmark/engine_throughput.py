@@ -22,14 +22,9 @@ import os
 import time
 
 import torch
-from workload_args import workload_parser
+from workload_args import random_prompts, workload_parser
 
 from srt_ascend import Engine
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
 def engine_tps(model_path, dtype, prompts, output_len, **kw) -> tuple[float, float]:

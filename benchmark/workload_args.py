@@ -1,8 +1,10 @@
-"""The command-line options of the offline engine benchmarks' workload."""
+"""The command-line options of the offline engine benchmarks' workload, and its random prompts."""
 
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 from srt_ascend.server_args import SHIPPED_MODEL
 
@@ -17,3 +19,10 @@ def workload_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--json-out", default=None)
     return p
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """`n` prompts of `length` token ids drawn uniformly from [3, vocab) (ids below 3 are the
+    tokenizer's specials), the same for the same seed."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n, length), generator=g).tolist()
