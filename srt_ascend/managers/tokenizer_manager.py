@@ -259,6 +259,49 @@ class TokenizerManager:
                 f"sampling_params.speculative_num_steps must be in [0, {most}] ({why}), got {steps}"
             )
 
+    def _checked_params(self, sampling_params: dict | None) -> SamplingParams:
+        try:
+            params = SamplingParams.from_dict(sampling_params or {})
+            params.verify(self.runner.vocab_size)
+            params.normalize()
+        except (ValueError, TypeError) as e:
+            raise RequestError(str(e)) from e
+        self._check_draft_length(params.speculative_num_steps)
+        return params
+
+    def _check_input(self, input_ids: list[int], max_new_tokens: int) -> None:
+        """The prompt is non-empty, valid ids, and it plus max_new_tokens fits the context."""
+        if not input_ids:
+            raise RequestError("the input is empty")
+        self.validate_input_ids(input_ids)
+        if len(input_ids) >= self.context_len:
+            raise RequestError(
+                f"the input ({len(input_ids)} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens)"
+            )
+        total = len(input_ids) + max_new_tokens
+        if total >= self.context_len:
+            raise RequestError(
+                "Requested token count exceeds the model's maximum context length of "
+                f"{self.context_len} tokens. You requested a total of {total} tokens: "
+                f"{len(input_ids)} tokens from the input messages and "
+                f"{max_new_tokens} tokens for the completion. Please reduce the number "
+                "of tokens in the input messages or the completion to fit within the limit."
+            )
+
+    @staticmethod
+    def _logprob_start(num_input: int, logprob_start_len: int | None) -> int:
+        """SGLang's: by default (None or -1) no prompt logprobs, only the output's."""
+        start = (
+            num_input if logprob_start_len is None or logprob_start_len < 0 else logprob_start_len
+        )
+        if start > num_input:
+            raise RequestError(
+                f"logprob_start_len={start} is higher than the number of input tokens "
+                f"{num_input}. Please use a smaller logprob_start_len."
+            )
+        return start
+
     def make_request(
         self,
         input_ids: list[int],
@@ -275,21 +318,8 @@ class TokenizerManager:
         """Validates one request; raises RequestError with a user-facing message. As in
         SGLang, the prompt plus max_new_tokens must stay below the context length (nothing is
         clamped); `extra_key` (cache_salt) keeps its cached prefixes apart from other keys'."""
-        try:
-            params = SamplingParams.from_dict(sampling_params or {})
-            params.verify(self.runner.vocab_size)
-            params.normalize()
-        except (ValueError, TypeError) as e:
-            raise RequestError(str(e)) from e
-        self._check_draft_length(params.speculative_num_steps)
-        if not input_ids:
-            raise RequestError("the input is empty")
-        self.validate_input_ids(input_ids)
-        if len(input_ids) >= self.context_len:
-            raise RequestError(
-                f"the input ({len(input_ids)} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens)"
-            )
+        params = self._checked_params(sampling_params)
+        self._check_input(input_ids, params.max_new_tokens)
         if top_logprobs_num is not None and not 0 <= top_logprobs_num <= MAX_TOP_LOGPROBS:
             raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         if token_ids_logprob:
@@ -298,26 +328,8 @@ class TokenizerManager:
             except RequestError as e:
                 raise RequestError(f"token_ids_logprob: {e}") from None
         start = -1
-        if return_logprob:  # SGLang's: by default (-1) no prompt logprobs, only the output's
-            start = (
-                len(input_ids)
-                if logprob_start_len is None or logprob_start_len < 0
-                else logprob_start_len
-            )
-            if start > len(input_ids):
-                raise RequestError(
-                    f"logprob_start_len={start} is higher than the number of input tokens "
-                    f"{len(input_ids)}. Please use a smaller logprob_start_len."
-                )
-        total = len(input_ids) + params.max_new_tokens
-        if total >= self.context_len:
-            raise RequestError(
-                "Requested token count exceeds the model's maximum context length of "
-                f"{self.context_len} tokens. You requested a total of {total} tokens: "
-                f"{len(input_ids)} tokens from the input messages and "
-                f"{params.max_new_tokens} tokens for the completion. Please reduce the number "
-                "of tokens in the input messages or the completion to fit within the limit."
-            )
+        if return_logprob:
+            start = self._logprob_start(len(input_ids), logprob_start_len)
         return TokenizedGenerateReq(
             rid=rid or uuid.uuid4().hex,
             input_ids=list(input_ids),
