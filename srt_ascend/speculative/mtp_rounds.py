@@ -1,8 +1,8 @@
 """MTPDecoder's overlapped rounds (`launch` / `finish`, overlap scheduling): round N+1
 issued before round N's read, its inputs round N's device results (see mtp_decoder's
-docstring). `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's
+docstring); an all-greedy round replays as one graph (`_graph_round`) from those results. `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's
 `_latest` (the round launched last) and `_read_at`, and calls its `_verify`, `_read`,
-`_logprobs`, `_estimate`, `_count` and `_timed`."""
+`_logprobs`, `_estimate`, `_count`, `_timed`, `_round_fits` and `_graph_round`."""
 
 from __future__ import annotations
 
@@ -119,6 +119,7 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
+        whole = bool(k) and self._round_fits(batch, k, generated)  # one graph for the round
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
@@ -144,8 +145,11 @@ class OverlappedRoundsMixin:
                         None if out.first.probs is None else pick(out.first.probs),
                         pick(out.first.hidden),
                     )
-            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             at = Starts(start, bounds)
+            if whole:  # its slots are gathered inside the graph
+                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited)
+                return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
+            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
             res, logits, hidden = self._verify(
