@@ -251,7 +251,9 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
     def _padding_step(self, bs: int, k: int) -> None:
         """The forwards of a step with K = k over `bs` padding requests (request row 0, a
         context of PROFILE_CONTEXT tokens, every KV write into the padding slot 0): the K-1
-        draft steps, the verify forward and its logits, the MTP pass and its drafting head."""
+        draft steps, the verify forward and its logits, the MTP pass and its drafting head;
+        the round's one graph where it holds the batch (what all-greedy rounds replay; the
+        served steps scale the estimate per bucket and K)."""
         runner, k1 = self.runner, k + 1
         context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
         loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
@@ -262,6 +264,10 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
                 ForwardMode.DECODE, loc[:, 0], rows, [context + 1] * bs, [1] * bs, loc[:, 0]
             )
             runner.forward_logits(fb, self.plain_kind)
+            return
+        if self.rounds is not None and self.rounds.holds(k, bs):  # the round's one graph
+            zeros = torch.zeros(bs, dtype=torch.int64, device=runner.device)  # row 0: slot 0
+            self.rounds.run(k, zeros, zeros + context, [context] * bs, zeros, zeros, hidden, None)
             return
         for j in range(1, k):
             kind = self.step_kinds[j]

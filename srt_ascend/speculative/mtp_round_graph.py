@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from srt_ascend.layers.ops import spec_accept
-from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
+from srt_ascend.model_executor.forward_batch import ForwardBatch
 from srt_ascend.model_executor.graph_runner import GraphKind, GraphRunner
 from srt_ascend.sampling.sample_step import greedy_tokens
 
@@ -175,7 +175,9 @@ class MTPRoundGraphs:
             at = start.view(-1, 1) + self._range[:k1]
             loc = torch.where(live.view(-1, 1), self.table[rows.view(-1, 1), at], 0)  # [B, K+1]
             seq_at = lambda plus: torch.where(live, start + plus, 0)  # noqa: E731
-            drafts = self._chain(kinds, b.first[:bs], b.first_hidden[:bs], rows, seq_at, loc, window)
+            drafts = self._chain(
+                kinds, b.first[:bs], b.first_hidden[:bs], rows, seq_at, loc, window
+            )
             tokens = torch.cat([b.last[:bs].view(-1, 1), drafts], dim=1)  # [B, K+1]
             hidden, logits = self._verify(kinds.verify, tokens, rows, seq_at, loc, window)
             argmax = greedy_tokens(logits, self.vocab).view(bs, k1)

@@ -103,8 +103,9 @@ def test_mtp_round_graph_greedy_identical(model_path, baseline, name):
     want = [b["output_ids"] for b in baseline]
     assert [o["output_ids"] for o in outs + again] == want[:10] + want[3:5]
     assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
-    assert state["available_kv_tokens"] + state["cached_tokens_in_tree"] == (
-        state["max_total_num_tokens"]
+    assert (
+        state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+        == (state["max_total_num_tokens"])
     ), "KV slots leaked"
     replays = {kind: n for kind, n in state["graph_replays"].items() if n}
     assert replays.get(f"mtp_round_k{k}", 0) > 0, replays
