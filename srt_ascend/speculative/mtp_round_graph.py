@@ -65,6 +65,7 @@ class RoundResult(NamedTuple):
     emitted: torch.Tensor  # [B, K+1] int64: accepted drafts, one target token, then -1
     first: torch.Tensor  # [B] int64: the next round's d_1
     first_hidden: torch.Tensor  # [B, D]: the MTP output that drafted it
+    drafts: torch.Tensor  # [B, K] d_1..d_K: the chain this round verified
 
 
 class RoundKinds(NamedTuple):
@@ -185,7 +186,7 @@ class MTPRoundGraphs:
             first, first_hidden = self._mtp_pass(
                 kinds, emitted, accept_len, hidden, rows, seq_at(k1), loc, window
             )
-            return accept_len, emitted, first, first_hidden
+            return accept_len, emitted, first, first_hidden, drafts
 
         return body
 
