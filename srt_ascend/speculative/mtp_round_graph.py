@@ -249,6 +249,7 @@ class MTPRoundGraphs:
         return greedy_tokens(logits, self.vocab), out.index_select(0, ends)
 
     # replay -----------------------------------------------------------------------------
+    @torch.inference_mode()
     def run(
         self,
         k: int,
