@@ -369,29 +369,30 @@ def graph_replays(engine: Engine) -> dict:
 
 
 def test_mtp_round_graph_aborts_and_fallbacks(model_path, overlapped):
-    """All-greedy rounds replay as one graph per round (`mtp_round_k2`, none of the
-    per-forward kinds), serial and overlapped, with an abort mid-round and a stop string: the
-    plain decoder's greedy tokens, the KV invariant intact after each; a batch with sampled
-    requests runs the per-forward kinds (its seeded and greedy tokens equal either way)."""
-    scenarios = {name: SCENARIOS[name] for name in ("greedy", "stop_string", "abort_in_flight")}
-    scenarios["after_greedy"] = graph_replays
-    scenarios["mixed_sampling"] = mixed_sampling
-    scenarios["after_mixed"] = graph_replays
+    """All-greedy rounds replay as one graph per round (`mtp_round_k2`, no per-forward verify
+    or draft step), serial and overlapped, with an abort mid-round: the plain decoder's greedy
+    tokens, the KV invariant intact after it; a batch with sampled requests runs the
+    per-forward kinds (its seeded and greedy tokens equal either way). Greedy tokens and stop
+    strings through the round graph: `test_mtp_overlap_with_expand_verify_and_graphs`."""
+    scenarios = {
+        "abort_in_flight": abort_in_flight,
+        "after_greedy": graph_replays,
+        "mixed_sampling": mixed_sampling,
+        "after_mixed": graph_replays,
+    }
     kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
-    results = {}
+    mixed = []
     for flags in (ON, {"disable_overlap_schedule": True}):
-        results[bool(flags.get("enable_overlap_schedule"))] = res = run_all(
-            model_path, scenarios, **flags, **MTP, **kw
-        )
+        res = run_all(model_path, scenarios, **flags, **MTP, **kw)
         for name in scenarios:
             assert res[name][1] is None, name  # the KV invariant
-        for name in ("greedy", "stop_string"):
-            assert res[name][0][0] == overlapped[name][0][0], name
-        greedy, mixed = res["after_greedy"][0][0], res["after_mixed"][0][0]
+        assert res["abort_in_flight"][0][0] == overlapped["abort_in_flight"][0][0]
+        greedy, after = res["after_greedy"][0][0], res["after_mixed"][0][0]
         assert greedy.get("mtp_round_k2", 0) > 0, greedy
-        assert not greedy.get("verify_expand") and not greedy.get("draft_extend"), greedy
-        assert mixed.get("verify_expand", 0) > 0 and mixed.get("draft_step0", 0) > 0, mixed
-    assert results[True]["mixed_sampling"][0][0] == results[False]["mixed_sampling"][0][0]
+        assert not greedy.get("verify_expand") and not greedy.get("draft_step0"), greedy
+        assert after.get("verify_expand", 0) > 0 and after.get("draft_step0", 0) > 0, after
+        mixed.append(res["mixed_sampling"][0][0])
+    assert mixed[0] == mixed[1]
 
 
 def test_mtp_retractions_under_overlap(model_path):
