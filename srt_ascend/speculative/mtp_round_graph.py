@@ -107,16 +107,18 @@ class MTPRoundGraphs:
         self.buf = _Inputs(self.buckets[-1], hidden_size, dtype, device)
         self.table = graphs.req_to_token_pool.req_to_token
         self._range = torch.arange(max(kinds) + 2, device=device)
+        self.windows = {k: self._windows(k) for k in kinds}
         self.graphs: dict[tuple[int, int, int], DeviceGraph] = {}  # (K, bucket, window)
         self.replays: Counter[int] = Counter()  # per K
 
-    def windows(self, k: int) -> list[int]:
+    def _windows(self, k: int) -> list[int]:
         """KV windows round K is captured for: the graph runner's, where a kind of it gathers
         the whole window (torch_native), else the full width only."""
         kinds = self.kinds[k]
         every = [kinds.verify, kinds.extend, *kinds.steps.values(), *kinds.later]
         widest = self.g.static_kv_len
-        return self.g.windows if any(k.backend.reads_whole_kv_window for k in every) else [widest]
+        whole = any(kind.backend.reads_whole_kv_window for kind in every)
+        return self.g.windows if whole else [widest]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -124,7 +126,7 @@ class MTPRoundGraphs:
         platform.synchronize()
         for bs in reversed(self.buckets):  # largest first, in the graph runner's pool
             for k in sorted(self.kinds):
-                for window in reversed(self.windows(k)):
+                for window in reversed(self.windows[k]):
                     graph = platform.new_graph(False)
                     body = self._body(k, bs, window)
                     with platform.stream(self.g.stream):
@@ -265,7 +267,7 @@ class MTPRoundGraphs:
         n, b = len(bounds), self.buf
         bucket = next(s for s in self.buckets if s >= n)
         longest = max(bounds) + k + 1
-        window = next(w for w in self.windows(k) if w >= longest)
+        window = next(w for w in self.windows[k] if w >= longest)
         for dst, src in (
             (b.rows, rows),
             (b.starts, starts),

@@ -134,18 +134,7 @@ class OverlappedRoundsMixin:
                 first, start, tail, counts = initial, begin, last, generated
             else:
                 out: RoundOut = prev.result.result()
-                pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
-                accept_len = pick(out.res.accept_len)
-                start = pick(out.starts) + accept_len + 1
-                counts = counts_after(generated, accept_len, prev.k + 1)
-                tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
-                first = None
-                if k:  # prev drafted (a K = 0 prev is refused above)
-                    first = FirstDrafts(
-                        pick(out.first.tokens),
-                        None if out.first.probs is None else pick(out.first.probs),
-                        pick(out.first.hidden),
-                    )
+                first, start, tail, counts = _after(out, picked, generated, prev.k, k)
             at = Starts(start, bounds)
             if whole:  # its slots are gathered inside the graph
                 res, nxt = self._graph_round(batch, k, index, at, tail, first, limited)
@@ -276,3 +265,22 @@ class OverlappedRoundsMixin:
             seconds = self._timed(seconds)
             self.draft_length.record(estimates, step.k, accepted, seconds, limits)
         return committed
+
+
+def _after(out: RoundOut, picked: torch.Tensor | None, generated: list[int], k_prev: int, k: int):
+    """A round's inputs from the round before it (`out`, its rows `picked` in this round's
+    order, None: the same order), on the device: (d_1, or None for K = 0; the first
+    positions; the last committed tokens [B, 1]; the generated counts, a range)."""
+    pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
+    accept_len = pick(out.res.accept_len)
+    start = pick(out.starts) + accept_len + 1
+    counts = counts_after(generated, accept_len, k_prev + 1)
+    tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
+    first = None
+    if k:  # prev drafted (a K = 0 prev is refused by `_reserve`)
+        first = FirstDrafts(
+            pick(out.first.tokens),
+            None if out.first.probs is None else pick(out.first.probs),
+            pick(out.first.hidden),
+        )
+    return first, start, tail, counts
