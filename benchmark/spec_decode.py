@@ -2,16 +2,19 @@
 and the accept length greedy verification can deliver (`--accept-bound`).
 
     python benchmark/spec_decode.py [--dtype bfloat16] [--output-len 128] [--ks 1 2 3]
-        [--concurrency 1 4 16] [--waves 3] [--json-out FILE] [--plot FILE.png]
+        [--concurrency 1 4 16] [--waves 3] [--verifies expand fia] [--round-graph-pair]
+        [--json-out FILE] [--plot FILE.png]
     python benchmark/spec_decode.py --accept-bound [--num-prompts 12] [--output-len 128]
 
 Workload: held-out stdlib snippets (never trained on), greedy, `output-len` tokens each
 (ignore_eos). For each concurrency c, requests run in waves of c concurrent requests; the
 time per output token (TPOT) of a wave is its wall time / output-len, and the median over
 waves is reported. Configurations: speculation off, MTP with expand verify, MTP with FIA
-verify, for each K. Also reported: mean accept length (1 + accepted drafts per verify), and
-in bf16 how many requests' outputs equal the speculation-off outputs token for token (batches
-of different shapes round differently in bf16; near-ties can flip: reported, not hidden).
+verify, for each K (`--round-graph-pair`: graphs on everywhere, and each MTP configuration
+with its whole round as one graph beside per-forward graphs). Also reported: mean accept
+length (1 + accepted drafts per verify), and in bf16 how many requests' outputs equal the
+speculation-off outputs token for token (batches of different shapes round differently in
+bf16; near-ties can flip: reported, not hidden).
 
 `--accept-bound`: the accept length greedy verification can deliver on the text a server
 verifies. `mtp_agreement.py` scores the draft teacher-forced over held-out *files* (human-written
@@ -123,6 +126,14 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG of TPOT and accept length (matplotlib)")
     p.add_argument("--accept-bound", action="store_true", help="the accept length bound instead")
+    p.add_argument("--verifies", nargs="+", default=["expand", "fia"], help="MTP verify paths")
+    p.add_argument(
+        "--round-graph-pair",
+        action="store_true",
+        help="graphs on (--enable-cpu-graph, a bucket per concurrency) in every configuration, "
+        "and each MTP one twice: the whole round as one graph, and per-forward graphs "
+        "(--disable-mtp-round-graph)",
+    )
     p.add_argument("--num-prompts", type=int, default=12, help="prompts of --accept-bound")
     a = p.parse_args()
     if a.accept_bound:
@@ -133,13 +144,23 @@ def main() -> None:
                 json.dump(res, f, indent=1)
         return
     configs = {"off": {}}
+    graphs = {}
+    if a.round_graph_pair:
+        graphs = {"enable_cpu_graph": True, "cuda_graph_bs": tuple(a.concurrency)}
+        configs["off"] = graphs
     for k in a.ks:
-        for verify in ("expand", "fia"):
-            configs[f"{verify}-k{k}"] = {
+        for verify in a.verifies:
+            spec = {
                 "speculative_algorithm": "MTP",
                 "speculative_num_steps": k,
                 "speculative_verify": verify,
+                **graphs,
             }
+            if a.round_graph_pair:
+                configs[f"{verify}-k{k}-round"] = spec
+                configs[f"{verify}-k{k}-per-forward"] = {**spec, "disable_mtp_round_graph": True}
+            else:
+                configs[f"{verify}-k{k}"] = spec
     rows = []
     for conc in a.concurrency:
         ps = prompts(conc * a.waves)

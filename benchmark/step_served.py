@@ -41,6 +41,8 @@ PARTS = [
     # every forward of a step (main model and MTP module, replayed or eager): "device" time
     ("    forward", "srt_ascend.model_executor.model_runner:ModelRunner", "_run"),
     ("    graph replay", "srt_ascend.model_executor.graph_runner:GraphRunner", "run"),
+    # a whole MTP round replayed as one graph (mtp_round_graph): its forwards, "device" time
+    ("    round replay", "srt_ascend.speculative.mtp_round_graph:MTPRoundGraphs", "run"),
     ("    eager logits", "srt_ascend.model_executor.model_runner:ModelRunner", "compute_logits"),
     ("  sample + read", "srt_ascend.decoding.base:sample_rows", None),
     # a thread waiting for a launched step's result (overlap: the finish reads step N's
@@ -304,7 +306,8 @@ def served(a) -> dict:
 # ---- host and device time per step -------------------------------------------------------
 
 STEP_LABELS = ("step (decode)", "step (overlapped)")
-DEVICE_LABELS = ("    forward", "    eager logits")  # the model's forwards and LM heads
+# the model's forwards and LM heads, and whole-round graph replays
+DEVICE_LABELS = ("    forward", "    eager logits", "    round replay")
 # the scheduler's own step work: the serial step, or an overlapped step's launch and finish
 HOST_LABELS = ("step (decode)", "step (overlapped)", "  launch")
 

@@ -94,6 +94,7 @@ SERVING_ONLY_ARGS = frozenset(
         "dist_timeout",
         "torch_compile_max_bs",
         "torch_compile_at_start",
+        "disable_mtp_round_graph",  # round graphs are never compiled
     }
 )
 

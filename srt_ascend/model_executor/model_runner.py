@@ -411,6 +411,21 @@ class ModelRunner:
             return (out, greedy_tokens(logits, kind.argmax_vocab))
         return (out, logits)
 
+    def forward_static(
+        self,
+        fb: ForwardBatch,
+        kind: GraphKind,
+        hidden: torch.Tensor | None,
+        rows: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One forward of `kind` inside a captured MTP round (speculative/mtp_round_graph):
+        the forward over `fb` (static shapes, built on the device), and where the kind has
+        logits those of `rows` (a device index tensor; None: every row), else None."""
+        out = self._forward(fb, kind.mtp_layer, hidden)
+        if not kind.logits:
+            return out, None
+        return out, self.model.compute_logits(out if rows is None else out.index_select(0, rows))
+
     @torch.inference_mode()
     def forward_idle(self, mtp_step: int | None = None) -> None:
         """Under data-parallel attention, a forward over no tokens (ForwardMode.IDLE) of the

@@ -165,6 +165,7 @@ class ServerArgs(
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     torch_compile_at_start: bool = False  # else serve at once, compile while idle
+    disable_mtp_round_graph: bool = False  # MTP: per-forward graphs only, no whole-round graph
 
     def __post_init__(self) -> None:
         self.check()

@@ -52,6 +52,13 @@ def add_graph_flags(parser: argparse.ArgumentParser, d: Mapping[str, dataclasses
         help="largest captured batch size; bigger batches run eagerly",
     )
     a(
+        "--disable-mtp-round-graph",
+        action="store_true",
+        help="MTP: replay each forward of a round from its own graph instead of capturing "
+        "the whole round (drafts, verify, greedy acceptance, MTP pass) as one graph per "
+        "batch bucket for all-greedy batches",
+    )
+    a(
         "--enable-torch-compile",
         action="store_true",
         help="compile the graph runner's decode, verify and MTP draft forwards with "

@@ -13,9 +13,11 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 6. read the verdict (the step's one host read), commit up to a stop, set kv_len to the
    committed positions and free the slots past them.
 Steps 2-5 need no host value of the round: the round is device-resident, one launch of work
-and one read. A batch with penalties or a grammar (whose d_1 reads the state the commit
-advances), or with several ranks (d_1 must follow the verdict `agree`d across them), runs step
-5 after step 6, from the read verdict.
+and one read; with graphs on, an all-greedy batch without logprobs replays steps 2-5 as one
+captured graph per (K, bucket) (`_round_fits`, speculative/mtp_round_graph.py), its slots
+gathered from req_to_token on the device. A batch with penalties or a grammar (whose d_1
+reads the state the commit advances), or with several ranks (d_1 must follow the verdict
+`agree`d across them), runs step 5 after step 6, from the read verdict.
 Under overlap scheduling (`launch` / `finish`) round N+1 is issued before round N's read:
 its first positions (round N's plus its accept lengths + 1), last committed token and d_1
 come from round N's device results, its slots are gathered from req_to_token on the device,
@@ -55,12 +57,14 @@ import time
 import torch
 
 from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
-from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.forward_batch import ForwardMode, pack_to_device
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.penalty_state import has_penalties
+from srt_ascend.sampling.sample_step import greedy_without_logprobs
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
+from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs, RoundKinds
 from srt_ascend.speculative.mtp_rounds import LaunchedRound, OverlappedRoundsMixin
 from srt_ascend.speculative.mtp_verdict import VerdictMixin
 from srt_ascend.speculative.mtp_worker import (
@@ -173,6 +177,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         # attention: every group must run the same forwards)
         self.split_zeros = not args.enable_dp_attention
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
+        self.rounds: MTPRoundGraphs | None = None  # whole rounds as graphs (`calibrate`)
         self._read_at = 0.0  # perf_counter at the last overlapped round's read
 
     def graph_kinds(self) -> list[GraphKind]:
@@ -194,13 +199,63 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         }
 
     def calibrate(self) -> None:
+        """Captures the round graphs (the per-forward graphs are captured now), then times
+        the steps of every K for the draft-length policy."""
+        self.rounds = self._capture_rounds()
         self.draft_length.calibrate(self._padding_step, self.runner.platform.synchronize)
+
+    def _capture_rounds(self) -> MTPRoundGraphs | None:
+        """One graph per (K, bucket) running the whole round for all-greedy batches
+        (speculative/mtp_round_graph), where graphs are on, uncompiled, with one rank, and
+        every forward of the round runs over device lengths; None elsewhere."""
+        runner, args, w = self.runner, self.args, self.worker
+        graphs = runner.graph_runner
+        if graphs is None or args.disable_mtp_round_graph or args.enable_torch_compile:
+            return None
+        if runner.tp.size > 1 or runner.tp.dp_size > 1:
+            return None
+        kinds = {}
+        for k, verify in self.verifies.items():
+            steps = {j: self.step_kinds[j] for j in range(1, k)}
+            later = [w.layer_kinds[k, layer] for layer in w.later_layers]
+            round_kinds = RoundKinds(verify.kind, w.extend_kinds[k], steps, later)
+            every = [verify.kind, round_kinds.extend, *steps.values(), *later]
+            if all(
+                kind.backend.supports_static_shapes
+                and (not kind.host_lengths or kind.backend.takes_length_bounds(runner.device))
+                for kind in every
+            ):
+                kinds[k] = round_kinds
+        if not kinds:
+            return None
+        rounds = MTPRoundGraphs(
+            graphs,
+            runner.forward_static,
+            kinds,
+            self.vocab,
+            runner.config.hidden_size,
+            runner.dtype,
+        )
+        rounds.capture()
+        return rounds
+
+    def _round_fits(self, reqs: list[StepRequest], k: int, generated: list[int]) -> bool:
+        """Whether a round of K drafts over `reqs` runs as one graph: captured for K and the
+        batch size, and its sampling the raw argmax (`greedy_without_logprobs`, counts
+        `generated`: lower bounds suffice, min_new_tokens only grows behind them)."""
+        return (
+            self.rounds is not None
+            and self.rounds.holds(k, len(reqs))
+            and greedy_without_logprobs(reqs, generated)
+        )
 
     @torch.inference_mode()
     def _padding_step(self, bs: int, k: int) -> None:
         """The forwards of a step with K = k over `bs` padding requests (request row 0, a
         context of PROFILE_CONTEXT tokens, every KV write into the padding slot 0): the K-1
-        draft steps, the verify forward and its logits, the MTP pass and its drafting head."""
+        draft steps, the verify forward and its logits, the MTP pass and its drafting head;
+        the round's one graph where it holds the batch (what all-greedy rounds replay; the
+        served steps scale the estimate per bucket and K)."""
         runner, k1 = self.runner, k + 1
         context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
         loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
@@ -211,6 +266,10 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
                 ForwardMode.DECODE, loc[:, 0], rows, [context + 1] * bs, [1] * bs, loc[:, 0]
             )
             runner.forward_logits(fb, self.plain_kind)
+            return
+        if self.rounds is not None and self.rounds.holds(k, bs):  # the round's one graph
+            zeros = torch.zeros(bs, dtype=torch.int64, device=runner.device)  # row 0: slot 0
+            self.rounds.run(k, zeros, zeros + context, [context] * bs, zeros, zeros, hidden, None)
             return
         for j in range(1, k):
             kind = self.step_kinds[j]
@@ -344,22 +403,29 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         """The serial step with K = k drafts over requests whose K+1 slots `loc` are
         allocated; request i accepts at most limits[i] of them."""
         started = time.perf_counter()
-        k1 = k + 1
-        loc = to_device(loc, self.runner.device).view(len(reqs), k1)  # one copy, three uses
+        k1, device = k + 1, self.runner.device
         caught_up = time.perf_counter()
         self.worker.catch_up(reqs)
         caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
-        last = to_device([[r.last_id] for r in reqs], self.runner.device)
         rows = [r.req_pool_idx for r in reqs]
         limited = self._limits(limits, k)
-        res, logits, hidden = self._verify(
-            reqs, k, loc, starts, last, None, generated, rows, limited
-        )
-        ahead = self._drafts_ahead(reqs)
-        if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
-            self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
+        ahead = True
+        if self._round_fits(reqs, k, generated):  # the whole round as one graph
+            index, begin, last = pack_to_device([rows, starts, [r.last_id for r in reqs]], device)
+            first = self.worker.first_of(reqs)
+            res, _ = self._graph_round(reqs, k, index, Starts(begin, starts), last, first, limited)
+            logits = None
+        else:
+            loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
+            last = to_device([[r.last_id] for r in reqs], device)
+            res, logits, hidden = self._verify(
+                reqs, k, loc, starts, last, None, generated, rows, limited
+            )
+            ahead = self._drafts_ahead(reqs)
+            if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
+                self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
         verdict = self._read(res, logits)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]
@@ -381,6 +447,25 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         seconds = self._timed(time.perf_counter() - started - caught_up)
         self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
+
+    def _graph_round(
+        self,
+        reqs: list[StepRequest],
+        k: int,
+        rows: torch.Tensor,  # [B] their req_to_token rows, on the device
+        starts: Starts,  # the positions of their verify input tokens
+        last: torch.Tensor,  # [B] their last committed tokens
+        first: FirstDrafts,  # their d_1 (greedy: no distributions)
+        limits: torch.Tensor | None,  # [B] drafts each row may accept (None: K)
+    ) -> tuple[AcceptResult, FirstDrafts]:
+        """A round of K drafts replayed as one graph (`_round_fits`): the verdict and the
+        next round's d_1, which each request's SpecState keeps too."""
+        out = self.rounds.run(
+            k, rows, starts.device, starts.bounds, last, first.tokens, first.hidden, limits
+        )
+        nxt = FirstDrafts(out.first, None, out.first_hidden)
+        self.worker.keep_first(reqs, *nxt)
+        return AcceptResult(out.accept_len, out.emitted), nxt
 
     def _limits(self, limits: list[int], k: int) -> torch.Tensor | None:
         """The acceptance rule's per-row limits on the device; None when every row drafts K."""

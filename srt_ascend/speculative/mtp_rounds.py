@@ -1,8 +1,9 @@
 """MTPDecoder's overlapped rounds (`launch` / `finish`, overlap scheduling): round N+1
 issued before round N's read, its inputs round N's device results (see mtp_decoder's
-docstring). `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's
-`_latest` (the round launched last) and `_read_at`, and calls its `_verify`, `_read`,
-`_logprobs`, `_estimate`, `_count` and `_timed`."""
+docstring); an all-greedy round replays as one graph (`_graph_round`) from those results.
+`OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's `_latest` (the round
+launched last) and `_read_at`, and calls its `_verify`, `_read`, `_logprobs`, `_estimate`,
+`_count`, `_timed`, `_round_fits` and `_graph_round`."""
 
 from __future__ import annotations
 
@@ -119,6 +120,7 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
+        whole = bool(k) and self._round_fits(batch, k, generated)  # one graph for the round
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
@@ -132,20 +134,12 @@ class OverlappedRoundsMixin:
                 first, start, tail, counts = initial, begin, last, generated
             else:
                 out: RoundOut = prev.result.result()
-                pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
-                accept_len = pick(out.res.accept_len)
-                start = pick(out.starts) + accept_len + 1
-                counts = counts_after(generated, accept_len, prev.k + 1)
-                tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
-                first = None
-                if k:  # prev drafted (a K = 0 prev is refused above)
-                    first = FirstDrafts(
-                        pick(out.first.tokens),
-                        None if out.first.probs is None else pick(out.first.probs),
-                        pick(out.first.hidden),
-                    )
-            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
+                first, start, tail, counts = _after(out, picked, generated, prev.k, k)
             at = Starts(start, bounds)
+            if whole:  # its slots are gathered inside the graph
+                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited)
+                return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
+            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
             res, logits, hidden = self._verify(
@@ -271,3 +265,22 @@ class OverlappedRoundsMixin:
             seconds = self._timed(seconds)
             self.draft_length.record(estimates, step.k, accepted, seconds, limits)
         return committed
+
+
+def _after(out: RoundOut, picked: torch.Tensor | None, generated: list[int], k_prev: int, k: int):
+    """A round's inputs from the round before it (`out`, its rows `picked` in this round's
+    order, None: the same order), on the device: (d_1, or None for K = 0; the first
+    positions; the last committed tokens [B, 1]; the generated counts, a range)."""
+    pick = (lambda t: t) if picked is None else (lambda t: t.index_select(0, picked))
+    accept_len = pick(out.res.accept_len)
+    start = pick(out.starts) + accept_len + 1
+    counts = counts_after(generated, accept_len, k_prev + 1)
+    tail = pick(out.res.emitted).gather(1, accept_len.view(-1, 1))
+    first = None
+    if k:  # prev drafted (a K = 0 prev is refused by `_reserve`)
+        first = FirstDrafts(
+            pick(out.first.tokens),
+            None if out.first.probs is None else pick(out.first.probs),
+            pick(out.first.hidden),
+        )
+    return first, start, tail, counts

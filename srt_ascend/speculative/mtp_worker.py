@@ -297,7 +297,7 @@ class MTPWorker:
         # every row drafts (draft_rows is None with `generated`)
         tokens, probs = self._draft_ahead(picked, logits, generated, verdict.accept_len, k1)
         first = FirstDrafts(tokens, probs, out[ends])
-        self._keep_first(picked, *first)
+        self.keep_first(picked, *first)
         return first
 
     def defer(
@@ -382,10 +382,10 @@ class MTPWorker:
         outputs that drafted it (the next draft step's input)."""
         if not picked:
             return
-        self._keep_first(picked, *self._draft_step(picked, logits, None), hidden)
+        self.keep_first(picked, *self._draft_step(picked, logits, None), hidden)
 
     @staticmethod
-    def _keep_first(picked, tokens: torch.Tensor, probs: torch.Tensor | None, hidden) -> None:
+    def keep_first(picked, tokens: torch.Tensor, probs: torch.Tensor | None, hidden) -> None:
         """Each request's d_1 (`tokens` [B]), its distribution and drafting output, kept in
         its state for the next round."""
         for i, r in enumerate(picked):

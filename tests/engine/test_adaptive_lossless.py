@@ -137,3 +137,25 @@ def test_a_burst_is_planned_from_its_first_prefill(model_path):
         engine.shutdown()
     assert all(len(o["output_ids"]) == 4 for o in outs)
     assert len(seen) > 4 and set(seen) == {4}, seen
+
+
+def test_adaptive_k_walks_the_captured_round_graphs(model_path, baseline):
+    """Adaptive K over all-greedy batches without logprobs: each step's K picks its captured
+    whole-round graph (`mtp_round_k1..3`; K = 0 the plain decode graph), never a per-forward
+    verify, and the tokens equal the eager speculation-off baseline."""
+    args, walk = CONFIGS["walk-fia-graphs"]
+    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=12, **args)
+    try:
+        engine.tokenizer_manager.scheduler.decoder.draft_length = ScriptedDraftLength(3, walk)
+        outs = engine.generate(PROMPTS[:12], [GREEDY] * 12)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in outs] == [b["output_ids"] for b in baseline[:12]]
+    replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
+    assert {"mtp_round_k1", "mtp_round_k2", "mtp_round_k3", "decode"} <= replayed, replayed
+    assert not [kind for kind in replayed if kind.startswith("verify")], replayed
+    assert (
+        state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+        == (state["max_total_num_tokens"])
+    )

@@ -22,6 +22,8 @@ from safetensors.torch import load_file, save_file
 from srt_ascend import Engine
 from srt_ascend.models.loader import load_model
 from srt_ascend.speculative.draft_length import FixedDraftLength
+from srt_ascend.speculative.mtp_decoder import MTPDecoder
+from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs
 from srt_ascend.speculative.mtp_worker import MTPWorker, Starts
 
 BASE = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
@@ -131,6 +133,21 @@ def _record(monkeypatch) -> list[tuple[Any, int, list[int]]]:
         return out
 
     monkeypatch.setattr(MTPWorker, "draft_chain", recorded)
+    # chains drafted inside a whole-round graph (speculative/mtp_round_graph) too
+    run, graph_round = MTPRoundGraphs.run, MTPDecoder._graph_round
+
+    def recorded_run(self, k, rows, starts, *rest):
+        out = run(self, k, rows, starts, *rest)
+        self.recorded = (starts.tolist(), out.drafts.tolist())
+        return out
+
+    def recorded_round(self, reqs, *rest):
+        out = graph_round(self, reqs, *rest)
+        records.extend(zip(reqs, *self.rounds.recorded))
+        return out
+
+    monkeypatch.setattr(MTPRoundGraphs, "run", recorded_run)
+    monkeypatch.setattr(MTPDecoder, "_graph_round", recorded_round)
     return records
 
 
@@ -261,11 +278,14 @@ def test_multi_layer_checkpoint_drafts_equal_dense_mtp(three_layer_path, monkeyp
     """A checkpoint with three MTP layers: draft step j runs layer j, whose attention reads
     its own KV layer, written over committed positions by every MTP pass (prefill, after each
     verify) and over the chain's positions by the step that starts the layer. Drafts equal the
-    dense module's, with radix hits and chunked prefill, both verify layouts, eagerly and
-    through the graphs (the later layers' kinds replayed)."""
+    dense module's, with radix hits and chunked prefill, both verify layouts, eagerly,
+    through the per-forward graphs (the later layers' kinds replayed) and through the
+    whole-round graph."""
     records = _record(monkeypatch)
     graphs = {"enable_cpu_graph": True, "cuda_graph_bs": (1, 2, 4, 8), "context_length": 512}
-    for verify, extra in (("expand", {}), ("fia", graphs)):
+    per_forward = {**graphs, "disable_mtp_round_graph": True}
+    runs = (("expand", {}), ("fia", per_forward), ("expand", graphs))
+    for verify, extra in runs:
         engine = Engine(
             model_path=three_layer_path,
             dtype="float32",
@@ -282,7 +302,9 @@ def test_multi_layer_checkpoint_drafts_equal_dense_mtp(three_layer_path, monkeyp
             state = engine.get_internal_state()
         finally:
             engine.shutdown()
-        if extra:
-            replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
+        replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
+        if extra is per_forward:
             assert {"draft_step1", "draft_chain2_l2", "draft_extend_l1"} <= replayed, replayed
+        elif extra:  # the whole round as one graph: its chains run every layer's step
+            assert "mtp_round_k3" in replayed and "draft_step1" not in replayed, replayed
     _check("three MTP layers", dense_drafts(three_layer_path), records, 3)

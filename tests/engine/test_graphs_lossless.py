@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import orjson
 import pytest
-from lossless import PROMPTS, assert_same_greedy, run
+from lossless import GREEDY, PROMPTS, assert_same_greedy, run
+
+from srt_ascend import Engine
 
 # 12 running requests: full batches run eagerly (> 8), shrinking ones replay buckets 1-8;
 # plain decode runs 8 at most, so every step replays and its batches cross KV windows.
@@ -69,3 +71,44 @@ def test_greedy_graph_kind_replays_forward_and_argmax(model_path, baseline, over
     _, with_logprobs = run(model_path, prompts=PROMPTS[:4], **args)
     replays = with_logprobs["graph_replays"]
     assert replays.get("decode", 0) > 0 and not replays.get("decode_greedy"), replays
+
+
+ROUNDS = {  # name: (K, verify, overlap, chunked prefill)
+    "k1-expand-serial-chunked": (1, "expand", False, True),
+    "k2-fia-overlap": (2, "fia", True, False),
+    "k3-expand-overlap-chunked": (3, "expand", True, True),
+}
+
+
+@pytest.mark.parametrize("name", list(ROUNDS))
+def test_mtp_round_graph_greedy_identical(model_path, baseline, name):
+    """All-greedy batches without logprobs replay each MTP round as one graph (drafts,
+    verify, greedy acceptance, MTP pass, next d_1), serial or overlapped, over prompts with
+    radix hits (two asked again once rows free up) and chunked prefills: token-identical to eager
+    decoding without speculation, and no per-forward verify or draft step replays (the count
+    proves the round graph ran, not the old path)."""
+    k, verify, overlap, chunked = ROUNDS[name]
+    flags = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
+    args = {**GRAPHS, **SPEC, "max_running_requests": 8, "speculative_num_steps": k, **flags}
+    if chunked:
+        args["chunked_prefill_size"] = 64
+    engine = Engine(model_path=model_path, dtype="float32", speculative_verify=verify, **args)
+    try:
+        outs = engine.generate(PROMPTS[:10], GREEDY)
+        again = engine.generate(PROMPTS[3:5], GREEDY)  # radix hits
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert all(o["meta_info"]["finish_reason"]["type"] == "length" for o in outs + again)
+    want = [b["output_ids"] for b in baseline]
+    assert [o["output_ids"] for o in outs + again] == want[:10] + want[3:5]
+    assert all(o["meta_info"]["cached_tokens"] > 0 for o in again)
+    assert (
+        state["available_kv_tokens"] + state["cached_tokens_in_tree"]
+        == (state["max_total_num_tokens"])
+    ), "KV slots leaked"
+    replays = {kind: n for kind, n in state["graph_replays"].items() if n}
+    assert replays.get(f"mtp_round_k{k}", 0) > 0, replays
+    # a prefill's MTP pass may replay draft_extend (a prompt tail of 1+K tokens); no round
+    # runs a per-forward verify or draft step
+    assert not [kind for kind in replays if kind.startswith(("verify", "draft_step"))], replays

@@ -363,6 +363,38 @@ def test_mtp_overlap_with_expand_verify_and_graphs(model_path, overlapped):
         assert out == overlapped[name][0][0], name
 
 
+def graph_replays(engine: Engine) -> dict:
+    """A scenario that reads the graph replays so far (per kind)."""
+    return dict(engine.get_internal_state()["graph_replays"])
+
+
+def test_mtp_round_graph_aborts_and_fallbacks(model_path, overlapped):
+    """All-greedy rounds replay as one graph per round (`mtp_round_k2`, no per-forward verify
+    or draft step), serial and overlapped, with an abort mid-round: the plain decoder's greedy
+    tokens, the KV invariant intact after it; a batch with sampled requests runs the
+    per-forward kinds (its seeded and greedy tokens equal either way). Greedy tokens and stop
+    strings through the round graph: `test_mtp_overlap_with_expand_verify_and_graphs`."""
+    scenarios = {
+        "abort_in_flight": abort_in_flight,
+        "after_greedy": graph_replays,
+        "mixed_sampling": mixed_sampling,
+        "after_mixed": graph_replays,
+    }
+    kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
+    mixed = []
+    for flags in (ON, {"disable_overlap_schedule": True}):
+        res = run_all(model_path, scenarios, **flags, **MTP, **kw)
+        for name in scenarios:
+            assert res[name][1] is None, name  # the KV invariant
+        assert res["abort_in_flight"][0][0] == overlapped["abort_in_flight"][0][0]
+        greedy, after = res["after_greedy"][0][0], res["after_mixed"][0][0]
+        assert greedy.get("mtp_round_k2", 0) > 0, greedy
+        assert not greedy.get("verify_expand") and not greedy.get("draft_step0"), greedy
+        assert after.get("verify_expand", 0) > 0 and after.get("draft_step0", 0) > 0, after
+        mixed.append(res["mixed_sampling"][0][0])
+    assert mixed[0] == mixed[1]
+
+
 def test_mtp_retractions_under_overlap(model_path):
     scenarios = {"retraction": retraction}
     kw = {**MTP, **SMALL_POOL}

@@ -239,27 +239,7 @@ def _run_steps(runner, args, reads: Counted) -> None:
     )
     decoder.calibrate()  # adaptive K: the step forwards it profiles, over padding requests
     reqs = _requests()
-    rows = runner.req_to_token_pool.alloc(len(reqs))
-    for r, row in zip(reqs, rows):
-        r.req_pool_idx = row
-    # prefill: one EXTEND forward, first tokens, the MTP pass that drafts d_1
-    lens = [len(r.origin_input_ids) for r in reqs]
-    kv = decoder.h.kv
-    _, loc = kv.alloc_running(reqs, lens[0])
-    fb = runner.build_forward_batch(
-        ForwardMode.EXTEND,
-        [t for r in reqs for t in r.origin_input_ids],
-        rows,
-        lens,
-        lens,
-        loc,
-    )
-    hidden = runner.forward(fb)
-    for r, n in zip(reqs, lens):
-        r.kv_len = n
-    last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
-    decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
-    decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs), len(reqs))
+    _prefill(runner, decoder, reqs)
     # decode steps: exactly one read each, plus one when some request returns logprobs
     committed = sum(len(r.output_ids) for r in reqs)
     for _ in range(3):
@@ -435,3 +415,78 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
             before = reads.count
             scheduler._finish_launched()
             assert reads.count - before == 1
+
+
+@pytest.mark.parametrize("verify, k", [("expand", 2), ("fia", 3)])
+def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k):
+    """Greedy requests without logprobs replay each MTP round as one graph (the platform's
+    eager graph class over static device buffers; three requests pad bucket 4): every op of
+    the round (the slots of its positions gathered from the request table, the draft chain,
+    the verify, the greedy acceptance, the MTP pass and the next d_1 gathered at each row's
+    accept length) stays on the device, and each step makes its one read after the whole
+    round, no forward following it; the per-forward verify graph never replays."""
+    monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
+    reads = Counted()
+    monkeypatch.setattr(HOST_READS, "read", reads)
+    args = ServerArgs(
+        model_path=SHIPPED_MODEL,
+        dtype="float32",
+        device="cuda",
+        attention_backend="torch_native",
+        speculative_algorithm="MTP",
+        speculative_num_steps=k,
+        speculative_verify=verify,
+        max_running_requests=8,
+        max_total_tokens=512,
+        context_length=128,
+        enable_cpu_graph=True,
+        cuda_graph_bs=(2, 4),
+    )
+    args.check()
+    with FakeTensorMode(allow_non_fake_inputs=True) as fake:
+        runner = model_runner_module.ModelRunner(args, FakeCuda())
+        with Strict(fake):
+            decoder = create_decoder(
+                args, DecoderHandles(runner, TableKV(runner.req_to_token_pool), _commit, [1])
+            )
+            runner.capture_graphs(decoder.graph_kinds())
+            decoder.calibrate()  # captures the round graphs
+            reqs = _requests()[:3]
+            for r in reqs:
+                r.sampling_params = SamplingParams(temperature=0.0, max_new_tokens=64)
+                r.sampling_params.normalize()
+                r.return_logprob = False
+            _prefill(runner, decoder, reqs)
+            forward = runner._forward
+
+            def logged(*a, **kw):
+                reads.events.append("forward")
+                return forward(*a, **kw)
+
+            runner._forward = logged
+            for _ in range(3):
+                reads.events.clear()
+                decoder.step(reqs)
+                events = reads.events
+                assert events.count("read") == 1 and events[-1] == "read", events
+    assert decoder.rounds is not None and decoder.rounds.replays[k] == 3
+    assert not runner.graph_runner.replays.get(decoder.verifies[k].kind.name)
+    assert reads.accepted > 0
+
+
+def _prefill(runner, decoder, reqs) -> None:
+    """One EXTEND forward over `reqs`, their first tokens and the MTP pass drafting d_1."""
+    rows = runner.req_to_token_pool.alloc(len(reqs))
+    for r, row in zip(reqs, rows):
+        r.req_pool_idx = row
+    lens = [len(r.origin_input_ids) for r in reqs]
+    _, loc = decoder.h.kv.alloc_running(reqs, lens[0])
+    fb = runner.build_forward_batch(
+        ForwardMode.EXTEND, [t for r in reqs for t in r.origin_input_ids], rows, lens, lens, loc
+    )
+    hidden = runner.forward(fb)
+    for r, n in zip(reqs, lens):
+        r.kv_len = n
+    last = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(lens))])
+    decoder.sample_and_commit(reqs, runner.compute_logits(hidden[to_device(last, DEVICE)]))
+    decoder.after_prefill(reqs, [0] * len(reqs), lens, hidden, [True] * len(reqs), len(reqs))
