@@ -149,12 +149,12 @@ class W8A8Dynamic(QuantMethod):
         w13, w2 = stacks["w13"], stacks["w2"]
         e, two_i, h = w13.shape
         t, inter = x.shape[0], two_i // 2
-        xq, s = qm.quantize_per_token(x)
+        xq, s = qm.quantize_tokens(x)
         acc = qm.int8_matmul(xq, w13.view(e * two_i, h))
         gate_up = torch.mul(acc, s * stacks["w13_weight_scale"].view(-1))
         gate_up = gate_up.to(x.dtype).view(t, e, two_i)  # (as each expert's linear returns)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
-        aq, a_s = qm.quantize_per_token(act.transpose(0, 1).reshape(e * t, inter))
+        aq, a_s = qm.quantize_tokens(act.transpose(0, 1).reshape(e * t, inter))
         aq = aq.view(e, t, inter)
         down = torch.stack([qm.int8_matmul(aq[i], w2[i]) for i in range(e)])  # [E, T, H]
         ys = torch.mul(down, a_s.view(e, t, 1) * stacks["w2_weight_scale"].view(e, 1, h))
