@@ -140,25 +140,21 @@ class W8A8Dynamic(QuantMethod):
         return qm.w8a8_dynamic_linear(x, t["weight"], t["scale_row"])
 
     def experts_dense(self, x, weights, stacks):
-        """The activations are quantised once per row, as each expert's own call would:
-        x's rows for every gate/up (one GEMM over the stacked [E * 2I, H] rows), each
-        (token, expert) row of the SwiGLU output for the downs (one GEMM per expert), then
-        one epilogue. Same integers and scales as the per-expert calls; off the NPU."""
+        """Each expert's linears over every token, the gate/ups of all experts as one
+        quantized linear over the stacked [E * 2I, H] rows (x's rows quantised once, as
+        each expert's own call would), the downs one call per expert over its [T, I] SwiGLU
+        rows: the same integers, scales and outputs as the per-expert calls; off the NPU."""
         if x.device.type == "npu":
             return None
         w13, w2 = stacks["w13"], stacks["w2"]
         e, two_i, h = w13.shape
         t, inter = x.shape[0], two_i // 2
-        xq, s = qm.quantize_tokens(x)
-        acc = qm.int8_matmul(xq, w13.view(e * two_i, h))
-        gate_up = torch.mul(acc, s * stacks["w13_weight_scale"].view(-1))
-        gate_up = gate_up.to(x.dtype).view(t, e, two_i)  # (as each expert's linear returns)
-        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
-        aq, a_s = qm.quantize_tokens(act.transpose(0, 1).reshape(e * t, inter))
-        aq = aq.view(e, t, inter)
-        down = torch.stack([qm.int8_matmul(aq[i], w2[i]) for i in range(e)])  # [E, T, H]
-        ys = torch.mul(down, a_s.view(e, t, 1) * stacks["w2_weight_scale"].view(e, 1, h))
-        return ordered_sum(ys.to(x.dtype).float() * weights.t().unsqueeze(-1), 0)
+        scale13 = stacks["w13_weight_scale"].view(-1)
+        gate_up = qm.w8a8_dynamic_linear(x, w13.view(e * two_i, h), scale13).view(t, e, two_i)
+        act = (F.silu(gate_up[..., :inter]) * gate_up[..., inter:]).transpose(0, 1)  # [E, T, I]
+        scale2 = stacks["w2_weight_scale"].view(e, h)
+        ys = torch.stack([qm.w8a8_dynamic_linear(act[i], w2[i], scale2[i]) for i in range(e)])
+        return ordered_sum(ys.float() * weights.t().unsqueeze(-1), 0)  # ys [E, T, H]
 
     def dequantize(self, t):
         return (t["weight"].float() - t["weight_offset"]) * t["weight_scale"]

@@ -31,6 +31,15 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") != "0"
 
 
+def configure(fused: bool) -> None:
+    """Use the fused ops (built when next needed) or the torch-op path from now on, for this
+    process (benchmarks compare both in one run; a server keeps the environment's choice)."""
+    with _lock:
+        _state.clear()
+        if not fused:
+            _state["why"] = "configured off"
+
+
 def _build():
     from torch.utils import cpp_extension
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from srt_ascend.layers.ops import pick
+from srt_ascend.layers.ops import cpu_int8, pick
 from srt_ascend.layers.ops.fp8_blocks import FP8_MAX as FP8_MAX
 from srt_ascend.layers.ops.fp8_blocks import TINY as _TINY
 from srt_ascend.layers.ops.fp8_blocks import dequantize_fp8_blocks as dequantize_fp8_blocks
@@ -122,27 +122,23 @@ def _w8a8_dynamic_torch(x, wq, weight_scale):
     return torch.mul(int8_matmul(xq, wq), s * weight_scale)
 
 
-def _cpu_fused():
-    from srt_ascend.layers.ops import cpu_int8  # built on first use (a C++ extension)
-
-    return cpu_int8.ops()
-
-
 def _fused_static(x, wq, input_scale, input_offset, quant_bias, deq_scale):
-    return _cpu_fused().w8a8_static(x, wq, input_scale, input_offset, quant_bias, deq_scale)
+    return cpu_int8.ops().w8a8_static.default(
+        x, wq, input_scale, input_offset, quant_bias, deq_scale
+    )
 
 
 def _fused_dynamic(x, wq, weight_scale):
-    return _cpu_fused().w8a8_dynamic(x, wq, weight_scale, _TINY)
+    return cpu_int8.ops().w8a8_dynamic.default(x, wq, weight_scale, _TINY)
 
 
 def _fused_quantize(x):
-    return tuple(_cpu_fused().quantize_per_token(x, _TINY))
+    return tuple(cpu_int8.ops().quantize_per_token.default(x, _TINY))
 
 
 def _on_cpu(fused, torch_ops):
     """The CPU loader: the fused op where `cpu_int8` is built, else the torch-op path."""
-    return lambda: torch_ops if _cpu_fused() is None else fused
+    return lambda: torch_ops if cpu_int8.ops() is None else fused
 
 
 def _npu_kernels():
