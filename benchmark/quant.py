@@ -180,9 +180,7 @@ def main() -> None:
     p.add_argument("--no-fallback", action="store_true", help="quantize every layer in scope")
     p.add_argument("--out-dir", help="keep the quantized copies here (reused when present)")
     p.add_argument("--speed-only", action="store_true", help="throughput rows only")
-    p.add_argument(
-        "--torch-ops", action="store_true", help="int8 schemes on the torch-op path too"
-    )
+    p.add_argument("--torch-ops", action="store_true", help="int8 schemes on the torch-op path too")
     args = p.parse_args()
     tmp = args.out_dir or tempfile.mkdtemp(prefix="quant_bench_")
     calibration = Calibration(memory_ratio=None) if args.no_fallback else Calibration()

@@ -47,6 +47,11 @@ class QuantMethod:
     # the scheme's GEMM is exact (integer) and everything else it does is per row or per
     # element
     batch_invariant: ClassVar[bool] = False
+    # whether tensor parallelism can split its layers (`models/loader.TP_SPLITS`): the
+    # per-channel tensors split with a column-parallel layer's rows, and a row-parallel
+    # layer's partial products over its input slice add up to the layer's output; why not
+    # where it cannot (a one-line start error with --tp-size > 1)
+    tp_problem: ClassVar[str | None] = "its tensors are not split across ranks"
 
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
         self.block = block
@@ -93,6 +98,7 @@ class W8A8Static(QuantMethod):
     """ModelSlim W8A8: per-tensor static activation scale and offset, per-channel weights."""
 
     batch_invariant = True  # int32 sums of int8 products; elementwise quantise / epilogue
+    tp_problem = "its quant_bias folds the input offset over all input channels"
 
     def tensors(self, n, k):
         f32 = torch.float32
@@ -122,6 +128,11 @@ class W8A8Dynamic(QuantMethod):
     """ModelSlim W8A8_DYNAMIC: per-token symmetric activations, per-channel weights."""
 
     batch_invariant = True  # int32 sums; per-token scales are max reductions within a row
+    # Under TP a row-parallel layer (o_proj, down_proj) quantises each rank's input slice
+    # per token with that slice's own max (as vllm-ascend's and SGLang's NPU paths do), not
+    # the whole row's: a finer scale, so TP > 1 is not TP = 1's bits (nor is float TP's
+    # all-reduce); column-parallel layers see the whole row and compute TP = 1's values.
+    tp_problem = None
 
     def tensors(self, n, k):
         f32 = torch.float32
@@ -163,6 +174,8 @@ class W8A8Dynamic(QuantMethod):
 @register("FP8_BLOCK")
 class Fp8Block(QuantMethod):
     """DeepSeek's block FP8: float8_e4m3fn weights, one float32 factor per block."""
+
+    tp_problem = "its per-block scales are not split across ranks"
 
     def tensors(self, n, k):
         bn, bk = self.block
