@@ -22,7 +22,8 @@ Per scheme:
   generate of output-len greedy tokens; engines alternate `rounds` times, best round kept:
   this machine is shared), as a ratio to bf16's. With `--torch-ops` the int8 schemes run a
   second time on the torch-op path instead of the fused CPU ops (`layers/ops/cpu_int8.py`);
-  `--speed-only` skips the quality and memory columns.
+  `--speed-only` skips the quality and memory columns. `cpu x`: bf16's process CPU seconds
+  per token over the variant's (best round; > 1: fewer CPU seconds per token than bf16).
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ def speed_variants(paths: dict[str, str], torch_ops: bool) -> dict[str, tuple[st
     return out
 
 
-def throughput(variants: dict[str, tuple[str, bool]], args) -> dict[str, dict[int, float]]:
-    """Decode tokens/s per variant and batch size: engines interleaved, best of the rounds."""
+def throughput(variants: dict[str, tuple[str, bool]], args) -> dict[str, dict]:
+    """Per variant and batch size: decode tokens/s and the process's CPU seconds per token
+    (less sensitive to other processes on a shared machine than wall time); engines
+    interleaved, best of the rounds."""
     prompts = random_prompts(max(args.batch_sizes), args.input_len, 8192, seed=0)
-    best: dict[str, dict[int, float]] = {name: {} for name in variants}
+    best: dict[str, dict] = {name: {"tps": {}, "cpu": {}} for name in variants}
     for _ in range(args.rounds):
         for name, (path, fused) in variants.items():
             cpu_int8.configure(fused)
@@ -112,8 +115,10 @@ def throughput(variants: dict[str, tuple[str, bool]], args) -> dict[str, dict[in
             try:
                 engine.generate(input_ids=prompts[0][:8], sampling_params={"max_new_tokens": 2})
                 for b in args.batch_sizes:
-                    tps = measure(engine, prompts[:b], args.output_len)[0]
-                    best[name][b] = max(best[name].get(b, 0.0), tps)
+                    tps, _, cpu = measure(engine, prompts[:b], args.output_len)
+                    row = best[name]
+                    row["tps"][b] = max(row["tps"].get(b, 0.0), tps)
+                    row["cpu"][b] = min(row["cpu"].get(b, math.inf), cpu)
             finally:
                 engine.shutdown()
     return best
@@ -153,7 +158,7 @@ def print_table(rows: dict[str, dict], batch_sizes: list[int]) -> None:
     base = rows["bf16"]
     header = f"{'':22}{'mem(q)':>8}{'mem(all)':>9}{'agree':>7}{'top1':>7}{'ppl':>8}{'ppl x':>7}"
     header += f"{'accept':>7}"
-    header += "".join(f"{f'tok/s B={b}':>13}{'x':>6}" for b in batch_sizes)
+    header += "".join(f"{f'tok/s B={b}':>13}{'x':>6}{'cpu x':>7}" for b in batch_sizes)
     print(header)
     for name, r in rows.items():
         line = f"{name:22}"
@@ -164,8 +169,9 @@ def print_table(rows: dict[str, dict], batch_sizes: list[int]) -> None:
         else:
             line += " " * 53
         for b in batch_sizes:
-            tps = r["tokens_per_s"][b]
+            tps, cpu = r["tokens_per_s"][b], r["cpu_s_per_token"][b]
             line += f"{tps:13.1f}{tps / base['tokens_per_s'][b]:6.2f}"
+            line += f"{base['cpu_s_per_token'][b] / cpu:7.2f}"
         print(line)
 
 
@@ -191,8 +197,9 @@ def main() -> None:
             quantize_checkpoint(args.model_path, dst, s, args.quant_mtp, calibration)
         paths[s] = dst
     rows = {} if args.speed_only else quality(paths, args)
-    for name, tps in throughput(speed_variants(paths, args.torch_ops), args).items():
-        rows.setdefault(name, {})["tokens_per_s"] = tps
+    for name, speed in throughput(speed_variants(paths, args.torch_ops), args).items():
+        rows.setdefault(name, {})["tokens_per_s"] = speed["tps"]
+        rows[name]["cpu_s_per_token"] = speed["cpu"]
     print_table(rows, args.batch_sizes)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -114,6 +114,10 @@ class W8A8Static(QuantMethod):
 
     per_row = ("weight", "weight_scale", "weight_offset", "quant_bias", "deq_scale")
 
+    def finish(self, t):
+        qm.prepare(t["weight"].device)
+        return t
+
     def linear(self, x, t):
         return qm.w8a8_static_linear(
             x, t["weight"], t["input_scale"], t["input_offset"], t["quant_bias"], t["deq_scale"]
@@ -145,6 +149,7 @@ class W8A8Dynamic(QuantMethod):
     per_row = ("weight", "weight_scale", "weight_offset")
 
     def finish(self, t):
+        qm.prepare(t["weight"].device)
         return {**t, "scale_row": t["weight_scale"].view(-1)}
 
     def linear(self, x, t):

@@ -104,7 +104,10 @@ def refused_with(quantization: QuantConfig, server_args) -> str | None:
             "layers have no batch-invariant kernel (their float GEMM's sums follow the batch)"
         )
     if server_args.enable_torch_compile:
-        return f"{name} with --enable-torch-compile is not supported yet"
+        return (
+            f"{name} with --enable-torch-compile is not supported yet (the quantized layers' "
+            "fused ops are not traced by torch.compile); serve it without the flag"
+        )
     return None
 
 

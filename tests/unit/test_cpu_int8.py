@@ -14,7 +14,7 @@ from srt_ascend.layers.ops.fp8_blocks import TINY
 from srt_ascend.platforms.cpu import CpuPlatform
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-ROWS = [0, 1, 17, 300]  # 300 x 256: past the kernel's serial grain (threaded loops)
+ROWS = [0, 1, 3, 17, 300]  # 1-4: the int8 GEMV; 300 x 256: past the serial grain (threads)
 
 
 @pytest.fixture(scope="module")

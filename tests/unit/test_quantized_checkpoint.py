@@ -343,3 +343,5 @@ def test_tensor_parallel_w8a8_dynamic(quantized, tmp_path):
     assert refused_with(_resolve(path), tp2) is None
     assert "for W8A8 layers (its quant_bias" in refused_with(_resolve(quantized["w8a8"]), tp2)
     assert "for FP8_BLOCK layers" in refused_with(_resolve(quantized["fp8_block"]), tp2)
+    compiled = ServerArgs(enable_torch_compile=True)
+    assert "(modelslim) with --enable-torch-compile" in refused_with(_resolve(path), compiled)

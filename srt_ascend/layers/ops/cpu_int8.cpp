@@ -27,7 +27,8 @@
 #include <tuple>
 
 #if defined(__x86_64__) && defined(__GNUC__)
-#define SRT_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define SRT_CLONES \
+  __attribute__((target_clones("arch=sapphirerapids", "arch=skylake-avx512", "avx2", "default")))
 #else
 #define SRT_CLONES
 #endif
@@ -191,8 +192,36 @@ std::tuple<at::Tensor, at::Tensor> quantize_per_token(const at::Tensor& x_in, do
   return {q, s};
 }
 
+// xq [rows, k] . wq[j]: int8 products summed in int32 (exact, so the same integers as
+// at::_int_mm's in any order). The compiler vectorises the inner product (sign-extended
+// multiply-adds); for a few rows this is cheaper than oneDNN's primitive setup per call.
+SRT_CLONES void int8_gemv(const int8_t* xq, const int8_t* w, int32_t* acc, int64_t rows,
+                          int64_t n, int64_t k, int64_t lo, int64_t hi) {
+  for (int64_t j = lo; j < hi; ++j) {
+    const int8_t* wr = w + j * k;
+    for (int64_t m = 0; m < rows; ++m) {
+      const int8_t* xr = xq + m * k;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < k; ++i) sum += static_cast<int32_t>(xr[i]) * wr[i];
+      acc[m * n + j] = sum;
+    }
+  }
+}
+
+constexpr int64_t kGemvRows = 4;  // at most this many rows: the loop above, else oneDNN
+
 at::Tensor int_mm(const at::Tensor& xq, const at::Tensor& wq) {
-  return at::_int_mm(xq, wq.t());
+  const int64_t rows = xq.size(0), n = wq.size(0), k = wq.size(1);
+  if (rows > kGemvRows || !wq.is_contiguous()) return at::_int_mm(xq, wq.t());
+  at::Tensor acc = at::empty({rows, n}, xq.options().dtype(at::kInt));
+  const int8_t* xp = xq.const_data_ptr<int8_t>();
+  const int8_t* wp = wq.const_data_ptr<int8_t>();
+  int32_t* ap = acc.data_ptr<int32_t>();
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(rows * k, 1));
+  at::parallel_for(0, n, grain, [&](int64_t lo, int64_t hi) {
+    int8_gemv(xp, wp, ap, rows, n, k, lo, hi);
+  });
+  return acc;
 }
 
 at::Tensor w8a8_dynamic(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& ws,

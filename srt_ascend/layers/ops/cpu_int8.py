@@ -43,7 +43,7 @@ def configure(fused: bool) -> None:
 def _build():
     from torch.utils import cpp_extension
 
-    logger.info("building the fused CPU int8 kernel (cpu_int8.cpp; first use only)")
+    logger.info("loading the fused CPU int8 ops (cpu_int8.cpp; built on a first start, ~10-60 s)")
     cpp_extension.load(
         name="srt_ascend_cpu_int8",
         sources=[_SOURCE],

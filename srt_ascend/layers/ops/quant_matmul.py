@@ -141,6 +141,12 @@ def _on_cpu(fused, torch_ops):
     return lambda: torch_ops if cpu_int8.ops() is None else fused
 
 
+def prepare(device: torch.device) -> None:
+    """Builds / loads the device's int8 kernels now (at model load), not in the first step."""
+    if device.type == "cpu":
+        cpu_int8.ops()
+
+
 def _npu_kernels():
     from srt_ascend.platforms import npu_quant_ops  # torch_npu's quant ops (lazy import)
 
