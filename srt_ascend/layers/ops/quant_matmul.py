@@ -18,8 +18,11 @@ products accumulated in int32, as the NPU's and the CPU's integer units do):
     y[m, n] = sum_j (xq[m, Kj] . wq[n, Kj]) * s[m, j] * weight_scale_inv[n // bn, j]
   (float32 products of fp8 values: exact; the sum over K in float32).
 
-Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's integer path
-(`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
+Dispatch by the tensors' device (`ops.pick`): on CPU each int8 linear is one fused op
+(`cpu_int8.cpp`: the quantisation, the int8 GEMM through `torch._int_mm` - oneDNN's s8s8
+kernels, VNNI / AMX where present - or a vectorised GEMV for 1-4 rows, and the epilogue, in
+the references' exact arithmetic, so the same bits), with these torch ops as its fallback
+where the extension cannot be built; on CUDA through
 `torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
 `npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
 imported when first used; the references' semantics). Block FP8 on CUDA runs a Triton fp8
