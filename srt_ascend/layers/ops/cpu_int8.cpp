@@ -26,7 +26,7 @@
 #include <type_traits>
 #include <tuple>
 
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__ELF__)  // ifunc dispatch
 #define SRT_CLONES \
   __attribute__((target_clones("arch=sapphirerapids", "arch=skylake-avx512", "avx2", "default")))
 #else
