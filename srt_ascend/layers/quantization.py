@@ -47,6 +47,11 @@ class QuantMethod:
     # the scheme's GEMM is exact (integer) and everything else it does is per row or per
     # element
     batch_invariant: ClassVar[bool] = False
+    # whether tensor parallelism can split its layers (`models/loader.TP_SPLITS`): the
+    # per-channel tensors split with a column-parallel layer's rows, and a row-parallel
+    # layer's partial products over its input slice add up to the layer's output; why not
+    # where it cannot (a one-line start error with --tp-size > 1)
+    tp_problem: ClassVar[str | None] = "its tensors are not split across ranks"
 
     def __init__(self, block: tuple[int, int] = (128, 128)) -> None:
         self.block = block
@@ -93,6 +98,7 @@ class W8A8Static(QuantMethod):
     """ModelSlim W8A8: per-tensor static activation scale and offset, per-channel weights."""
 
     batch_invariant = True  # int32 sums of int8 products; elementwise quantise / epilogue
+    tp_problem = "its quant_bias folds the input offset over all input channels"
 
     def tensors(self, n, k):
         f32 = torch.float32
@@ -108,6 +114,10 @@ class W8A8Static(QuantMethod):
 
     per_row = ("weight", "weight_scale", "weight_offset", "quant_bias", "deq_scale")
 
+    def finish(self, t):
+        qm.prepare(t["weight"].device)
+        return t
+
     def linear(self, x, t):
         return qm.w8a8_static_linear(
             x, t["weight"], t["input_scale"], t["input_offset"], t["quant_bias"], t["deq_scale"]
@@ -122,6 +132,11 @@ class W8A8Dynamic(QuantMethod):
     """ModelSlim W8A8_DYNAMIC: per-token symmetric activations, per-channel weights."""
 
     batch_invariant = True  # int32 sums; per-token scales are max reductions within a row
+    # Under TP a row-parallel layer (o_proj, down_proj) quantises each rank's input slice
+    # per token with that slice's own max (as vllm-ascend's and SGLang's NPU paths do), not
+    # the whole row's: a finer scale, so TP > 1 is not TP = 1's bits (nor is float TP's
+    # all-reduce); column-parallel layers see the whole row and compute TP = 1's values.
+    tp_problem = None
 
     def tensors(self, n, k):
         f32 = torch.float32
@@ -134,31 +149,28 @@ class W8A8Dynamic(QuantMethod):
     per_row = ("weight", "weight_scale", "weight_offset")
 
     def finish(self, t):
+        qm.prepare(t["weight"].device)
         return {**t, "scale_row": t["weight_scale"].view(-1)}
 
     def linear(self, x, t):
         return qm.w8a8_dynamic_linear(x, t["weight"], t["scale_row"])
 
     def experts_dense(self, x, weights, stacks):
-        """The activations are quantised once per row, as each expert's own call would:
-        x's rows for every gate/up (one GEMM over the stacked [E * 2I, H] rows), each
-        (token, expert) row of the SwiGLU output for the downs (one GEMM per expert), then
-        one epilogue. Same integers and scales as the per-expert calls; off the NPU."""
+        """Each expert's linears over every token, the gate/ups of all experts as one
+        quantized linear over the stacked [E * 2I, H] rows (x's rows quantised once, as
+        each expert's own call would), the downs one call per expert over its [T, I] SwiGLU
+        rows: the same integers, scales and outputs as the per-expert calls; off the NPU."""
         if x.device.type == "npu":
             return None
         w13, w2 = stacks["w13"], stacks["w2"]
         e, two_i, h = w13.shape
         t, inter = x.shape[0], two_i // 2
-        xq, s = qm.quantize_per_token(x)
-        acc = qm.int8_matmul(xq, w13.view(e * two_i, h))
-        gate_up = torch.mul(acc, s * stacks["w13_weight_scale"].view(-1))
-        gate_up = gate_up.to(x.dtype).view(t, e, two_i)  # (as each expert's linear returns)
-        act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
-        aq, a_s = qm.quantize_per_token(act.transpose(0, 1).reshape(e * t, inter))
-        aq = aq.view(e, t, inter)
-        down = torch.stack([qm.int8_matmul(aq[i], w2[i]) for i in range(e)])  # [E, T, H]
-        ys = torch.mul(down, a_s.view(e, t, 1) * stacks["w2_weight_scale"].view(e, 1, h))
-        return ordered_sum(ys.to(x.dtype).float() * weights.t().unsqueeze(-1), 0)
+        scale13 = stacks["w13_weight_scale"].view(-1)
+        gate_up = qm.w8a8_dynamic_linear(x, w13.view(e * two_i, h), scale13).view(t, e, two_i)
+        act = (F.silu(gate_up[..., :inter]) * gate_up[..., inter:]).transpose(0, 1)  # [E, T, I]
+        scale2 = stacks["w2_weight_scale"].view(e, h)
+        ys = torch.stack([qm.w8a8_dynamic_linear(act[i], w2[i], scale2[i]) for i in range(e)])
+        return ordered_sum(ys.float() * weights.t().unsqueeze(-1), 0)  # ys [E, T, H]
 
     def dequantize(self, t):
         return (t["weight"].float() - t["weight_offset"]) * t["weight_scale"]
@@ -167,6 +179,8 @@ class W8A8Dynamic(QuantMethod):
 @register("FP8_BLOCK")
 class Fp8Block(QuantMethod):
     """DeepSeek's block FP8: float8_e4m3fn weights, one float32 factor per block."""
+
+    tp_problem = "its per-block scales are not split across ranks"
 
     def tensors(self, n, k):
         bn, bk = self.block

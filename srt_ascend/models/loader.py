@@ -50,11 +50,14 @@ _STACK = re.compile(r"^(.*\.experts)\.(w13|w2)(?:_(\w+))?$")  # stacked experts'
 _MOE_EXPERT = re.compile(r"\.mlp\.(experts|shared_experts)\.")  # whole under expert parallelism
 # Checkpoint tensors tensor parallelism splits, the dim a rank takes its slice of, and whether
 # the split is attention's (over the rank's DP group under data-parallel attention) or the
-# MLPs' (over all ranks).
+# MLPs' (over all ranks). A column-parallel layer's per-channel scales (W8A8_DYNAMIC's
+# `weight_scale` / `weight_offset` [N, 1]) split with its rows; a row-parallel layer's stay
+# whole (every rank's partial sum covers every output channel).
+_ROWS = r"\.(weight|weight_scale|weight_offset)$"
 TP_SPLITS = (
-    (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)\.weight$"), 0, True),  # heads' rows
+    (re.compile(r"\.(q_proj|q_b_proj|kv_b_proj)" + _ROWS), 0, True),  # heads' rows
     (re.compile(r"\.o_proj\.weight$"), 1, True),  # attention heads' columns (row-parallel)
-    (re.compile(r"\.(gate_proj|up_proj)\.weight$"), 0, False),  # dense, shared, routed experts
+    (re.compile(r"\.(gate_proj|up_proj)" + _ROWS), 0, False),  # dense, shared, routed experts
     (re.compile(r"\.down_proj\.weight$"), 1, False),
     (re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$"), 0, True),  # vocabulary rows
 )

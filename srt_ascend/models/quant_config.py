@@ -94,7 +94,9 @@ def refused_with(quantization: QuantConfig, server_args) -> str | None:
     """Why these settings cannot serve a quantized checkpoint (one line), or None."""
     name = f"a quantized checkpoint ({quantization.format})"
     if server_args.tp_size > 1:
-        return f"{name} with --tp-size > 1 is not supported yet (scales are not split)"
+        for scheme in sorted(set(quantization.schemes.values())):
+            if why := QUANT_METHODS[scheme].tp_problem:
+                return f"{name} with --tp-size > 1 is not supported for {scheme} layers ({why})"
     variant = sorted(s for s in set(quantization.schemes.values()) if not _invariant(s))
     if server_args.enable_deterministic_inference and variant:
         return (
@@ -102,7 +104,10 @@ def refused_with(quantization: QuantConfig, server_args) -> str | None:
             "layers have no batch-invariant kernel (their float GEMM's sums follow the batch)"
         )
     if server_args.enable_torch_compile:
-        return f"{name} with --enable-torch-compile is not supported yet"
+        return (
+            f"{name} with --enable-torch-compile is not supported yet (the quantized layers' "
+            "fused ops are not traced by torch.compile); serve it without the flag"
+        )
     return None
 
 

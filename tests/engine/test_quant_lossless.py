@@ -83,3 +83,27 @@ def test_deterministic_with_int8_layers(quantized):
     assert 0.5 < held / bf16 <= 0.55 and state["weight_bytes"] > held
     assert sum(o["meta_info"]["spec_verify_ct"] for o in batched) > 0
     assert _bits(batched) == _bits(alone)
+
+
+@pytest.mark.parametrize("scheme", ["w8a8", "w8a8_dynamic"])
+def test_fused_cpu_int8_ops_serve_the_torch_ops_bits(quantized, scheme):
+    """The served bf16 outputs and logprobs with the fused CPU int8 ops (layers/ops/cpu_int8)
+    are the torch-op path's bits (8 prompts at once: the GEMV's 1-4 rows and oneDNN's more)."""
+    from srt_ascend.layers.ops import cpu_int8
+
+    prompts = PROMPTS[:8]
+    outs = {}
+    try:
+        for fused in (True, False):
+            cpu_int8.configure(fused)
+            engine = Engine(model_path=quantized[scheme], dtype="bfloat16")
+            try:
+                batched = engine.generate(prompts, GREEDY, return_logprob=True)
+                alone = engine.generate(prompts[0], GREEDY, return_logprob=True)
+                outs[fused] = _bits(batched) + _bits([alone])
+            finally:
+                engine.shutdown()
+    finally:
+        cpu_int8.configure(True)
+    assert cpu_int8.ops() is not None
+    assert outs[True] == outs[False]

@@ -272,3 +272,76 @@ def test_sharded_source_quantized_shard_by_shard(tiny_mtp_checkpoint, tmp_path, 
     got = model.compute_logits(model(ids, torch.arange(12)))
     want = ref.compute_logits(ref(ids, torch.arange(12)))
     assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
+
+
+def _tp_rank(local_rank: int, addr: str, path: str, out: str) -> None:
+    """One of 2 gloo ranks: its shard of the W8A8_DYNAMIC model, a dense forward's logits and
+    the per-channel tensors it holds, saved for the parent to check."""
+    from srt_ascend.distributed import DistInit, init_tp_group
+
+    torch.set_num_threads(1)
+    tp = init_tp_group(DistInit(addr, 2), local_rank, "gloo")
+    try:
+        config = load_config(path)
+        q = resolve_quantization(path, config, None, shard_files(path))
+        model, _ = load_model(
+            path, torch.float32, load_mtp=True, config=config, tp=tp, quantization=q
+        )
+        with torch.no_grad():
+            ids = torch.tensor([[5, 17, 300, 42, 7, 99, 1000, 3]])
+            logits = model.compute_logits(model(ids, torch.arange(ids.shape[1])))
+        layer = model.model.layers[1]
+        held = {
+            "logits": logits,
+            "q_b_scale": layer.self_attn.q_b_proj.weight_scale.data,
+            "o_weight": layer.self_attn.o_proj.weight.data,
+            "o_scale": layer.self_attn.o_proj.weight_scale.data,
+            "w13_scale": layer.mlp.experts.w13_weight_scale.data,
+            "w2": layer.mlp.experts.w2.data,
+        }
+        torch.save(held, f"{out}.{tp.rank}")
+    finally:
+        tp.destroy()
+
+
+def test_tensor_parallel_w8a8_dynamic(quantized, tmp_path):
+    """--tp-size 2 over gloo: each rank holds its slice of the int8 weights, column-parallel
+    layers their rows' scales, row-parallel ones every scale; the logits follow TP = 1's
+    within the row-parallel layers' per-slice activation scales. W8A8 static and FP8 refuse
+    TP with a one-line error naming the scheme."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    path = quantized["w8a8_dynamic"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        addr = f"127.0.0.1:{s.getsockname()[1]}"
+    out = str(tmp_path / "rank")
+    mp.start_processes(_tp_rank, args=(addr, path, out), nprocs=2, start_method="spawn")
+    ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    model, _ = _load(path)
+    layer = model.model.layers[1]
+    attn, experts = layer.self_attn, layer.mlp.experts
+    for r, held in enumerate(ranks):
+        assert torch.equal(held["q_b_scale"], attn.q_b_proj.weight_scale.chunk(2, 0)[r])
+        assert torch.equal(held["o_weight"], attn.o_proj.weight.chunk(2, 1)[r])
+        assert torch.equal(held["o_scale"], attn.o_proj.weight_scale)
+        assert torch.equal(
+            held["w13_scale"],
+            torch.cat([part.chunk(2, 1)[r] for part in experts.w13_weight_scale.chunk(2, 1)], 1),
+        )
+        assert torch.equal(held["w2"], experts.w2.chunk(2, 2)[r])
+    torch.testing.assert_close(ranks[0]["logits"], ranks[1]["logits"])
+    with torch.no_grad():
+        ids = torch.tensor([[5, 17, 300, 42, 7, 99, 1000, 3]])
+        want = model.compute_logits(model(ids, torch.arange(ids.shape[1])))
+    got = ranks[0]["logits"]
+    assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
+    assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
+    tp2 = ServerArgs(tp_size=2)
+    assert refused_with(_resolve(path), tp2) is None
+    assert "for W8A8 layers (its quant_bias" in refused_with(_resolve(quantized["w8a8"]), tp2)
+    assert "for FP8_BLOCK layers" in refused_with(_resolve(quantized["fp8_block"]), tp2)
+    compiled = ServerArgs(enable_torch_compile=True)
+    assert "(modelslim) with --enable-torch-compile" in refused_with(_resolve(path), compiled)

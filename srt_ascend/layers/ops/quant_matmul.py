@@ -18,8 +18,11 @@ products accumulated in int32, as the NPU's and the CPU's integer units do):
     y[m, n] = sum_j (xq[m, Kj] . wq[n, Kj]) * s[m, j] * weight_scale_inv[n // bn, j]
   (float32 products of fp8 values: exact; the sum over K in float32).
 
-Dispatch by the tensors' device (`ops.pick`): the int8 GEMM runs on the CPU's integer path
-(`torch._int_mm`: oneDNN's u8s8/s8s8 kernels, VNNI / AMX where present), on CUDA through
+Dispatch by the tensors' device (`ops.pick`): on CPU each int8 linear is one fused op
+(`cpu_int8.cpp`: the quantisation, the int8 GEMM through `torch._int_mm` - oneDNN's s8s8
+kernels, VNNI / AMX where present - or a vectorised GEMV for 1-4 rows, and the epilogue, in
+the references' exact arithmetic, so the same bits), with these torch ops as its fallback
+where the extension cannot be built; on CUDA through
 `torch._int_mm` (its rows padded to the kernel's minimum), on NPU through torch_npu's
 `npu_quantize` / `npu_dynamic_quant` + `npu_quant_matmul` (`platforms/npu_quant_ops.py`,
 imported when first used; the references' semantics). Block FP8 on CUDA runs a Triton fp8
@@ -36,7 +39,7 @@ from __future__ import annotations
 
 import torch
 
-from srt_ascend.layers.ops import pick
+from srt_ascend.layers.ops import cpu_int8, pick
 from srt_ascend.layers.ops.fp8_blocks import FP8_MAX as FP8_MAX
 from srt_ascend.layers.ops.fp8_blocks import TINY as _TINY
 from srt_ascend.layers.ops.fp8_blocks import dequantize_fp8_blocks as dequantize_fp8_blocks
@@ -122,6 +125,31 @@ def _w8a8_dynamic_torch(x, wq, weight_scale):
     return torch.mul(int8_matmul(xq, wq), s * weight_scale)
 
 
+def _fused_static(x, wq, input_scale, input_offset, quant_bias, deq_scale):
+    return cpu_int8.ops().w8a8_static.default(
+        x, wq, input_scale, input_offset, quant_bias, deq_scale
+    )
+
+
+def _fused_dynamic(x, wq, weight_scale):
+    return cpu_int8.ops().w8a8_dynamic.default(x, wq, weight_scale, _TINY)
+
+
+def _fused_quantize(x):
+    return tuple(cpu_int8.ops().quantize_per_token.default(x, _TINY))
+
+
+def _on_cpu(fused, torch_ops):
+    """The CPU loader: the fused op where `cpu_int8` is built, else the torch-op path."""
+    return lambda: torch_ops if cpu_int8.ops() is None else fused
+
+
+def prepare(device: torch.device) -> None:
+    """Builds / loads the device's int8 kernels now (at model load), not in the first step."""
+    if device.type == "cpu":
+        cpu_int8.ops()
+
+
 def _npu_kernels():
     from srt_ascend.platforms import npu_quant_ops  # torch_npu's quant ops (lazy import)
 
@@ -129,8 +157,20 @@ def _npu_kernels():
 
 
 # device type -> loader of the fused kernel for tensors there (else the torch path above)
-_STATIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_static}
-_DYNAMIC_KERNELS = {"npu": lambda: _npu_kernels().w8a8_dynamic}
+_STATIC_KERNELS = {
+    "npu": lambda: _npu_kernels().w8a8_static,
+    "cpu": _on_cpu(_fused_static, _w8a8_static_torch),
+}
+_DYNAMIC_KERNELS = {
+    "npu": lambda: _npu_kernels().w8a8_dynamic,
+    "cpu": _on_cpu(_fused_dynamic, _w8a8_dynamic_torch),
+}
+_QUANTIZE_KERNELS = {"cpu": _on_cpu(_fused_quantize, quantize_per_token)}
+
+
+def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_per_token`'s values on the device's fastest path (CPU: one fused op)."""
+    return pick(_QUANTIZE_KERNELS, x.device, quantize_per_token)(x)
 
 
 def w8a8_static_linear(x, wq, input_scale, input_offset, quant_bias, deq_scale):
