@@ -252,6 +252,8 @@ DRAFT_LENGTHS: Registry[DraftLength] = Registry("draft length policy")
 class DraftLength(ABC):
     """Chooses K for each step and learns from what the step did."""
 
+    ragged = False  # the decoder's verify builds each request's 1 + k_r rows (MTPDecoder)
+
     def __init__(self, max_k: int, buckets: Sequence[int]) -> None:
         self.max_k = max_k
         self.acceptance = AcceptanceStats(max_k)

@@ -72,7 +72,7 @@ from srt_ascend.speculative.mtp_worker import (
     lengths,
     state_of,
 )
-from srt_ascend.speculative.verify import VERIFY_STRATEGIES
+from srt_ascend.speculative.verify import VERIFY_STRATEGIES, Ragged
 from srt_ascend.utils import to_device
 
 PROFILE_CONTEXT = 256  # committed tokens per padding request when the step costs are profiled
@@ -162,6 +162,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.num_verify = 0  # request-steps verified (each checks that step's K drafts)
         self.num_drafts = 0  # drafts verified
         self.num_accepted = 0  # drafts accepted
+        self.num_ragged = 0  # verify forwards over fewer than B(1+K) rows (verify.Ragged)
+        self.verify_rows = 0  # rows the verify forwards built (expand: sum(1 + k_r))
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
         self.sends_prefills = args.disaggregation_mode == "prefill"
         # overlapped rounds need backends that read each row's length on the device
@@ -172,6 +174,14 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         # a step may run requests with k_r = 0 apart, as a second forward (not under DP
         # attention: every group must run the same forwards)
         self.split_zeros = not args.enable_dp_attention
+        # expand verifies only each request's 1 + k_r rows (verify.Ragged): requests with
+        # k_r = 0 ride in the drafting step as one row each instead of a plain step apart
+        self.ragged = strategy.ragged
+        self.draft_length.ragged = self.ragged
+        if self.ragged:
+            self.split_zeros = False
+        # the MTP pass after a ragged verify over its rows only, where it runs eagerly
+        self.worker.ragged_pass = self.ragged and not args.graphs_enabled(runner.platform)
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
         self._read_at = 0.0  # perf_counter at the last overlapped round's read
 
@@ -185,6 +195,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             "spec_num_verify": n,
             "spec_draft_tokens": self.num_drafts,
             "spec_accepted_tokens": self.num_accepted,
+            "spec_ragged_steps": self.num_ragged,
+            "spec_verify_rows": self.verify_rows,
             "spec_accepted_per_position": list(acceptance.accepted),
             "spec_drafted_per_position": list(acceptance.drafted),
             "spec_acceptance_per_position": [
@@ -323,9 +335,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             return asked
         policy = self.draft_length
         chosen = policy.choose(free) if count else policy.peek(free)
-        own = iter(
-            policy.lengths(free, chosen, count) if self.split_zeros else [chosen] * len(free)
-        )
+        per_request = self.split_zeros or self.ragged
+        own = iter(policy.lengths(free, chosen, count) if per_request else [chosen] * len(free))
         return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:
@@ -334,7 +345,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         none drafts, except under DP attention (no split), where every group runs the same
         forwards: a group whose requests all ask 0 verifies the configured K with limit 0."""
         most = max(plan, default=0)
-        if not most and not self.split_zeros:
+        if not most and not self.split_zeros and not self.ragged:
             most = min(self.verifies, default=0)
         return min(j for j in self.verifies if j >= most) if most else 0
 
@@ -354,12 +365,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         last = to_device([[r.last_id] for r in reqs], self.runner.device)
         rows = [r.req_pool_idx for r in reqs]
         limited = self._limits(limits, k)
+        ragged = self._ragged(limits, k)
         res, logits, hidden = self._verify(
-            reqs, k, loc, starts, last, None, generated, rows, limited
+            reqs, k, loc, starts, last, None, generated, rows, limited, ragged
         )
         ahead = self._drafts_ahead(reqs)
         if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
-            self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
+            self.worker.draft_after_verify(
+                reqs, starts, loc, hidden, res, generated, ragged=ragged
+            )
         verdict = self._read(res, logits)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]
@@ -374,13 +388,22 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
                 to_device(verdict.accept_len, loc.device), to_device(verdict.emitted, loc.device)
             )
             drafting = [not r.finished for r in reqs]
-            self.worker.draft_after_verify(reqs, starts, loc, hidden, agreed, None, drafting)
+            self.worker.draft_after_verify(
+                reqs, starts, loc, hidden, agreed, None, drafting, ragged=ragged
+            )
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
         self.h.kv.free_positions_many(reqs, [r.kv_len for r in reqs], [s + k1 for s in starts])
         seconds = self._timed(time.perf_counter() - started - caught_up)
         self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
+
+    def _ragged(self, limits: list[int] | None, k: int) -> Ragged | None:
+        """The ragged verify's rows (verify.Ragged) when some request drafts fewer than K and
+        the verify strategy builds rows per request; None: every request's 1 + K rows."""
+        if not self.ragged or limits is None or all(n == k for n in limits):
+            return None
+        return Ragged.of(limits, k, self.runner.device)
 
     def _limits(self, limits: list[int], k: int) -> torch.Tensor | None:
         """The acceptance rule's per-row limits on the device; None when every row drafts K."""
@@ -399,9 +422,12 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         generated: list[int] | Counts,  # tokens each request generated before the round
         rows: list[int],  # their req_to_token rows
         limits: torch.Tensor | None = None,  # [B] drafts each row may accept (None: K)
+        ragged: Ragged | None = None,  # verify only each request's 1 + k_r rows
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
-        (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
+        (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D], or
+        with `ragged` its kept rows [R, D]). The rule reads row j > k_r as row k_r (never
+        past its limit)."""
         drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
@@ -411,9 +437,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             seq,
             loc,
             bounds,
+            ragged,
         )
-        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
-        logits = logits[:, : self.vocab].view(len(reqs), k + 1, -1)
+        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1) or R, D / V]
+        self.num_ragged += ragged is not None
+        self.verify_rows += fb.num_tokens
+        logits = logits[:, : self.vocab]
+        if ragged is not None:
+            logits = ragged.spread(logits)
+        logits = logits.view(len(reqs), k + 1, -1)
         res, logits = self._accept(reqs, logits, drafts, generated, limits)
         return res, logits, hidden
 

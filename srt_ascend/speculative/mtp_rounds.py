@@ -95,11 +95,12 @@ class OverlappedRoundsMixin:
         tokens, `MTPWorker.catch_up`), and a K = 0 round after one with drafts over a seeded
         sampled request (its sampling draws from the host stream of its count, which prev's
         accept lengths leave open). Per-request lengths (`_plan`) ride along as the
-        acceptance rule's limits; a batch mixing k_r = 0 with drafting requests is not
-        launched (`step` runs the zeros apart)."""
+        acceptance rule's limits, and as a ragged verify's rows where the strategy builds
+        them (expand); else a batch mixing k_r = 0 with drafting requests is not launched
+        (`step` runs the zeros apart)."""
         plan = self._plan(reqs, count=False)
         k = self._batch_k(plan)
-        if k and 0 in plan:
+        if k and 0 in plan and not self.ragged:
             return None
         k1, device = k + 1, self.runner.device
         reserved = self._reserve(reqs, prev, k)
@@ -119,6 +120,7 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
+        ragged = self._ragged(plan, k)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
@@ -149,10 +151,12 @@ class OverlappedRoundsMixin:
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
             res, logits, hidden = self._verify(
-                batch, k, loc, at, tail, first, counts, rows, limited
+                batch, k, loc, at, tail, first, counts, rows, limited, ragged
             )
             verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
-            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
+            nxt = self.worker.draft_after_verify(
+                batch, at, loc, hidden, res, counts, None, rows, ragged
+            )
             return RoundOut(res, logits, nxt, start, verdict=verdict)
 
         future = self.h.worker.submit(run)
