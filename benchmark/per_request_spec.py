@@ -6,7 +6,8 @@
 Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per round):
 - mixed@16: 8 held-out code prompts at temperature 0 and 8 random-token prompts at
   temperature 1 (where drafts are rarely accepted);
-- code@1 / code@4 / code@16: held-out code prompts only, greedy.
+- code@1 / code@4 / code@16 / code@64: held-out code prompts only, greedy;
+- random@1 / random@4 / random@16 / random@64: random-token prompts only, temperature 1.
 Configurations (one engine each, all started first and warmed on every workload; each round
 runs a workload on every configuration back to back, the best of `rounds` kept): MTP off;
 fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K per step: `--speculative-adaptive`
@@ -30,6 +31,7 @@ from srt_ascend import Engine
 from srt_ascend.server_args import SHIPPED_MODEL
 
 MTP = {"speculative_algorithm": "MTP"}
+SIZES = (1, 4, 16, 64)
 CONFIGS = {
     "off": {},
     "k1": {**MTP, "speculative_num_steps": 1},
@@ -43,14 +45,16 @@ CONFIGS = {
 
 def workloads(out_len: int, vocab: int) -> dict[str, tuple[list, list[dict]]]:
     """name -> (prompts or token-id lists, sampling params per request)."""
-    code = prompts(16)
+    code = prompts(64)
     rng = random.Random(0)
-    noise = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(8)]
+    noise = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(64)]
     greedy = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
     hot = {"max_new_tokens": out_len, "temperature": 1.0, "ignore_eos": True}
-    out = {"mixed@16": (code[:8] + noise, [greedy] * 8 + [hot] * 8)}
-    for n in (1, 4, 16):
+    out = {"mixed@16": (code[:8] + noise[:8], [greedy] * 8 + [hot] * 8)}
+    for n in SIZES:
         out[f"code@{n}"] = (code[:n], [greedy] * n)
+    for n in SIZES:
+        out[f"random@{n}"] = (noise[:n], [hot] * n)
     return out
 
 
@@ -118,13 +122,12 @@ def report(res: dict[str, dict[str, dict]]) -> None:
             )
             print(f"  {c:15s} {v:8.1f}   {ratios}")
     fixed = [c for c in ("off", "k1", "k2", "k3") if c in res]
-    for n in (1, 4, 16):
-        wl = f"code@{n}"
+    for wl in [f"{kind}@{n}" for kind in ("code", "random") for n in SIZES]:
         have = {c: r[wl]["tok_s"] for c, r in res.items() if wl in r}
         if not have or not fixed:
             continue
         best = max(fixed, key=lambda c: have.get(c, 0.0))
-        line = f"{wl:8s} best fixed {best} {have[best]:.1f} tok/s"
+        line = f"{wl:9s} best fixed {best} {have[best]:.1f} tok/s"
         for c in ("batch-adaptive", "per-request"):
             if c in have:
                 line += f"; {c} {have[c] / have[best]:.2f}x"

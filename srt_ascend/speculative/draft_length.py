@@ -138,8 +138,15 @@ class CostTable:
     largest one when none does)."""
 
     def __init__(
-        self, buckets: Sequence[int], max_k: int, profile: dict[tuple[int, int], float]
+        self,
+        buckets: Sequence[int],
+        max_k: int,
+        profile: dict[tuple[int, int], float],
+        rows: dict[int, float] | None = None,
     ) -> None:
+        """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
+        that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
+        self.rows = rows
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
         missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
@@ -152,11 +159,27 @@ class CostTable:
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
+    def observe(self, batch: int, k: int, seconds: float, rows: int | None = None) -> None:
+        """A served step of K = k over `batch` requests took `seconds`; `rows`: the rows
+        its verify ran (None: batch x (1 + k))."""
         key = self.bucket(batch), k
         recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
-        recent.append(seconds / self.profile[key])
+        recent.append(seconds / self.profiled(key[0], k, rows))
         self.scale[key] = statistics.median_low(recent)
+
+    def profiled(self, bucket: int, k: int, rows: int | None = None) -> float:
+        """The profile's seconds of a step of K = k in `bucket` verifying `rows` rows: the
+        full step's, less the row-proportional part of its bucket x (1 + k) rows, plus that
+        of `rows` (never below a tenth of the full step)."""
+        full = self.profile[bucket, k]
+        if rows is None or self.rows is None or not k:
+            return full
+        saved = interpolate(self.rows, bucket * (k + 1)) - interpolate(self.rows, rows)
+        return max(full - saved, full / 10)
+
+    def ragged_cost(self, bucket: int, k: int, rows: int) -> float:
+        """`cost` of a step verifying `rows` rows: its profile (`profiled`) x S(b, K)."""
+        return self.cost(bucket, k) * self.profiled(bucket, k, rows) / self.profile[bucket, k]
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
@@ -202,25 +225,7 @@ def profile_costs(
     ordered = sorted(buckets)
     timed = [b for b in ordered if b in (ordered[0], ordered[-1]) or b & (b - 1) == 0]
     keys = [(b, k) for b in timed for k in range(max_k + 1)]
-    runs: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
-
-    def wanted(key) -> bool:
-        n, spent = len(runs[key]), sum(runs[key])
-        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
-
-    with tqdm(desc="profiling MTP step costs", unit="run", mininterval=2.0) as bar:
-        for b, k in keys:
-            run_step_forwards(b, k)
-            bar.update()
-        while todo := [key for key in keys if wanted(key)]:
-            for b, k in todo:
-                synchronize()
-                started = time.perf_counter()
-                run_step_forwards(b, k)
-                synchronize()
-                runs[b, k].append(time.perf_counter() - started)
-                bar.update()
-    out = {key: min(r) for key, r in runs.items()}
+    out = time_entries(keys, lambda key: run_step_forwards(*key), synchronize, "MTP step costs")
     for b in ordered:
         if b in timed:
             continue
@@ -230,6 +235,56 @@ def profile_costs(
         for k in range(max_k + 1):
             out[b, k] = (1 - w) * out[lo, k] + w * out[hi, k]
     return monotone(out)
+
+
+def time_entries(keys: list, run: Callable, synchronize: Callable[[], None], what: str) -> dict:
+    """Seconds of `run(key)` per key, with a progress bar: each once to warm up, then in
+    interleaved rounds (PROFILE_MIN_RUNS above), keeping each key's fastest run."""
+    runs: dict = {key: [] for key in keys}
+
+    def wanted(key) -> bool:
+        n, spent = len(runs[key]), sum(runs[key])
+        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
+
+    with tqdm(desc=f"profiling {what}", unit="run", mininterval=2.0) as bar:
+        for key in keys:
+            run(key)
+            bar.update()
+        while todo := [key for key in keys if wanted(key)]:
+            for key in todo:
+                synchronize()
+                started = time.perf_counter()
+                run(key)
+                synchronize()
+                runs[key].append(time.perf_counter() - started)
+                bar.update()
+    return {key: min(r) for key, r in runs.items()}
+
+
+def profile_rows(
+    most: int, run_rows: Callable[[int], None], synchronize: Callable[[], None]
+) -> dict[int, float]:
+    """Seconds of the row-proportional part of a step (`run_rows(n)`: the verify forward over
+    n single-token rows, and the MTP pass over them where it is ragged) at 1, the powers of
+    two below `most`, and `most`; never less for more rows (`monotone` in one dimension)."""
+    points = sorted({1, most, *(1 << i for i in range(most.bit_length()) if 1 << i < most)})
+    timed = time_entries(points, run_rows, synchronize, "verify rows")
+    out, cap = {}, float("inf")
+    for n in reversed(points):
+        cap = out[n] = min(timed[n], cap)
+    return out
+
+
+def interpolate(points: dict[int, float], n: float) -> float:
+    """Piecewise-linear in n through `points` (flat past the ends)."""
+    keys = sorted(points)
+    if n <= keys[0]:
+        return points[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if n <= hi:
+            w = (n - lo) / (hi - lo)
+            return (1 - w) * points[lo] + w * points[hi]
+    return points[keys[-1]]
 
 
 def monotone(costs: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
@@ -302,11 +357,15 @@ class DraftLength(ABC):
         return self.acceptance.rates()
 
     def calibrate(  # noqa: B027 - optional hook
-        self, run_step_forwards: Callable[[int, int], None], synchronize: Callable[[], None]
+        self,
+        run_step_forwards: Callable[[int, int], None],
+        synchronize: Callable[[], None],
+        run_rows: Callable[[int], None] | None = None,
     ) -> None:
         """Once before serving: `run_step_forwards(bucket, k)` runs the forwards of a step
-        with K = k over a padding batch of `bucket` requests (a policy that costs steps
-        times them here)."""
+        with K = k over a padding batch of `bucket` requests, `run_rows(n)` the
+        row-proportional part of a ragged step over n verify rows (a policy that costs
+        steps times them here)."""
 
     def prefers_plain(self, batch: int) -> bool:
         """Whether steps over `batch` requests are expected to run K = 0 (a prefill then
@@ -332,9 +391,12 @@ class AdaptiveDraftLength(DraftLength):
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
         self.plans = 0  # steps planned per request (`lengths`)
 
-    def calibrate(self, run_step_forwards, synchronize) -> None:
+    def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
-        self.costs = CostTable(self.buckets, self.max_k, profile)
+        rows = None
+        if self.ragged and run_rows is not None and self.max_k:
+            rows = profile_rows(max(self.buckets) * (self.max_k + 1), run_rows, synchronize)
+        self.costs = CostTable(self.buckets, self.max_k, profile, rows)
 
     def _rates(self, bucket: int, estimates: Sequence[list[float]]) -> dict[int, float]:
         """Expected tokens per second of each K for these requests in `bucket`."""
@@ -364,14 +426,49 @@ class AdaptiveDraftLength(DraftLength):
         self.steps[self.costs.bucket(batch)] += 1
 
     def lengths(self, estimates, k, count):
+        if count:
+            self.plans += 1
+        if self.ragged and self.costs.rows is not None:
+            return self._ragged_lengths(estimates)
+        return self._split_lengths(estimates, k)
+
+    def _ragged_lengths(self, estimates: Sequence[list[float]]) -> list[int]:
+        """Per-request lengths for a ragged verify (each request's 1 + k_r rows): for each
+        K, the drafts d_{j} of request r ranked by their expected tokens (prod_{i<=j}
+        a_r[i], which falls with j, so every prefix of the ranking is a plan), and the plan
+        with the most expected tokens per second (`CostTable.ragged_cost` of its rows) is
+        taken when it promises SPEC_MARGIN times the plain step's (else every k_r = 0).
+        Every EXPLORE_EVERY-th plan gives each request at 0 one draft (one more row), so
+        its acceptance keeps being measured."""
+        n, costs = len(estimates), self.costs
+        bucket = costs.bucket(n)
+        best, plan = SPEC_MARGIN * n / costs.cost(bucket, 0), [0] * n
+        for k in costs.ks[1:]:
+            gains = []
+            for r, e in enumerate(estimates):
+                run = 1.0
+                for j in range(k):
+                    run *= e[j]
+                    gains.append((-run, j, r))
+            gains.sort()
+            tokens, counts = float(n), [0] * n
+            for m, (gain, _, r) in enumerate(gains, 1):
+                tokens -= gain
+                counts[r] += 1
+                rate = tokens / costs.ragged_cost(bucket, k, n + m)
+                if rate > best:
+                    best, plan = rate, list(counts)
+        if any(plan) and self.plans % EXPLORE_EVERY == 0:
+            plan = [max(1, c) for c in plan]
+        return plan
+
+    def _split_lengths(self, estimates: Sequence[list[float]], k: int) -> list[int]:
         """Per-request lengths: the m requests expecting the fewest tokens from drafts run
         apart as the plain step (k_r = 0) and the rest as one step of j drafts when that pair
         of steps promises SPEC_MARGIN times the tokens per second of the chosen K step over
         all; the best (m >= 1, j >= 1). Every EXPLORE_EVERY-th such plan drafts j for every
         request instead, so the acceptance of requests set apart keeps being measured."""
         n, costs = len(estimates), self.costs
-        if count:
-            self.plans += 1
         if n < 2:
             return [k] * n
         order = sorted(range(n), key=lambda r: expected_tokens(estimates[r], self.max_k))
@@ -400,7 +497,8 @@ class AdaptiveDraftLength(DraftLength):
     def record(self, estimates, k, accepted, seconds, limits=None):
         super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
-            self.costs.observe(len(estimates), k, seconds)
+            rows = None if limits is None else sum(n + 1 for n in limits)
+            self.costs.observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
         return {**super().stats(), "spec_step_cost_seconds": self.costs.snapshot()}

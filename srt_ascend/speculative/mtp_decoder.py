@@ -206,7 +206,28 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         }
 
     def calibrate(self) -> None:
-        self.draft_length.calibrate(self._padding_step, self.runner.platform.synchronize)
+        self.draft_length.calibrate(
+            self._padding_step, self.runner.platform.synchronize, self._padding_rows
+        )
+
+    @torch.inference_mode()
+    def _padding_rows(self, n: int) -> None:
+        """The row-proportional forwards of a ragged step over `n` verify rows (request row
+        0, PROFILE_CONTEXT tokens, KV into the padding slot 0): the verify forward of the
+        largest K and its logits, and the MTP pass over the rows where it is ragged."""
+        runner, verify = self.runner, self.verifies[max(self.verifies)]
+        k1 = verify.k + 1
+        context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
+        loc = torch.zeros(n, dtype=torch.int64, device=runner.device)
+        seq = [context + 1 + i % k1 for i in range(n)]
+        fb = runner.build_forward_batch(ForwardMode.TARGET_VERIFY, loc, [0] * n, seq, [1] * n, loc)
+        hidden, _ = runner.forward_logits(fb, verify.kind)
+        if self.worker.ragged_pass:
+            build = lambda: runner.build_forward_batch(  # noqa: E731
+                ForwardMode.DRAFT_EXTEND, loc, [0] * n, seq, [1] * n, loc
+            )
+            ends = torch.arange(n, device=runner.device)
+            self.worker.mtp_pass(build, hidden, None, verify.k, ends)
 
     @torch.inference_mode()
     def _padding_step(self, bs: int, k: int) -> None:
