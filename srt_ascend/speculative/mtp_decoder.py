@@ -174,7 +174,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         # a step may run requests with k_r = 0 apart, as a second forward (not under DP
         # attention: every group must run the same forwards)
         self.split_zeros = not args.enable_dp_attention
-        # expand verifies only each request's 1 + k_r rows (verify.Ragged): requests with
+        # the verify builds only each request's 1 + k_r rows (verify.Ragged): requests with
         # k_r = 0 ride in the drafting step as one row each instead of a plain step apart
         self.ragged = strategy.ragged
         self.draft_length.ragged = self.ragged
@@ -212,21 +212,27 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
 
     @torch.inference_mode()
     def _padding_rows(self, n: int) -> None:
-        """The row-proportional forwards of a ragged step over `n` verify rows (request row
-        0, PROFILE_CONTEXT tokens, KV into the padding slot 0): the verify forward of the
-        largest K and its logits, and the MTP pass over the rows where it is ragged."""
+        """The row-proportional forwards of a ragged step over `n` verify rows (as requests
+        of 1 + K rows and one of the rest; request row 0, PROFILE_CONTEXT tokens, KV into
+        the padding slot 0): the verify forward of the largest K and its logits, and the MTP
+        pass over those rows where it is ragged."""
         runner, verify = self.runner, self.verifies[max(self.verifies)]
         k1 = verify.k + 1
         context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
-        loc = torch.zeros(n, dtype=torch.int64, device=runner.device)
-        seq = [context + 1 + i % k1 for i in range(n)]
-        fb = runner.build_forward_batch(ForwardMode.TARGET_VERIFY, loc, [0] * n, seq, [1] * n, loc)
+        full, rest = divmod(n, k1)
+        limits = [verify.k] * full + ([rest - 1] if rest else [])
+        bs = len(limits)
+        loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
+        ragged = Ragged.of(limits, verify.k, runner.device)
+        fb = verify.build(loc, [0] * bs, [context] * bs, loc, None, ragged)
         hidden, _ = runner.forward_logits(fb, verify.kind)
         if self.worker.ragged_pass:
+            per = [m + 1 for m in limits]
             build = lambda: runner.build_forward_batch(  # noqa: E731
-                ForwardMode.DRAFT_EXTEND, loc, [0] * n, seq, [1] * n, loc
-            )
-            ends = torch.arange(n, device=runner.device)
+                ForwardMode.DRAFT_EXTEND, ragged.take(loc.view(-1)), [0] * bs,
+                [context + m for m in per], per, ragged.take(loc.view(-1)),
+            )  # fmt: skip
+            ends = ragged.first + to_device(limits, runner.device)
             self.worker.mtp_pass(build, hidden, None, verify.k, ends)
 
     @torch.inference_mode()
@@ -419,9 +425,13 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
 
-    def _ragged(self, limits: list[int] | None, k: int) -> Ragged | None:
+    def _ragged(self, limits: list[int] | None, k: int, on_device=False) -> Ragged | None:
         """The ragged verify's rows (verify.Ragged) when some request drafts fewer than K and
-        the verify strategy builds rows per request; None: every request's 1 + K rows."""
+        the verify strategy builds rows per request (`on_device`: from sequence lengths on
+        the device, an overlapped round's); None: every request's 1 + K rows."""
+        verify = self.verifies.get(k)
+        if verify is None or not (verify.ragged_on_device if on_device else verify.ragged):
+            return None
         if not self.ragged or limits is None or all(n == k for n in limits):
             return None
         return Ragged.of(limits, k, self.runner.device)

@@ -96,11 +96,12 @@ class OverlappedRoundsMixin:
         sampled request (its sampling draws from the host stream of its count, which prev's
         accept lengths leave open). Per-request lengths (`_plan`) ride along as the
         acceptance rule's limits, and as a ragged verify's rows where the strategy builds
-        them (expand); else a batch mixing k_r = 0 with drafting requests is not launched
-        (`step` runs the zeros apart)."""
+        them from device lengths (expand); else a batch mixing k_r = 0 with drafting
+        requests is not launched (`step` runs it, ragged)."""
         plan = self._plan(reqs, count=False)
         k = self._batch_k(plan)
-        if k and 0 in plan and not self.ragged:
+        ragged = self._ragged(plan, k, on_device=True)
+        if k and 0 in plan and ragged is None:  # FIA: `step` verifies them ragged
             return None
         k1, device = k + 1, self.runner.device
         reserved = self._reserve(reqs, prev, k)
@@ -120,7 +121,6 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
-        ragged = self._ragged(plan, k)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)

@@ -16,7 +16,8 @@ sum(1 + k_r) rows of positions L-1 .. L-1+k_r, not B(1+K): the rows past a reque
 never built (the acceptance rule stops row r at k_r, so they would decide nothing). Their
 outputs come back laid out [B, K+1] by `Ragged.expand` (row j > k_r repeats row k_r), and a
 captured verify_expand graph holds them by rows (`GraphRunner._bucket`: the smallest bucket
-whose B(1+K) rows hold them). FIA keeps 1+K tokens per request (padding its rows).
+whose B(1+K) rows hold them). FIA takes each request's 1 + k_r query tokens natively (host
+lengths only: an overlapped round's FIA verify keeps 1 + K tokens per request).
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ class Ragged(NamedTuple):
 
 class VerifyStrategy(ABC):
     name: str
-    ragged = False  # builds only each request's 1 + k_r rows (`Ragged`)
+    ragged = False  # builds only each request's 1 + k_r rows (`Ragged`), from host lengths
+    ragged_on_device = False  # ... and from lengths on the device (an overlapped round's)
 
     def __init__(self, runner: ModelRunner, k: int, suffix: str = "") -> None:
         """Verifies K = `k` drafts per request (0: the target's next token only); `suffix`
@@ -103,7 +105,7 @@ class VerifyStrategy(ABC):
 
 @VERIFY_STRATEGIES.register("expand")
 class BatchExpansionVerify(VerifyStrategy):
-    ragged = True
+    ragged = ragged_on_device = True
 
     def _backend(self, runner):
         return runner.attn_backend
@@ -139,6 +141,8 @@ class BatchExpansionVerify(VerifyStrategy):
 
 @VERIFY_STRATEGIES.register("fia")
 class MultiQueryFiaVerify(VerifyStrategy):
+    ragged = True  # 1 + k_r query tokens per request: FIA takes per-request query lengths
+
     def _backend(self, runner):
         if runner.attn_backend.serves_multi_query_verify:  # e.g. triton on CUDA
             return runner.attn_backend
@@ -151,20 +155,17 @@ class MultiQueryFiaVerify(VerifyStrategy):
         return GraphKind(f"verify_fia{suffix}", ForwardMode.TARGET_VERIFY, k1, 1, self.backend)
 
     def build(self, tokens, rows, seq_lens, loc, bounds=None, ragged=None):
-        if ragged is not None:
-            raise ValueError("FIA verify rows are padded to 1+K tokens per request")
         k1 = loc.shape[1]
+        tokens, loc, per = tokens.reshape(-1), loc.reshape(-1), [k1] * len(rows)
+        if ragged is not None:  # host lengths only: a device batch has one query length
+            if isinstance(seq_lens, torch.Tensor):
+                raise ValueError("a ragged FIA verify needs host sequence lengths")
+            tokens, loc = ragged.take(tokens), ragged.take(loc)
+            per = [n + 1 for n in ragged.limits]
         if isinstance(seq_lens, torch.Tensor):
             seq, bounds = seq_lens - 1 + k1, [length - 1 + k1 for length in bounds]
         else:
-            seq = [length - 1 + k1 for length in seq_lens]
+            seq = [length - 1 + n for length, n in zip(seq_lens, per)]
         return self.build_forward_batch(
-            ForwardMode.TARGET_VERIFY,
-            tokens.reshape(-1),
-            list(rows),
-            seq,
-            [k1] * len(rows),
-            loc.reshape(-1),
-            self.backend,
-            bounds,
+            ForwardMode.TARGET_VERIFY, tokens, list(rows), seq, per, loc, self.backend, bounds
         )

@@ -6,8 +6,9 @@ to the server (K = 3) is token-identical, request by request, to eager decoding 
 speculation (the session `baseline`), on both verify paths: expand's ragged rows (each request
 verifies 1 + k_r rows) with graphs on and chunked prefill, eager with overlapped rounds and
 per-request adaptive lengths (the MTP pass ragged too), and again with every request's 1 + K
-rows and with the zeros run apart; fia (padded rows) with overlap and adaptive lengths; with
-logprobs, `n > 1` and a grammar. Sampled: requests of mixed lengths follow the target distribution (the
+rows and with the zeros run apart; fia (1 + k_r query tokens per request in serial steps,
+1 + K in overlapped rounds) with overlap and adaptive lengths; with logprobs, `n > 1` and a
+grammar. Sampled: requests of mixed lengths follow the target distribution (the
 chi-square check and stated power of test_spec_distribution: 800 samples detect a 0.058
 shift between the two likeliest sequences with probability 0.9), and a biased rule served
 the same way is rejected (the control)."""
@@ -76,6 +77,7 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
         assert_same_greedy(name, outs, baseline)
         _check_counts(outs, CONFIGS[name].get("speculative_adaptive", False))
         assert sum(o["meta_info"]["spec_accepted_tokens"] for o in outs) > 0
+        assert engine.get_internal_state()["spec_ragged_steps"] > 0  # 1 + k_r rows each
         if CONFIGS[name].get("enable_overlap_schedule"):  # lengths 1..3 only: rounds overlap
             before = engine.get_internal_state()
             idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)]][:12]
