@@ -11,7 +11,7 @@ Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per 
 Configurations (one engine each, all started first and warmed on every workload; each round
 runs a workload on every configuration back to back, the best of `rounds` kept): MTP off;
 fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K per step: `--speculative-adaptive`
-with the per-request split switched off in the policy); per-request adaptive
+with the decoder's per-request plans, ragged or split, switched off); per-request adaptive
 (`--speculative-adaptive`); asked (K = 3 server; the code requests ask 3 drafts, the random
 ones 0, through `sampling_params.speculative_num_steps`). Printed: output tokens per second
 and ratios against every other configuration, side by side.
@@ -60,9 +60,9 @@ def workloads(out_len: int, vocab: int) -> dict[str, tuple[list, list[dict]]]:
 
 def start(name: str) -> Engine:
     engine = Engine(model_path=SHIPPED_MODEL, dtype="float32", **CONFIGS[name])
-    if name == "batch-adaptive":  # one K per step: the policy's per-request split off
-        policy = engine.tokenizer_manager.scheduler.decoder.draft_length
-        policy.lengths = lambda estimates, k, count: [k] * len(estimates)
+    if name == "batch-adaptive":  # one K per step: per-request plans (ragged or split) off
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.ragged = decoder.split_zeros = False
     return engine
 
 

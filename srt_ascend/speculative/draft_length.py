@@ -29,10 +29,18 @@ and is a contender, so a K = 0 that never runs where drafts do still gets measur
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
 tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
 several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
-Per request (`lengths`): the requests expecting the fewest tokens from drafts may run apart as
-a plain step beside one step of j drafts over the rest, when that pair of steps (each costed
-at its own bucket) promises SPEC_MARGIN times the chosen K's tokens per second; every
-EXPLORE_EVERY-th such plan drafts for all, so that their acceptance keeps being measured. A
+Per request (`lengths`), with a ragged verify (each request verifies its own 1 + k_r rows):
+a plan of k_r per request costs the step of K = max k_r with its verify (and a ragged MTP
+pass) over sum(1 + k_r) rows instead of B(1 + K): P(b, K) less the row profile W at B(1 + K)
+rows plus W at the plan's rows (`CostTable.profiled`; W timed at start by `profile_rows`),
+scaled by S(b, K), which served steps measure against their own rows. Each request's draft j
+adds prod_{i<=j} a_r[i] expected tokens for one row; the drafts ranked by that (every prefix
+is a plan) give, per K, the plan with the most tokens per second, taken when it promises
+SPEC_MARGIN times the plain step's. Without a ragged verify, the requests expecting the
+fewest tokens from drafts may run apart as a plain step beside one step of j drafts over the
+rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARGIN times the
+chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
+left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
@@ -147,6 +155,10 @@ class CostTable:
         """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
         that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
         self.rows = rows
+        # W at every row count up to the profiled most (a list: the planner reads it per row)
+        self.row_seconds = (
+            None if rows is None else [interpolate(rows, n) for n in range(max(rows) + 1)]
+        )
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
         missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
@@ -174,12 +186,19 @@ class CostTable:
         full = self.profile[bucket, k]
         if rows is None or self.rows is None or not k:
             return full
-        saved = interpolate(self.rows, bucket * (k + 1)) - interpolate(self.rows, rows)
-        return max(full - saved, full / 10)
+        return max(full - self._w(bucket * (k + 1)) + self._w(rows), full / 10)
 
-    def ragged_cost(self, bucket: int, k: int, rows: int) -> float:
-        """`cost` of a step verifying `rows` rows: its profile (`profiled`) x S(b, K)."""
-        return self.cost(bucket, k) * self.profiled(bucket, k, rows) / self.profile[bucket, k]
+    def _w(self, rows: int) -> float:
+        table = self.row_seconds
+        return table[min(rows, len(table) - 1)]
+
+    def ragged_costs(self, bucket: int, k: int, batch: int) -> list[float]:
+        """`cost` of a step of K = k over `batch` requests verifying batch + m rows, for m in
+        0 .. batch x k: its profile (`profiled`) x S(b, K)."""
+        full = self.profile[bucket, k]
+        scale = self.cost(bucket, k) / full
+        base = full - self._w(bucket * (k + 1))
+        return [scale * max(base + self._w(batch + m), full / 10) for m in range(batch * k + 1)]
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
@@ -451,13 +470,16 @@ class AdaptiveDraftLength(DraftLength):
                     run *= e[j]
                     gains.append((-run, j, r))
             gains.sort()
-            tokens, counts = float(n), [0] * n
-            for m, (gain, _, r) in enumerate(gains, 1):
+            priced = costs.ragged_costs(bucket, k, n)
+            tokens, take = float(n), 0
+            for m, (gain, _, _) in enumerate(gains, 1):
                 tokens -= gain
-                counts[r] += 1
-                rate = tokens / costs.ragged_cost(bucket, k, n + m)
-                if rate > best:
-                    best, plan = rate, list(counts)
+                if tokens / priced[m] > best:
+                    best, take = tokens / priced[m], m
+            if take:
+                plan = [0] * n
+                for _, _, r in gains[:take]:
+                    plan[r] += 1
         if any(plan) and self.plans % EXPLORE_EVERY == 0:
             plan = [max(1, c) for c in plan]
         return plan

@@ -39,10 +39,14 @@ Per request: each request drafts its own k_r (`_plan`: its `speculative_num_step
 policy's choice, per request under --speculative-adaptive). A step drafts K = the smallest
 registered K holding the longest k_r, and the acceptance rule stops row r at k_r, as a
 K = k_r step over the same drafts and uniforms would (lossless per request, seeded draws
-independent of the neighbours). Requests with k_r = 0 beside drafting ones run apart as the
-plain decoder's step in the same `step` (not under DP attention, where every group must run
-the same forwards: there they verify with limit 0); overlapped rounds carry the limits, and a
-round mixing k_r = 0 with drafts runs `step`.
+independent of the neighbours). The verify is ragged (verify.Ragged): request r's rows past
+k_r are not built, and a request with k_r = 0 rides in the drafting step as one row; its
+outputs are read back in the [B, K+1] layout with row k_r repeated past it, which the rule
+never reads. Where the MTP pass runs eagerly it covers the same rows. Overlapped rounds carry
+the limits, and ragged rows where the strategy builds them from device lengths (expand); an
+FIA round mixing k_r = 0 with drafts runs `step`. Without a ragged verify (tests switch it
+off) requests with k_r = 0 run apart as the plain decoder's step in the same `step` (not
+under DP attention, where every group must run the same forwards: they verify with limit 0).
 
 Here: the decoder, its serial step and idle forwards; overlapped rounds (`launch`, `finish`)
 in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict (mixins).
@@ -361,9 +365,14 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         if not free:
             return asked
         policy = self.draft_length
+        if self.ragged:  # the policy plans every request's k_r (no batch K to choose)
+            if count:
+                policy.advance(len(free))
+            own = iter(policy.lengths(free, self.args.speculative_num_steps, count))
+            return [next(own) if a is None else a for a in asked]
         chosen = policy.choose(free) if count else policy.peek(free)
-        per_request = self.split_zeros or self.ragged
-        own = iter(policy.lengths(free, chosen, count) if per_request else [chosen] * len(free))
+        split = self.split_zeros
+        own = iter(policy.lengths(free, chosen, count) if split else [chosen] * len(free))
         return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:
@@ -398,9 +407,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         )
         ahead = self._drafts_ahead(reqs)
         if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
-            self.worker.draft_after_verify(
-                reqs, starts, loc, hidden, res, generated, ragged=ragged
-            )
+            self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated, ragged=ragged)
         verdict = self._read(res, logits)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]

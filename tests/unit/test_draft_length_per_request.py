@@ -74,8 +74,10 @@ def ragged_costed(per_row: float) -> AdaptiveDraftLength:
 def test_ragged_cost_follows_the_rows():
     policy = ragged_costed(0.1)
     costs = policy.costs
-    assert costs.ragged_cost(4, 3, 16) == costs.cost(4, 3) == 1.0 + 1.6
-    assert abs(costs.ragged_cost(4, 3, 4) - (1.0 + 0.4)) < 1e-9  # 4 rows: a plain step's
+    priced = costs.ragged_costs(4, 3, 4)  # 4 requests: 4 .. 16 rows
+    assert len(priced) == 13 and abs(priced[-1] - costs.cost(4, 3)) < 1e-9
+    assert abs(costs.cost(4, 3) - 2.6) < 1e-9
+    assert abs(priced[0] - (1.0 + 0.4)) < 1e-9  # 4 rows: a plain step's
     costs.observe(4, 3, 2 * 1.4, rows=4)  # served twice as slow as profiled, 4 rows
     assert abs(costs.cost(4, 3) - 2 * 2.6) < 1e-9  # the scale of its (bucket, K)
 
