@@ -349,6 +349,13 @@ class DraftLength(ABC):
         """A step over `batch` requests runs the K `peek` gave (a policy that counts its
         steps counts it)."""
 
+    def plan(self, estimates: Sequence[list[float]], count: bool, per_request: bool) -> list[int]:
+        """Each request's k_r for a step over requests with these estimates: one K
+        (`choose`, or `peek` when not `count`ed), per request (`lengths`) when the decoder
+        runs per-request plans."""
+        k = self.choose(estimates) if count else self.peek(estimates)
+        return self.lengths(estimates, k, count) if per_request else [k] * len(estimates)
+
     def lengths(self, estimates: Sequence[list[float]], k: int, count: bool) -> list[int]:
         """Each request's k_r in a step for which `choose`/`peek` gave K = k: k for every one
         by default; 0 runs a request apart, as the plain step beside the drafting one.
@@ -444,11 +451,18 @@ class AdaptiveDraftLength(DraftLength):
     def advance(self, batch: int) -> None:
         self.steps[self.costs.bucket(batch)] += 1
 
+    def plan(self, estimates, count, per_request):
+        """With a ragged verify, the per-request plan decides the step (no batch K first)."""
+        if not (per_request and self.ragged and self.costs.rows is not None):
+            return super().plan(estimates, count, per_request)
+        if count:
+            self.advance(len(estimates))
+            self.plans += 1
+        return self._ragged_lengths(estimates)
+
     def lengths(self, estimates, k, count):
         if count:
             self.plans += 1
-        if self.ragged and self.costs.rows is not None:
-            return self._ragged_lengths(estimates)
         return self._split_lengths(estimates, k)
 
     def _ragged_lengths(self, estimates: Sequence[list[float]]) -> list[int]:

@@ -358,21 +358,14 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
     def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
         """Each request's drafts this step, k_r in 0..num_steps: its own
         `speculative_num_steps` when it asked, else what `draft_length` chooses for the
-        requests that did not ask: one K, or per request under --speculative-adaptive
-        (`lengths`; `count`: the step runs, the policy counts it; else a peek)."""
+        requests that did not ask (`DraftLength.plan`): one K, or per request under
+        --speculative-adaptive with a ragged verify or the split (`count`: the step runs,
+        the policy counts it; else a peek)."""
         asked = [r.sampling_params.speculative_num_steps for r in reqs]
         free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked
-        policy = self.draft_length
-        if self.ragged:  # the policy plans every request's k_r (no batch K to choose)
-            if count:
-                policy.advance(len(free))
-            own = iter(policy.lengths(free, self.args.speculative_num_steps, count))
-            return [next(own) if a is None else a for a in asked]
-        chosen = policy.choose(free) if count else policy.peek(free)
-        split = self.split_zeros
-        own = iter(policy.lengths(free, chosen, count) if split else [chosen] * len(free))
+        own = iter(self.draft_length.plan(free, count, self.split_zeros or self.ragged))
         return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:

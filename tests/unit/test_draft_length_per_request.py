@@ -87,20 +87,20 @@ def test_ragged_lengths_give_each_request_its_own_drafts():
     # adds p tokens for 0.1 more; the HIGH requests draft 3, the LOW ones none, in one step
     policy = ragged_costed(0.1)
     mixed = [HIGH, LOW] * 8
-    plan = policy.lengths(mixed, policy.choose(mixed), count=True)
+    plan = policy.plan(mixed, count=True, per_request=True)
     assert plan == [3, 0] * 8
     # rows dearer than the drafts are worth: (1 + 0.9 a) / (1 + per_row (1 + k)) loses
     policy = ragged_costed(10.0)
-    assert policy.lengths([[0.5] * 3] * 4, 3, count=True) == [0] * 4
+    assert policy.plan([[0.5] * 3] * 4, count=True, per_request=True) == [0] * 4
     # a middling request drafts only its likely drafts: 0.9, 0.45, 0.05
     policy = ragged_costed(0.2)
-    plan = policy.lengths([[0.9, 0.5, 0.1]] + [HIGH] * 3, 3, count=True)
+    plan = policy.plan([[0.9, 0.5, 0.1]] + [HIGH] * 3, count=True, per_request=True)
     assert plan[1:] == [3, 3, 3] and 1 <= plan[0] <= 2
 
 
 def test_ragged_exploration_gives_a_zero_one_draft():
     policy = ragged_costed(0.1)
     mixed = [HIGH, LOW] * 8
-    seen = [policy.lengths(mixed, 3, count=True) for _ in range(EXPLORE_EVERY)]
+    seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([3, 1] * 8) == 1
     assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
