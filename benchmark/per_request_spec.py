@@ -65,7 +65,9 @@ def start(name: str) -> Engine:
     engine = Engine(model_path=SHIPPED_MODEL, dtype="float32", **CONFIGS[name])
     if name == "batch-adaptive":  # one K per step: per-request plans (ragged or split) off
         decoder = engine.tokenizer_manager.scheduler.decoder
-        decoder.ragged = decoder.split_zeros = False
+        decoder.ragged = decoder.draft_length.ragged = False
+        decoder.split_zeros = True  # K = 0 a plain step (not a verify with limit 0)
+        decoder.draft_length.lengths = lambda estimates, k, count: [k] * len(estimates)
     return engine
 
 
