@@ -6,14 +6,17 @@
 Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per round):
 - mixed@16: 8 held-out code prompts at temperature 0 and 8 random-token prompts at
   temperature 1 (where drafts are rarely accepted);
-- code@1 / code@4 / code@16: held-out code prompts only, greedy.
+- code@1 / code@4 / code@16 / code@64: held-out code prompts only, greedy;
+- random@1 / random@4 / random@16 / random@64: random-token prompts only, temperature 1.
 Configurations (one engine each, all started first and warmed on every workload; each round
 runs a workload on every configuration back to back, the best of `rounds` kept): MTP off;
 fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K per step: `--speculative-adaptive`
-with the per-request split switched off in the policy); per-request adaptive
+with the decoder's per-request plans, ragged or split, switched off); per-request adaptive
 (`--speculative-adaptive`); asked (K = 3 server; the code requests ask 3 drafts, the random
 ones 0, through `sampling_params.speculative_num_steps`). Printed: output tokens per second
-and ratios against every other configuration, side by side.
+and ratios against every other configuration, side by side; per workload, adaptive over the
+best fixed K (MTP off included) of the best rounds, and the median over rounds of the same
+ratio within each round (`paired`, what drift moves least on a shared machine).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 
 from machine import machine_info
@@ -30,6 +34,7 @@ from srt_ascend import Engine
 from srt_ascend.server_args import SHIPPED_MODEL
 
 MTP = {"speculative_algorithm": "MTP"}
+SIZES = (1, 4, 16, 64)
 CONFIGS = {
     "off": {},
     "k1": {**MTP, "speculative_num_steps": 1},
@@ -43,22 +48,26 @@ CONFIGS = {
 
 def workloads(out_len: int, vocab: int) -> dict[str, tuple[list, list[dict]]]:
     """name -> (prompts or token-id lists, sampling params per request)."""
-    code = prompts(16)
+    code = prompts(64)
     rng = random.Random(0)
-    noise = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(8)]
+    noise = [[rng.randrange(100, vocab) for _ in range(64)] for _ in range(64)]
     greedy = {"max_new_tokens": out_len, "temperature": 0, "ignore_eos": True}
     hot = {"max_new_tokens": out_len, "temperature": 1.0, "ignore_eos": True}
-    out = {"mixed@16": (code[:8] + noise, [greedy] * 8 + [hot] * 8)}
-    for n in (1, 4, 16):
+    out = {"mixed@16": (code[:8] + noise[:8], [greedy] * 8 + [hot] * 8)}
+    for n in SIZES:
         out[f"code@{n}"] = (code[:n], [greedy] * n)
+    for n in SIZES:
+        out[f"random@{n}"] = (noise[:n], [hot] * n)
     return out
 
 
 def start(name: str) -> Engine:
     engine = Engine(model_path=SHIPPED_MODEL, dtype="float32", **CONFIGS[name])
-    if name == "batch-adaptive":  # one K per step: the policy's per-request split off
-        policy = engine.tokenizer_manager.scheduler.decoder.draft_length
-        policy.lengths = lambda estimates, k, count: [k] * len(estimates)
+    if name == "batch-adaptive":  # one K per step: per-request plans (ragged or split) off
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.ragged = decoder.draft_length.ragged = False
+        decoder.split_zeros = True  # K = 0 a plain step (not a verify with limit 0)
+        decoder.draft_length.lengths = lambda estimates, k, count: [k] * len(estimates)
     return engine
 
 
@@ -97,8 +106,10 @@ def run_all(names: list[str], out_len: int, rounds: int, only: list[str]) -> dic
                 for name, engine in engines.items():
                     got = timed(name, engine, ids, params)
                     best = res[name].get(wl)
+                    runs = [] if best is None else best["rounds"]
                     if best is None or got["tok_s"] > best["tok_s"]:
                         res[name][wl] = got
+                    res[name][wl]["rounds"] = [*runs, got["tok_s"]]
                     print(f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s", flush=True)
         return res
     finally:
@@ -118,17 +129,24 @@ def report(res: dict[str, dict[str, dict]]) -> None:
             )
             print(f"  {c:15s} {v:8.1f}   {ratios}")
     fixed = [c for c in ("off", "k1", "k2", "k3") if c in res]
-    for n in (1, 4, 16):
-        wl = f"code@{n}"
+    for wl in [f"{kind}@{n}" for kind in ("code", "random") for n in SIZES]:
         have = {c: r[wl]["tok_s"] for c, r in res.items() if wl in r}
         if not have or not fixed:
             continue
         best = max(fixed, key=lambda c: have.get(c, 0.0))
-        line = f"{wl:8s} best fixed {best} {have[best]:.1f} tok/s"
+        line = f"{wl:9s} best fixed {best} {have[best]:.1f} tok/s"
         for c in ("batch-adaptive", "per-request"):
             if c in have:
-                line += f"; {c} {have[c] / have[best]:.2f}x"
+                line += f"; {c} {have[c] / have[best]:.2f}x (median {paired(res, c, wl):.2f}x)"
         print(line)
+
+
+def paired(res: dict[str, dict[str, dict]], config: str, wl: str) -> float:
+    """The median over rounds of `config`'s tok/s over the best fixed K's (MTP off included)
+    in the same round: what drift between rounds moves least."""
+    fixed = [c for c in ("off", "k1", "k2", "k3") if wl in res.get(c, {})]
+    rounds = zip(res[config][wl]["rounds"], *(res[c][wl]["rounds"] for c in fixed))
+    return statistics.median(mine / max(others) for mine, *others in rounds)
 
 
 def main() -> None:

@@ -212,6 +212,12 @@ class ServerMetrics:
                 ("spec_num_verify", "sglang:spec_num_drafts", "Draft chains verified"),
                 ("spec_draft_tokens", "sglang:spec_draft_tokens", "Draft tokens verified"),
                 ("spec_accepted_tokens", "sglang:spec_accepted_tokens", "Drafts accepted"),
+                (
+                    "spec_ragged_steps",
+                    "sglang:spec_ragged_verify_steps",
+                    "Verify forwards over only each request's 1 + k_r rows",
+                ),
+                ("spec_verify_rows", "sglang:spec_verify_rows", "Rows the verify forwards ran"),
             )
         }
         self.spec_per_position = make.labelled(

@@ -20,7 +20,8 @@ graph per batch bucket, over the full width, serves every length.
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
 - decode_greedy:  the same, ending with the argmax (tokens, no logits);
-- verify_expand:  main model, B(1+K) single-token rows (batch expansion);
+- verify_expand:  main model, B(1+K) single-token rows (batch expansion); a ragged verify's
+                  sum(1+k_r) rows replay the smallest bucket whose B(1+K) rows hold them;
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
 - draft_extend:   MTP layer 0 over B rows of 1+K tokens (the pass after verify);
 - draft_extend_l{l}: a later MTP layer l of a multi-layer checkpoint, the same pass (its KV);
@@ -438,9 +439,12 @@ class GraphRunner:
         if kind.host_lengths:
             reqs = fb.batch_size
             ok = all(1 <= q <= kind.tokens_per_req for q in fb.extend_seq_lens_cpu)
-        else:
+        else:  # single-token rows (a ragged verify_expand) fill whole requests' rows
             reqs, rem = divmod(fb.batch_size, kind.rows_per_req)
-            ok = rem == 0 and all(q == kind.q_per_row for q in fb.extend_seq_lens_cpu)
+            reqs += bool(rem) and kind.q_per_row == 1
+            ok = (rem == 0 or kind.q_per_row == 1) and all(
+                q == kind.q_per_row for q in fb.extend_seq_lens_cpu
+            )
         if not ok or reqs == 0 or reqs > self.buckets[-1]:
             return None
         return next(b for b in self.buckets if b >= reqs)

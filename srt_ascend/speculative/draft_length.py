@@ -29,10 +29,18 @@ and is a contender, so a K = 0 that never runs where drafts do still gets measur
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
 tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
 several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
-Per request (`lengths`): the requests expecting the fewest tokens from drafts may run apart as
-a plain step beside one step of j drafts over the rest, when that pair of steps (each costed
-at its own bucket) promises SPEC_MARGIN times the chosen K's tokens per second; every
-EXPLORE_EVERY-th such plan drafts for all, so that their acceptance keeps being measured. A
+Per request (`lengths`), with a ragged verify (each request verifies its own 1 + k_r rows):
+a plan of k_r per request costs the step of K = max k_r with its verify (and a ragged MTP
+pass) over sum(1 + k_r) rows instead of B(1 + K): P(b, K) less the row profile W at B(1 + K)
+rows plus W at the plan's rows (`CostTable.profiled`; W timed at start by `profile_rows`),
+scaled by S(b, K), which served steps measure against their own rows. Each request's draft j
+adds prod_{i<=j} a_r[i] expected tokens for one row; the drafts ranked by that (every prefix
+is a plan) give, per K, the plan with the most tokens per second, taken when it promises
+SPEC_MARGIN times the plain step's. Without a ragged verify, the requests expecting the
+fewest tokens from drafts may run apart as a plain step beside one step of j drafts over the
+rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARGIN times the
+chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
+left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
 Estimates a_r start from the server-wide acceptance per position and move with each of r's
 verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
@@ -138,8 +146,19 @@ class CostTable:
     largest one when none does)."""
 
     def __init__(
-        self, buckets: Sequence[int], max_k: int, profile: dict[tuple[int, int], float]
+        self,
+        buckets: Sequence[int],
+        max_k: int,
+        profile: dict[tuple[int, int], float],
+        rows: dict[int, float] | None = None,
     ) -> None:
+        """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
+        that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
+        self.rows = rows
+        # W at every row count up to the profiled most (a list: the planner reads it per row)
+        self.row_seconds = (
+            None if rows is None else [interpolate(rows, n) for n in range(max(rows) + 1)]
+        )
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
         missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
@@ -152,11 +171,34 @@ class CostTable:
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
+    def observe(self, batch: int, k: int, seconds: float, rows: int | None = None) -> None:
+        """A served step of K = k over `batch` requests took `seconds`; `rows`: the rows
+        its verify ran (None: batch x (1 + k))."""
         key = self.bucket(batch), k
         recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
-        recent.append(seconds / self.profile[key])
+        recent.append(seconds / self.profiled(key[0], k, rows))
         self.scale[key] = statistics.median_low(recent)
+
+    def profiled(self, bucket: int, k: int, rows: int | None = None) -> float:
+        """The profile's seconds of a step of K = k in `bucket` verifying `rows` rows: the
+        full step's, less the row-proportional part of its bucket x (1 + k) rows, plus that
+        of `rows` (never below a tenth of the full step)."""
+        full = self.profile[bucket, k]
+        if rows is None or self.rows is None or not k:
+            return full
+        return max(full - self._w(bucket * (k + 1)) + self._w(rows), full / 10)
+
+    def _w(self, rows: int) -> float:
+        table = self.row_seconds
+        return table[min(rows, len(table) - 1)]
+
+    def ragged_costs(self, bucket: int, k: int, batch: int) -> list[float]:
+        """`cost` of a step of K = k over `batch` requests verifying batch + m rows, for m in
+        0 .. batch x k: its profile (`profiled`) x S(b, K)."""
+        full = self.profile[bucket, k]
+        scale = self.cost(bucket, k) / full
+        base = full - self._w(bucket * (k + 1))
+        return [scale * max(base + self._w(batch + m), full / 10) for m in range(batch * k + 1)]
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
@@ -202,25 +244,7 @@ def profile_costs(
     ordered = sorted(buckets)
     timed = [b for b in ordered if b in (ordered[0], ordered[-1]) or b & (b - 1) == 0]
     keys = [(b, k) for b in timed for k in range(max_k + 1)]
-    runs: dict[tuple[int, int], list[float]] = {key: [] for key in keys}
-
-    def wanted(key) -> bool:
-        n, spent = len(runs[key]), sum(runs[key])
-        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
-
-    with tqdm(desc="profiling MTP step costs", unit="run", mininterval=2.0) as bar:
-        for b, k in keys:
-            run_step_forwards(b, k)
-            bar.update()
-        while todo := [key for key in keys if wanted(key)]:
-            for b, k in todo:
-                synchronize()
-                started = time.perf_counter()
-                run_step_forwards(b, k)
-                synchronize()
-                runs[b, k].append(time.perf_counter() - started)
-                bar.update()
-    out = {key: min(r) for key, r in runs.items()}
+    out = time_entries(keys, lambda key: run_step_forwards(*key), synchronize, "MTP step costs")
     for b in ordered:
         if b in timed:
             continue
@@ -230,6 +254,56 @@ def profile_costs(
         for k in range(max_k + 1):
             out[b, k] = (1 - w) * out[lo, k] + w * out[hi, k]
     return monotone(out)
+
+
+def time_entries(keys: list, run: Callable, synchronize: Callable[[], None], what: str) -> dict:
+    """Seconds of `run(key)` per key, with a progress bar: each once to warm up, then in
+    interleaved rounds (PROFILE_MIN_RUNS above), keeping each key's fastest run."""
+    runs: dict = {key: [] for key in keys}
+
+    def wanted(key) -> bool:
+        n, spent = len(runs[key]), sum(runs[key])
+        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
+
+    with tqdm(desc=f"profiling {what}", unit="run", mininterval=2.0) as bar:
+        for key in keys:
+            run(key)
+            bar.update()
+        while todo := [key for key in keys if wanted(key)]:
+            for key in todo:
+                synchronize()
+                started = time.perf_counter()
+                run(key)
+                synchronize()
+                runs[key].append(time.perf_counter() - started)
+                bar.update()
+    return {key: min(r) for key, r in runs.items()}
+
+
+def profile_rows(
+    most: int, run_rows: Callable[[int], None], synchronize: Callable[[], None]
+) -> dict[int, float]:
+    """Seconds of the row-proportional part of a step (`run_rows(n)`: the verify forward over
+    n single-token rows, and the MTP pass over them where it is ragged) at 1, the powers of
+    two below `most`, and `most`; never less for more rows (`monotone` in one dimension)."""
+    points = sorted({1, most, *(1 << i for i in range(most.bit_length()) if 1 << i < most)})
+    timed = time_entries(points, run_rows, synchronize, "verify rows")
+    out, cap = {}, float("inf")
+    for n in reversed(points):
+        cap = out[n] = min(timed[n], cap)
+    return out
+
+
+def interpolate(points: dict[int, float], n: float) -> float:
+    """Piecewise-linear in n through `points` (flat past the ends)."""
+    keys = sorted(points)
+    if n <= keys[0]:
+        return points[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if n <= hi:
+            w = (n - lo) / (hi - lo)
+            return (1 - w) * points[lo] + w * points[hi]
+    return points[keys[-1]]
 
 
 def monotone(costs: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
@@ -252,6 +326,8 @@ DRAFT_LENGTHS: Registry[DraftLength] = Registry("draft length policy")
 class DraftLength(ABC):
     """Chooses K for each step and learns from what the step did."""
 
+    ragged = False  # the decoder's verify builds each request's 1 + k_r rows (MTPDecoder)
+
     def __init__(self, max_k: int, buckets: Sequence[int]) -> None:
         self.max_k = max_k
         self.acceptance = AcceptanceStats(max_k)
@@ -272,6 +348,13 @@ class DraftLength(ABC):
     def advance(self, batch: int) -> None:  # noqa: B027 - optional hook
         """A step over `batch` requests runs the K `peek` gave (a policy that counts its
         steps counts it)."""
+
+    def plan(self, estimates: Sequence[list[float]], count: bool, per_request: bool) -> list[int]:
+        """Each request's k_r for a step over requests with these estimates: one K
+        (`choose`, or `peek` when not `count`ed), per request (`lengths`) when the decoder
+        runs per-request plans."""
+        k = self.choose(estimates) if count else self.peek(estimates)
+        return self.lengths(estimates, k, count) if per_request else [k] * len(estimates)
 
     def lengths(self, estimates: Sequence[list[float]], k: int, count: bool) -> list[int]:
         """Each request's k_r in a step for which `choose`/`peek` gave K = k: k for every one
@@ -300,11 +383,15 @@ class DraftLength(ABC):
         return self.acceptance.rates()
 
     def calibrate(  # noqa: B027 - optional hook
-        self, run_step_forwards: Callable[[int, int], None], synchronize: Callable[[], None]
+        self,
+        run_step_forwards: Callable[[int, int], None],
+        synchronize: Callable[[], None],
+        run_rows: Callable[[int], None] | None = None,
     ) -> None:
         """Once before serving: `run_step_forwards(bucket, k)` runs the forwards of a step
-        with K = k over a padding batch of `bucket` requests (a policy that costs steps
-        times them here)."""
+        with K = k over a padding batch of `bucket` requests, `run_rows(n)` the
+        row-proportional part of a ragged step over n verify rows (a policy that costs
+        steps times them here)."""
 
     def prefers_plain(self, batch: int) -> bool:
         """Whether steps over `batch` requests are expected to run K = 0 (a prefill then
@@ -330,9 +417,12 @@ class AdaptiveDraftLength(DraftLength):
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
         self.plans = 0  # steps planned per request (`lengths`)
 
-    def calibrate(self, run_step_forwards, synchronize) -> None:
+    def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
-        self.costs = CostTable(self.buckets, self.max_k, profile)
+        rows = None
+        if self.ragged and run_rows is not None and self.max_k:
+            rows = profile_rows(max(self.buckets) * (self.max_k + 1), run_rows, synchronize)
+        self.costs = CostTable(self.buckets, self.max_k, profile, rows)
 
     def _rates(self, bucket: int, estimates: Sequence[list[float]]) -> dict[int, float]:
         """Expected tokens per second of each K for these requests in `bucket`."""
@@ -361,15 +451,60 @@ class AdaptiveDraftLength(DraftLength):
     def advance(self, batch: int) -> None:
         self.steps[self.costs.bucket(batch)] += 1
 
+    def plan(self, estimates, count, per_request):
+        """With a ragged verify, the per-request plan decides the step (no batch K first)."""
+        if not (per_request and self.ragged and self.costs.rows is not None):
+            return super().plan(estimates, count, per_request)
+        if count:
+            self.advance(len(estimates))
+            self.plans += 1
+        return self._ragged_lengths(estimates)
+
     def lengths(self, estimates, k, count):
+        if count:
+            self.plans += 1
+        return self._split_lengths(estimates, k)
+
+    def _ragged_lengths(self, estimates: Sequence[list[float]]) -> list[int]:
+        """Per-request lengths for a ragged verify (each request's 1 + k_r rows): for each
+        K, the drafts d_{j} of request r ranked by their expected tokens (prod_{i<=j}
+        a_r[i], which falls with j, so every prefix of the ranking is a plan), and the plan
+        with the most expected tokens per second (`CostTable.ragged_cost` of its rows) is
+        taken when it promises SPEC_MARGIN times the plain step's (else every k_r = 0).
+        Every EXPLORE_EVERY-th plan gives each request at 0 one draft (one more row), so
+        its acceptance keeps being measured."""
+        n, costs = len(estimates), self.costs
+        bucket = costs.bucket(n)
+        best, plan = SPEC_MARGIN * n / costs.cost(bucket, 0), [0] * n
+        for k in costs.ks[1:]:
+            gains = []
+            for r, e in enumerate(estimates):
+                run = 1.0
+                for j in range(k):
+                    run *= e[j]
+                    gains.append((-run, j, r))
+            gains.sort()
+            priced = costs.ragged_costs(bucket, k, n)
+            tokens, take = float(n), 0
+            for m, (gain, _, _) in enumerate(gains, 1):
+                tokens -= gain
+                if tokens / priced[m] > best:
+                    best, take = tokens / priced[m], m
+            if take:
+                plan = [0] * n
+                for _, _, r in gains[:take]:
+                    plan[r] += 1
+        if any(plan) and self.plans % EXPLORE_EVERY == 0:
+            plan = [max(1, c) for c in plan]
+        return plan
+
+    def _split_lengths(self, estimates: Sequence[list[float]], k: int) -> list[int]:
         """Per-request lengths: the m requests expecting the fewest tokens from drafts run
         apart as the plain step (k_r = 0) and the rest as one step of j drafts when that pair
         of steps promises SPEC_MARGIN times the tokens per second of the chosen K step over
         all; the best (m >= 1, j >= 1). Every EXPLORE_EVERY-th such plan drafts j for every
         request instead, so the acceptance of requests set apart keeps being measured."""
         n, costs = len(estimates), self.costs
-        if count:
-            self.plans += 1
         if n < 2:
             return [k] * n
         order = sorted(range(n), key=lambda r: expected_tokens(estimates[r], self.max_k))
@@ -398,7 +533,8 @@ class AdaptiveDraftLength(DraftLength):
     def record(self, estimates, k, accepted, seconds, limits=None):
         super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
-            self.costs.observe(len(estimates), k, seconds)
+            rows = None if limits is None else sum(n + 1 for n in limits)
+            self.costs.observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
         return {**super().stats(), "spec_step_cost_seconds": self.costs.snapshot()}

@@ -41,10 +41,14 @@ Per request: each request drafts its own k_r (`_plan`: its `speculative_num_step
 policy's choice, per request under --speculative-adaptive). A step drafts K = the smallest
 registered K holding the longest k_r, and the acceptance rule stops row r at k_r, as a
 K = k_r step over the same drafts and uniforms would (lossless per request, seeded draws
-independent of the neighbours). Requests with k_r = 0 beside drafting ones run apart as the
-plain decoder's step in the same `step` (not under DP attention, where every group must run
-the same forwards: there they verify with limit 0); overlapped rounds carry the limits, and a
-round mixing k_r = 0 with drafts runs `step`.
+independent of the neighbours). The verify is ragged (verify.Ragged): request r's rows past
+k_r are not built, and a request with k_r = 0 rides in the drafting step as one row; its
+outputs are read back in the [B, K+1] layout with row k_r repeated past it, which the rule
+never reads. Where the MTP pass runs eagerly it covers the same rows. Overlapped rounds carry
+the limits, and ragged rows where the strategy builds them from device lengths (expand); an
+FIA round mixing k_r = 0 with drafts runs `step`. Without a ragged verify (tests switch it
+off) requests with k_r = 0 run apart as the plain decoder's step in the same `step` (not
+under DP attention, where every group must run the same forwards: they verify with limit 0).
 
 Here: the decoder, its serial step and idle forwards; overlapped rounds (`launch`, `finish`)
 in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict (mixins).
@@ -76,7 +80,7 @@ from srt_ascend.speculative.mtp_worker import (
     lengths,
     state_of,
 )
-from srt_ascend.speculative.verify import VERIFY_STRATEGIES
+from srt_ascend.speculative.verify import VERIFY_STRATEGIES, Ragged
 from srt_ascend.utils import to_device
 
 PROFILE_CONTEXT = 256  # committed tokens per padding request when the step costs are profiled
@@ -166,6 +170,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.num_verify = 0  # request-steps verified (each checks that step's K drafts)
         self.num_drafts = 0  # drafts verified
         self.num_accepted = 0  # drafts accepted
+        self.num_ragged = 0  # verify forwards over fewer than B(1+K) rows (verify.Ragged)
+        self.verify_rows = 0  # rows the verify forwards built (expand: sum(1 + k_r))
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
         self.sends_prefills = args.disaggregation_mode == "prefill"
         # overlapped rounds need backends that read each row's length on the device
@@ -176,6 +182,14 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         # a step may run requests with k_r = 0 apart, as a second forward (not under DP
         # attention: every group must run the same forwards)
         self.split_zeros = not args.enable_dp_attention
+        # the verify builds only each request's 1 + k_r rows (verify.Ragged): requests with
+        # k_r = 0 ride in the drafting step as one row each instead of a plain step apart
+        self.ragged = strategy.ragged
+        self.draft_length.ragged = self.ragged
+        if self.ragged:
+            self.split_zeros = False
+        # the MTP pass after a ragged verify over its rows only, where it runs eagerly
+        self.worker.ragged_pass = self.ragged and not args.graphs_enabled(runner.platform)
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
         self.rounds: MTPRoundGraphs | None = None  # whole rounds as graphs (`calibrate`)
         self._read_at = 0.0  # perf_counter at the last overlapped round's read
@@ -190,6 +204,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             "spec_num_verify": n,
             "spec_draft_tokens": self.num_drafts,
             "spec_accepted_tokens": self.num_accepted,
+            "spec_ragged_steps": self.num_ragged,
+            "spec_verify_rows": self.verify_rows,
             "spec_accepted_per_position": list(acceptance.accepted),
             "spec_drafted_per_position": list(acceptance.drafted),
             "spec_acceptance_per_position": [
@@ -200,9 +216,36 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
 
     def calibrate(self) -> None:
         """Captures the round graphs (the per-forward graphs are captured now), then times
-        the steps of every K for the draft-length policy."""
+        the steps of every K and the ragged verify's rows for the draft-length policy."""
         self.rounds = self._capture_rounds()
-        self.draft_length.calibrate(self._padding_step, self.runner.platform.synchronize)
+        self.draft_length.calibrate(
+            self._padding_step, self.runner.platform.synchronize, self._padding_rows
+        )
+
+    @torch.inference_mode()
+    def _padding_rows(self, n: int) -> None:
+        """The row-proportional forwards of a ragged step over `n` verify rows (as requests
+        of 1 + K rows and one of the rest; request row 0, PROFILE_CONTEXT tokens, KV into
+        the padding slot 0): the verify forward of the largest K and its logits, and the MTP
+        pass over those rows where it is ragged."""
+        runner, verify = self.runner, self.verifies[max(self.verifies)]
+        k1 = verify.k + 1
+        context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
+        full, rest = divmod(n, k1)
+        limits = [verify.k] * full + ([rest - 1] if rest else [])
+        bs = len(limits)
+        loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
+        ragged = Ragged.of(limits, verify.k, runner.device)
+        fb = verify.build(loc, [0] * bs, [context] * bs, loc, None, ragged)
+        hidden, _ = runner.forward_logits(fb, verify.kind)
+        if self.worker.ragged_pass:
+            per = [m + 1 for m in limits]
+            build = lambda: runner.build_forward_batch(  # noqa: E731
+                ForwardMode.DRAFT_EXTEND, ragged.take(loc.view(-1)), [0] * bs,
+                [context + m for m in per], per, ragged.take(loc.view(-1)),
+            )  # fmt: skip
+            ends = ragged.first + to_device(limits, runner.device)
+            self.worker.mtp_pass(build, hidden, None, verify.k, ends)
 
     def _capture_rounds(self) -> MTPRoundGraphs | None:
         """One graph per (K, bucket) running the whole round for all-greedy batches
@@ -374,17 +417,14 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
     def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
         """Each request's drafts this step, k_r in 0..num_steps: its own
         `speculative_num_steps` when it asked, else what `draft_length` chooses for the
-        requests that did not ask: one K, or per request under --speculative-adaptive
-        (`lengths`; `count`: the step runs, the policy counts it; else a peek)."""
+        requests that did not ask (`DraftLength.plan`): one K, or per request under
+        --speculative-adaptive with a ragged verify or the split (`count`: the step runs,
+        the policy counts it; else a peek)."""
         asked = [r.sampling_params.speculative_num_steps for r in reqs]
         free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked
-        policy = self.draft_length
-        chosen = policy.choose(free) if count else policy.peek(free)
-        own = iter(
-            policy.lengths(free, chosen, count) if self.split_zeros else [chosen] * len(free)
-        )
+        own = iter(self.draft_length.plan(free, count, self.split_zeros or self.ragged))
         return [next(own) if a is None else a for a in asked]
 
     def _batch_k(self, plan: list[int]) -> int:
@@ -393,7 +433,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         none drafts, except under DP attention (no split), where every group runs the same
         forwards: a group whose requests all ask 0 verifies the configured K with limit 0."""
         most = max(plan, default=0)
-        if not most and not self.split_zeros:
+        if not most and not self.split_zeros and not self.ragged:
             most = min(self.verifies, default=0)
         return min(j for j in self.verifies if j >= most) if most else 0
 
@@ -411,7 +451,7 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         generated = [len(r.output_ids) for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
         limited = self._limits(limits, k)
-        ahead = True
+        ahead, ragged = True, None
         if self._round_fits(reqs, k, generated):  # the whole round as one graph
             index, begin, last = pack_to_device([rows, starts, [r.last_id for r in reqs]], device)
             first = self.worker.first_of(reqs)
@@ -420,12 +460,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         else:
             loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
             last = to_device([[r.last_id] for r in reqs], device)
+            ragged = self._ragged(limits, k)
             res, logits, hidden = self._verify(
-                reqs, k, loc, starts, last, None, generated, rows, limited
+                reqs, k, loc, starts, last, None, generated, rows, limited, ragged
             )
             ahead = self._drafts_ahead(reqs)
             if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
-                self.worker.draft_after_verify(reqs, starts, loc, hidden, res, generated)
+                self.worker.draft_after_verify(
+                    reqs, starts, loc, hidden, res, generated, ragged=ragged
+                )
         verdict = self._read(res, logits)
         logprobs = self._logprobs(reqs, verdict)
         estimates = [self._estimate(r) for r in reqs]
@@ -440,7 +483,9 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
                 to_device(verdict.accept_len, loc.device), to_device(verdict.emitted, loc.device)
             )
             drafting = [not r.finished for r in reqs]
-            self.worker.draft_after_verify(reqs, starts, loc, hidden, agreed, None, drafting)
+            self.worker.draft_after_verify(
+                reqs, starts, loc, hidden, agreed, None, drafting, ragged=ragged
+            )
         for r, start, c in zip(reqs, starts, committed):
             r.kv_len = start + c
         self.h.kv.free_positions_many(reqs, [r.kv_len for r in reqs], [s + k1 for s in starts])
@@ -467,6 +512,17 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.worker.keep_first(reqs, *nxt)
         return AcceptResult(out.accept_len, out.emitted), nxt
 
+    def _ragged(self, limits: list[int] | None, k: int, on_device=False) -> Ragged | None:
+        """The ragged verify's rows (verify.Ragged) when some request drafts fewer than K and
+        the verify strategy builds rows per request (`on_device`: from sequence lengths on
+        the device, an overlapped round's); None: every request's 1 + K rows."""
+        verify = self.verifies.get(k)
+        if verify is None or not (verify.ragged_on_device if on_device else verify.ragged):
+            return None
+        if not self.ragged or limits is None or all(n == k for n in limits):
+            return None
+        return Ragged.of(limits, k, self.runner.device)
+
     def _limits(self, limits: list[int], k: int) -> torch.Tensor | None:
         """The acceptance rule's per-row limits on the device; None when every row drafts K."""
         if all(n == k for n in limits):
@@ -484,9 +540,12 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         generated: list[int] | Counts,  # tokens each request generated before the round
         rows: list[int],  # their req_to_token rows
         limits: torch.Tensor | None = None,  # [B] drafts each row may accept (None: K)
+        ragged: Ragged | None = None,  # verify only each request's 1 + k_r rows
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
-        (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D])."""
+        (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D], or
+        with `ragged` its kept rows [R, D]). The rule reads row j > k_r as row k_r (never
+        past its limit)."""
         drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
@@ -496,9 +555,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             seq,
             loc,
             bounds,
+            ragged,
         )
-        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1), D / V]
-        logits = logits[:, : self.vocab].view(len(reqs), k + 1, -1)
+        hidden, logits = self.runner.forward_logits(fb, verify.kind)  # [B*(K+1) or R, D / V]
+        self.num_ragged += ragged is not None
+        self.verify_rows += fb.num_tokens
+        logits = logits[:, : self.vocab]
+        if ragged is not None:
+            logits = ragged.spread(logits)
+        logits = logits.view(len(reqs), k + 1, -1)
         res, logits = self._accept(reqs, logits, drafts, generated, limits)
         return res, logits, hidden
 

@@ -96,11 +96,13 @@ class OverlappedRoundsMixin:
         tokens, `MTPWorker.catch_up`), and a K = 0 round after one with drafts over a seeded
         sampled request (its sampling draws from the host stream of its count, which prev's
         accept lengths leave open). Per-request lengths (`_plan`) ride along as the
-        acceptance rule's limits; a batch mixing k_r = 0 with drafting requests is not
-        launched (`step` runs the zeros apart)."""
+        acceptance rule's limits, and as a ragged verify's rows where the strategy builds
+        them from device lengths (expand); else a batch mixing k_r = 0 with drafting
+        requests is not launched (`step` runs it, ragged)."""
         plan = self._plan(reqs, count=False)
         k = self._batch_k(plan)
-        if k and 0 in plan:
+        ragged = self._ragged(plan, k, on_device=True)
+        if k and 0 in plan and ragged is None:  # FIA: `step` verifies them ragged
             return None
         k1, device = k + 1, self.runner.device
         reserved = self._reserve(reqs, prev, k)
@@ -143,10 +145,12 @@ class OverlappedRoundsMixin:
             if not k:
                 return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
             res, logits, hidden = self._verify(
-                batch, k, loc, at, tail, first, counts, rows, limited
+                batch, k, loc, at, tail, first, counts, rows, limited, ragged
             )
             verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
-            nxt = self.worker.draft_after_verify(batch, at, loc, hidden, res, counts, None, rows)
+            nxt = self.worker.draft_after_verify(
+                batch, at, loc, hidden, res, counts, None, rows, ragged
+            )
             return RoundOut(res, logits, nxt, start, verdict=verdict)
 
         future = self.h.worker.submit(run)

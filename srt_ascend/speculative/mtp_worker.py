@@ -35,6 +35,7 @@ from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo, seeded_ge
 from srt_ascend.server_args import MAX_SPEC_STEPS
 from srt_ascend.speculative.acceptance import AcceptResult
 from srt_ascend.speculative.spec_state import SpecState
+from srt_ascend.speculative.verify import Ragged
 from srt_ascend.utils import to_device
 
 # Seeded requests draw their drafts from streams apart from their target samples (whose
@@ -201,6 +202,9 @@ class MTPWorker:
         self.prefill_kind = extend_kinds[max(extend_kinds)]
         self.layer_kinds = layer_kinds or {}
         self.later_layers = sorted({layer for _, layer in self.layer_kinds})
+        # after a ragged verify, the MTP pass covers only the verified positions (its
+        # batches then vary in shape: where they run eagerly, no graph replays them)
+        self.ragged_pass = False
 
     def mtp_pass(
         self,
@@ -256,6 +260,7 @@ class MTPWorker:
         generated: list[int] | Counts | None,  # tokens each request generated before the round
         draft_rows: list[bool] | None = None,  # whose d_1 is drafted (None: every row's)
         rows: list[int] | None = None,  # req_to_token rows (None: the requests' own)
+        ragged: Ragged | None = None,  # a ragged verify's rows: `hidden` is [R, D]
     ) -> FirstDrafts | None:
         """DRAFT_EXTEND after a verify, always over all 1+K positions per request (a fixed
         shape a graph can replay): the token after position start+j is emitted[j] (0 past
@@ -268,22 +273,36 @@ class MTPWorker:
         value of it, and d_1 is drawn as after the commit (`_draft_ahead`); the batch has no
         penalties nor grammar, whose state the commit advances. None: it is committed, and
         d_1 follows the requests' host state. Returns the drafted d_1 (every row's) with
-        `generated`, else None; each drafting request's SpecState keeps its own."""
+        `generated`, else None; each drafting request's SpecState keeps its own.
+
+        After a ragged verify (`ragged`) with exact host starts, and where the pass runs
+        eagerly (`ragged_pass`), the pass covers each request's 1 + k_r verified positions
+        only (the rows past k_r are never accepted); else its hidden rows are spread back to
+        1 + K per request (row k_r repeated) for the fixed-shape pass."""
         k1 = loc.shape[1]
         batch = len(reqs)
-        next_tokens = verdict.emitted.clamp(min=0)  # [B, K+1]
+        next_tokens = verdict.emitted.clamp(min=0).reshape(-1)  # [B*(K+1)]
+        loc = loc.reshape(-1)
+        per = [k1] * batch
         seq, bounds = lengths(starts, k1)
+        first = torch.arange(0, batch * k1, k1, device=loc.device)
+        if ragged is not None and self.ragged_pass and not isinstance(starts, Starts):
+            per = [n + 1 for n in ragged.limits]
+            next_tokens, loc, first = ragged.take(next_tokens), ragged.take(loc), ragged.first
+            seq = [s + n for s, n in zip(starts, per)]
+        elif ragged is not None:
+            hidden = ragged.spread(hidden)
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND,
-            next_tokens.reshape(-1),
+            next_tokens,
             rows or [r.req_pool_idx for r in reqs],
             seq,
-            [k1] * batch,
-            loc.reshape(-1),
+            per,
+            loc,
             None,
             bounds,
         )
-        ends = torch.arange(0, batch * k1, k1, device=loc.device) + verdict.accept_len
+        ends = first + verdict.accept_len
         chosen = (
             list(range(batch)) if draft_rows is None else [i for i in range(batch) if draft_rows[i]]
         )

@@ -3,9 +3,12 @@ whatever its neighbours ask.
 
 Greedy, float32, shipped checkpoint: a batch whose requests ask 0, 1, 2, 3 drafts or leave it
 to the server (K = 3) is token-identical, request by request, to eager decoding without
-speculation (the session `baseline`), on both verify paths, with graphs on (expand) and
-overlapped rounds with per-request adaptive lengths (fia), chunked prefill, logprobs, `n > 1`
-and a grammar. Sampled: requests of mixed lengths follow the target distribution (the
+speculation (the session `baseline`), on both verify paths: expand's ragged rows (each request
+verifies 1 + k_r rows) with graphs on and chunked prefill, eager with overlapped rounds and
+per-request adaptive lengths (the MTP pass ragged too), and again with every request's 1 + K
+rows and with the zeros run apart; fia (1 + k_r query tokens per request in serial steps,
+1 + K in overlapped rounds) with overlap and adaptive lengths; with logprobs, `n > 1` and a
+grammar. Sampled: requests of mixed lengths follow the target distribution (the
 chi-square check and stated power of test_spec_distribution: 800 samples detect a 0.058
 shift between the two likeliest sequences with probability 0.9), and a biased rule served
 the same way is rejected (the control)."""
@@ -29,6 +32,12 @@ CONFIGS = {
         "enable_cpu_graph": True,
         "cuda_graph_bs": (1, 2, 4, 8),
         "chunked_prefill_size": 32,
+    },
+    "expand-eager-overlap-adaptive": {  # ragged MTP passes (eager), ragged overlapped rounds
+        **SPEC,
+        "speculative_verify": "expand",
+        "enable_overlap_schedule": True,
+        "speculative_adaptive": True,
     },
     "fia-overlap-adaptive": {
         **SPEC,
@@ -68,26 +77,20 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
         assert_same_greedy(name, outs, baseline)
         _check_counts(outs, CONFIGS[name].get("speculative_adaptive", False))
         assert sum(o["meta_info"]["spec_accepted_tokens"] for o in outs) > 0
+        assert engine.get_internal_state()["spec_ragged_steps"] > 0  # 1 + k_r rows each
         if CONFIGS[name].get("enable_overlap_schedule"):  # lengths 1..3 only: rounds overlap
-            before = engine.get_internal_state()["num_overlapped_steps"]
+            before = engine.get_internal_state()
             idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)]][:12]
             some = engine.generate(
                 [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
             )
             assert_same_greedy(name, some, [baseline[i] for i in idx])
-            assert engine.get_internal_state()["num_overlapped_steps"] > before
-        if name.startswith("expand"):  # as under DP attention: zeros verify with limit 0
-            engine.tokenizer_manager.scheduler.decoder.split_zeros = False
-            plain_steps = engine.get_internal_state()["spec_draft_length_steps"].get("0")
-            assert plain_steps  # the mixed batch above ran its zeros apart
-            idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)] in (0, 1)][:8]
-            some = engine.generate(
-                [PROMPTS[i] for i in idx], [_params(i) for i in idx], return_logprob=True
-            )
-            assert_same_greedy(name, some, [baseline[i] for i in idx])
-            steps = engine.get_internal_state()["spec_draft_length_steps"]
-            assert steps.get("0") == plain_steps  # no plain step: they verified with limit 0
-            engine.tokenizer_manager.scheduler.decoder.split_zeros = True
+            after = engine.get_internal_state()
+            assert after["num_overlapped_steps"] > before["num_overlapped_steps"]
+            if name.startswith("expand"):  # lengths 1..3 in one round: ragged rows
+                assert after["spec_ragged_steps"] > before["spec_ragged_steps"]
+        if name == "expand-graphs-chunked":
+            _unragged_paths(engine, baseline)
         # n > 1: both samples of a greedy request are the baseline's
         twice = engine.generate(PROMPTS[3], {**GREEDY, "n": 2, "speculative_num_steps": 2})
         assert [o["output_ids"] for o in twice] == [baseline[3]["output_ids"]] * 2
@@ -105,6 +108,33 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
         ), "KV slots leaked"
     finally:
         engine.shutdown()
+
+
+def _unragged_paths(engine, baseline) -> None:
+    """The mixed batch above verified ragged rows (its zeros rode in the drafting steps, one
+    row each); the same requests give the same tokens with every request's 1 + K rows, as
+    under DP attention (zeros verify with limit 0: no plain step), and with the zeros run
+    apart as the plain decoder's step (the split without a ragged verify)."""
+    decoder = engine.tokenizer_manager.scheduler.decoder
+    state = engine.get_internal_state()
+    ragged = state["spec_ragged_steps"]
+    assert ragged > 0
+    steps = state["spec_draft_length_steps"]
+    idx = [i for i in range(len(PROMPTS)) if ASKED[i % len(ASKED)] in (0, 1)][:8]
+    prompts, params = [PROMPTS[i] for i in idx], [_params(i) for i in idx]
+    decoder.ragged = False
+    try:
+        for split in (False, True):
+            decoder.split_zeros = split
+            some = engine.generate(prompts, params, return_logprob=True)
+            assert_same_greedy(f"split={split}", some, [baseline[i] for i in idx])
+            state = engine.get_internal_state()
+            after = state["spec_draft_length_steps"]
+            assert (after.get("0") != steps.get("0")) == split, (split, steps, after)
+            steps = after
+        assert state["spec_ragged_steps"] == ragged
+    finally:
+        decoder.ragged, decoder.split_zeros = True, False
 
 
 def _mixed(seeded: bool) -> list[dict]:

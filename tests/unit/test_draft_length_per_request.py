@@ -58,3 +58,49 @@ def test_alike_requests_draft_together_and_exploration_sets_none_apart():
 def test_fixed_policy_gives_every_request_k():
     policy = FixedDraftLength(2, BUCKETS)
     assert policy.lengths([HIGH, LOW, LOW], 2, count=True) == [2, 2, 2]
+
+
+def ragged_costed(per_row: float) -> AdaptiveDraftLength:
+    """A ragged-verify policy: every step costs 1 + its rows x `per_row` (K = 0: the plain
+    step over B rows); the row profile is exactly that row term."""
+    policy = AdaptiveDraftLength(3, BUCKETS)
+    policy.ragged = True
+    table = {(b, k): 1.0 + b * (k + 1) * per_row for b in BUCKETS for k in range(4)}
+    rows = {n: n * per_row for n in (1, 2, 4, 8, 16, 32, 64)}
+    policy.costs = CostTable(BUCKETS, 3, table, rows)
+    return policy
+
+
+def test_ragged_cost_follows_the_rows():
+    policy = ragged_costed(0.1)
+    costs = policy.costs
+    priced = costs.ragged_costs(4, 3, 4)  # 4 requests: 4 .. 16 rows
+    assert len(priced) == 13 and abs(priced[-1] - costs.cost(4, 3)) < 1e-9
+    assert abs(costs.cost(4, 3) - 2.6) < 1e-9
+    assert abs(priced[0] - (1.0 + 0.4)) < 1e-9  # 4 rows: a plain step's
+    costs.observe(4, 3, 2 * 1.4, rows=4)  # served twice as slow as profiled, 4 rows
+    assert abs(costs.cost(4, 3) - 2 * 2.6) < 1e-9  # the scale of its (bucket, K)
+
+
+def test_ragged_lengths_give_each_request_its_own_drafts():
+    # rows cost 0.1 each beside a fixed 1 per step: a draft accepted with probability p
+    # adds p tokens for 0.1 more; the HIGH requests draft 3, the LOW ones none, in one step
+    policy = ragged_costed(0.1)
+    mixed = [HIGH, LOW] * 8
+    plan = policy.plan(mixed, count=True, per_request=True)
+    assert plan == [3, 0] * 8
+    # rows dearer than the drafts are worth: (1 + 0.9 a) / (1 + per_row (1 + k)) loses
+    policy = ragged_costed(10.0)
+    assert policy.plan([[0.5] * 3] * 4, count=True, per_request=True) == [0] * 4
+    # a middling request drafts only its likely drafts: 0.9, 0.45, 0.05
+    policy = ragged_costed(0.2)
+    plan = policy.plan([[0.9, 0.5, 0.1]] + [HIGH] * 3, count=True, per_request=True)
+    assert plan[1:] == [3, 3, 3] and 1 <= plan[0] <= 2
+
+
+def test_ragged_exploration_gives_a_zero_one_draft():
+    policy = ragged_costed(0.1)
+    mixed = [HIGH, LOW] * 8
+    seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
+    assert seen.count([3, 1] * 8) == 1
+    assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
