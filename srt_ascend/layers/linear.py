@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers import row_plan
+from srt_ascend.layers import onednn_packed, row_plan
 
 _HALF = (torch.bfloat16, torch.float16)
 _max_macs: int | None = None  # None: PyTorch's default backend for every matmul
@@ -111,8 +111,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _batch_invariant(x) is None:
         return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    plan = row_plan.linear_plan(flat, weight, bias)
-    out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
+    packed = onednn_packed.packed_weight(weight) if flat.dtype == weight.dtype else None
+    if packed is not None:
+        plan = row_plan.linear_plan(flat, weight, bias, packed=True)
+        out = plan.run(lambda rows: onednn_packed.linear(rows, packed, bias), flat, 0)
+    else:
+        plan = row_plan.linear_plan(flat, weight, bias)
+        out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
