@@ -19,9 +19,11 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
 layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
 row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
-padded) where no plan holds; so a row's result depends on that row alone. The MKL routing above
-is off in this mode: its switch is process-wide, and a call of another thread that ran on the
-other library would change its bits.
+padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` runs
+on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for every row count,
+without the per-call weight reorder of a plain call), its plan probed on that op. The MKL
+routing above is off in this mode: its switch is process-wide, and a call of another thread
+that ran on the other library would change its bits.
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
 (`ops/matmul_triton.py`: one tile shape, no split-K, the reduction in fixed steps), and
 `ordered_sum` / `sum_last` replace the reductions whose CUDA kernel's order follows the row
