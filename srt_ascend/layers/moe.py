@@ -248,6 +248,11 @@ class RoutedExperts(nn.Module):
                 total += weights[:, e : e + 1] * self._expert_at(x, e, w13, w2).float()
             return total.to(x.dtype)
         local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
+        if t == 1:  # one token (a lone decode step): the same sums, with no sort or gathers
+            for e in sorted(local[0].tolist()):
+                if e < n:
+                    total += weights[:, e : e + 1] * self._expert_at(x, e, w13, w2).float()
+            return total.to(x.dtype)
         flat = local.flatten()
         order = flat.argsort(stable=True)
         tokens = order // local.shape[1]  # the assignments' tokens, grouped by expert
