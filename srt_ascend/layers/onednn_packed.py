@@ -41,6 +41,7 @@ def usable() -> bool:
             torch._C._has_mkldnn  # what torch.backends.mkldnn answers
             and hasattr(ops, "_linear_pointwise")
             and hasattr(ops, "_reorder_linear_weight")
+            and hasattr(ops, "_is_mkldnn_bf16_supported")
             and ops._is_mkldnn_bf16_supported()
         )
     return _usable
