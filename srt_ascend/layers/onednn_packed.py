@@ -1,11 +1,11 @@
-"""oneDNN-prepacked weights: the half-precision CPU linears of batch-invariant mode
+"""oneDNN-prepacked weights: the bf16 CPU linears of batch-invariant mode
 (`--enable-deterministic-inference`, `linear.linear`).
 
 Batch-invariant mode must run every call of a layer, whatever its row count, through one
 kernel (a decode step's one row and a prefill's thousands give a token the same bits), and on
 CPU only oneDNN is fast at thousands of rows. A plain `F.linear` call reorders the weight into
 oneDNN's blocked layout on every call, which costs about as much as the one-row product itself
-(a 512 x 256 bf16 weight: 48 us a call where the product of one row takes 17 us) and makes a
+(a 512 x 256 bf16 weight, one row: 48 us a plain call, 17 us on the packed copy) and makes a
 decode step's 30-odd small products the mode's main cost. Here a weight is reordered once
 (`mkldnn._reorder_linear_weight`) and the product runs on the packed copy
 (`mkldnn._linear_pointwise`, inductor's frozen-linear op): no global switch (unlike routing a
@@ -16,7 +16,7 @@ kernel family for every row count, and a row plan probed on the packed op itself
 The packed copy lives on the weight's base tensor (a parameter, a `WeightStack`'s tensor), one
 per view layout read, so it is freed with it; any in-place write to that tensor (its version
 counter moves) drops its copies, which are packed again at the next call. Cost: one more copy
-of every half-precision weight the mode reads (the weights' memory twice). Inference tensors
+of every bf16 weight the mode reads (the weights' memory twice). Inference tensors
 (no version counter: a write could not be seen) and dtypes or builds oneDNN does not serve
 stay on `F.linear`.
 """
