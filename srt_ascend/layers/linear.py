@@ -19,9 +19,11 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
 layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
 row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
-padded) where no plan holds; so a row's result depends on that row alone. The MKL routing above
-is off in this mode: its switch is process-wide, and a call of another thread that ran on the
-other library would change its bits.
+padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` runs
+on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for every row count,
+without the per-call weight reorder of a plain call), its plan probed on that op. The MKL
+routing above is off in this mode: its switch is process-wide, and a call of another thread
+that ran on the other library would change its bits.
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
 (`ops/matmul_triton.py`: one tile shape, no split-K, the reduction in fixed steps), and
 `ordered_sum` / `sum_last` replace the reductions whose CUDA kernel's order follows the row
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from srt_ascend.layers import row_plan
+from srt_ascend.layers import onednn_packed, row_plan
 
 _HALF = (torch.bfloat16, torch.float16)
 _max_macs: int | None = None  # None: PyTorch's default backend for every matmul
@@ -111,8 +113,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _batch_invariant(x) is None:
         return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
     flat = x.reshape(-1, x.shape[-1]).contiguous()
-    plan = row_plan.linear_plan(flat, weight, bias)
-    out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
+    packed = onednn_packed.packed_weight(weight) if flat.dtype == weight.dtype else None
+    if packed is not None:
+        plan = row_plan.linear_plan(flat, weight, bias, packed=True)
+        out = plan.run(lambda rows: onednn_packed.linear(rows, packed, bias), flat, 0)
+    else:
+        plan = row_plan.linear_plan(flat, weight, bias)
+        out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
+from srt_ascend.layers import onednn_packed
 from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_sum, row_tile
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.quantization import QuantStack, stack_linears
@@ -198,8 +199,28 @@ class RoutedExperts(nn.Module):
         weights = self._weights_by_expert(topk_weights, topk_ids, n)
         gate_up = linear(x, w13.reshape(-1, w13.shape[-1])).view(t, n, 2 * inter)
         act = F.silu(gate_up[..., :inter]) * gate_up[..., inter:]  # [T, E, I]
+        down = self._down_concat(w2, x)
+        if down is not None:  # the weighted sum inside one product: sum_e (w_e act_e) W2_e^T
+            scaled = (act.float() * weights.unsqueeze(-1)).to(x.dtype)
+            return linear(scaled.view(t, n * inter), down)
         ys = bmm(act.transpose(0, 1), w2.transpose(1, 2))  # [E, T, H]
         return ordered_sum(ys.float() * weights.t().unsqueeze(-1), 0).to(x.dtype)
+
+    @staticmethod
+    def _down_concat(w2: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """Batch-invariant mode on CPU: the down projections side by side, [H, E*I] (built
+        once, `onednn_packed.derived`), so the dense path's down projection and weighted sum
+        are one linear of one row-invariant kernel (a packed oneDNN product) instead of a
+        batched matmul per expert, which costs a weight reorder a call; None elsewhere. Each
+        row's reduction runs over its experts' E*I products in the kernel's fixed order
+        (an unchosen expert's scaled inputs are exact zeros)."""
+        if row_tile() is None or x.device.type != "cpu" or w2.dtype != x.dtype:
+            return None
+        if not onednn_packed.usable() or torch.compiler.is_compiling():
+            return None
+        e, h, i = w2.shape
+        key = ("down_concat", w2.data_ptr(), tuple(w2.shape), w2.stride())
+        return onednn_packed.derived(w2, key, lambda: w2.permute(1, 0, 2).reshape(h, e * i))
 
     def forward_ordered(
         self,
@@ -227,6 +248,11 @@ class RoutedExperts(nn.Module):
                 total += weights[:, e : e + 1] * self._expert_at(x, e, w13, w2).float()
             return total.to(x.dtype)
         local = self.local_ids(topk_ids)  # n: another rank's expert (adds nothing here)
+        if t == 1:  # one token (a lone decode step): the same sums, with no sort or gathers
+            for e in sorted(local[0].tolist()):
+                if e < n:
+                    total += weights[:, e : e + 1] * self._expert_at(x, e, w13, w2).float()
+            return total.to(x.dtype)
         flat = local.flatten()
         order = flat.argsort(stable=True)
         tokens = order // local.shape[1]  # the assignments' tokens, grouped by expert

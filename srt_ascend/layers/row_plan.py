@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from srt_ascend.layers import onednn_packed
+
 Matmul = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -133,16 +135,23 @@ def choose(
         return _plans.setdefault(key, plan)
 
 
-def linear_plan(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> RowPlan:
-    """The plan of F.linear(x rows, weight, bias); x [rows, K] contiguous."""
+def linear_plan(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: bool = False
+) -> RowPlan:
+    """The plan of F.linear(x rows, weight, bias), or with `packed` of its oneDNN-prepacked
+    form (`onednn_packed.linear`); x [rows, K] contiguous."""
     threads = torch.get_num_threads()
-    key = ("linear", tuple(weight.shape), weight.stride(), weight.data_ptr() % 64, x.dtype)
+    op = "linear_packed" if packed else "linear"
+    key = (op, tuple(weight.shape), weight.stride(), weight.data_ptr() % 64, x.dtype)
     key += (weight.dtype, None if bias is None else bias.dtype, threads)
 
     def probe(rows: int):
         w = like(weight, 1, 1, -1.0)
         b = None if bias is None else torch.zeros_like(bias)  # the error is the result
         x_probe = cancelling((rows, weight.shape[1]), x.dtype, 3)
+        if packed:
+            w_packed = onednn_packed.pack(w)
+            return (lambda r: onednn_packed.linear(r, w_packed, b)), x_probe, 0
         return (lambda r: F.linear(r, w, b)), x_probe, 0
 
     return choose(key, probe, weight.numel())
