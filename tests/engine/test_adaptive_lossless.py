@@ -144,7 +144,8 @@ def test_adaptive_k_walks_the_captured_round_graphs(model_path, baseline):
     whole-round graph (`mtp_round_k1..3`; K = 0 the plain decode graph), never a per-forward
     verify, and the tokens equal the eager speculation-off baseline."""
     args, walk = CONFIGS["walk-fia-graphs"]
-    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=12, **args)
+    # at most the largest bucket runs at once: every step replays a graph
+    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=8, **args)
     try:
         engine.tokenizer_manager.scheduler.decoder.draft_length = ScriptedDraftLength(3, walk)
         at_start = engine.get_internal_state()["graph_replays"]  # the start's profiles
