@@ -74,9 +74,9 @@ def _bare_forwards(a, runner, decoder, prefix: int, out: dict) -> dict:
     from srt_ascend.model_executor.forward_batch import ForwardMode
 
     if a.mtp_k:
-        from srt_ascend.speculative import mtp_decoder
+        from srt_ascend.speculative import mtp_start
 
-        mtp_decoder.PROFILE_CONTEXT = prefix
+        mtp_start.PROFILE_CONTEXT = prefix
         for n in a.buckets:
             step = lambda n=n: decoder._padding_step(n, a.mtp_k)  # noqa: E731
             out[n] = {

@@ -51,7 +51,8 @@ off) requests with k_r = 0 run apart as the plain decoder's step in the same `st
 under DP attention, where every group must run the same forwards: they verify with limit 0).
 
 Here: the decoder, its serial step and idle forwards; overlapped rounds (`launch`, `finish`)
-in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict (mixins).
+in mtp_rounds, the acceptance rule's verdict and its logprobs in mtp_verdict, what runs once
+at start (round graphs, the step-cost profiles) in mtp_start (mixins).
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ from srt_ascend.sampling.sample_step import greedy_without_logprobs
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
-from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs, RoundKinds
+from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs
 from srt_ascend.speculative.mtp_rounds import LaunchedRound, OverlappedRoundsMixin
+from srt_ascend.speculative.mtp_start import StartMixin
 from srt_ascend.speculative.mtp_verdict import VerdictMixin
 from srt_ascend.speculative.mtp_worker import (
     Counts,
@@ -82,8 +84,6 @@ from srt_ascend.speculative.mtp_worker import (
 )
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES, Ragged
 from srt_ascend.utils import to_device
-
-PROFILE_CONTEXT = 256  # committed tokens per padding request when the step costs are profiled
 
 
 def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
@@ -102,8 +102,35 @@ def draft_step_kinds(layer_for_step, k: int, backend) -> dict[int, GraphKind]:
     return kinds
 
 
+def mtp_pass_kinds(suffix: dict[int, str], step_kinds: dict[int, GraphKind], backend):
+    """The MTP pass's kinds for each K > 0 in `suffix` (K: its name suffix): layer 0 over
+    the K+1 positions (`draft_extend{suffix}`), and with several MTP layers each later layer
+    the draft steps run (`draft_extend{suffix}_l{layer}`: its KV over committed positions in
+    every MTP pass, no logits). K = 0 steps defer their MTP pass: no kind."""
+    extend = {
+        j: GraphKind(f"draft_extend{sfx}", ForwardMode.DRAFT_EXTEND, j + 1, 1, backend, 0)
+        for j, sfx in suffix.items()
+        if j
+    }
+    later = sorted({kind.mtp_layer for kind in step_kinds.values()} - {0})
+    layers = {
+        (j, layer): GraphKind(
+            f"draft_extend{suffix[j]}_l{layer}",
+            ForwardMode.DRAFT_EXTEND,
+            j + 1,
+            1,
+            backend,
+            layer,
+            logits=False,
+        )
+        for j in extend
+        for layer in later
+    }
+    return extend, layers
+
+
 @DECODERS.register("MTP")
-class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
+class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
     overlaps = True
 
     def __init__(self, args: ServerArgs, handles: DecoderHandles) -> None:
@@ -124,28 +151,8 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.verifies = {j: strategy(runner, j, suffix[j]) for j in ks if j}
         self.accept = ACCEPT_METHODS[args.speculative_accept_method]
         backend = runner.attn_backend
-        extend_kinds = {  # K = 0 steps defer their MTP pass: no kind
-            j: GraphKind(f"draft_extend{suffix[j]}", ForwardMode.DRAFT_EXTEND, j + 1, 1, backend, 0)
-            for j in ks
-            if j
-        }
         self.step_kinds = draft_step_kinds(runner.mtp.layer_for_step, k, backend)
-        # with several MTP layers, the later layers the draft steps run get KV over committed
-        # positions in every MTP pass (their own kind per K)
-        later = sorted({kind.mtp_layer for kind in self.step_kinds.values()} - {0})
-        layer_kinds = {
-            (j, layer): GraphKind(
-                f"draft_extend{suffix[j]}_l{layer}",
-                ForwardMode.DRAFT_EXTEND,
-                j + 1,
-                1,
-                backend,
-                layer,
-                logits=False,  # its KV only
-            )
-            for j in extend_kinds
-            for layer in later
-        }
+        extend_kinds, layer_kinds = mtp_pass_kinds(suffix, self.step_kinds, backend)
         self.worker = MTPWorker(
             DraftHandles(
                 runner.forward_mtp,
@@ -174,6 +181,15 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.verify_rows = 0  # rows the verify forwards built (expand: sum(1 + k_r))
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
         self.sends_prefills = args.disaggregation_mode == "prefill"
+        self._choose_layout(args, strategy)
+        self._latest: LaunchedRound | None = None  # the round launched last, until finished
+        self.rounds: MTPRoundGraphs | None = None  # whole rounds as graphs (`calibrate`)
+        self._read_at = 0.0  # perf_counter at the last overlapped round's read
+
+    def _choose_layout(self, args: ServerArgs, strategy) -> None:
+        """Whether rounds overlap (`_takes_bounds`), how requests with k_r = 0 run
+        (`split_zeros`, `ragged`), and whether the MTP pass after a ragged verify is ragged."""
+        runner = self.runner
         # overlapped rounds need backends that read each row's length on the device
         device = runner.device
         self._takes_bounds = runner.attn_backend.takes_length_bounds(device) and all(
@@ -190,9 +206,6 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             self.split_zeros = False
         # the MTP pass after a ragged verify over its rows only, where it runs eagerly
         self.worker.ragged_pass = self.ragged and not args.graphs_enabled(runner.platform)
-        self._latest: LaunchedRound | None = None  # the round launched last, until finished
-        self.rounds: MTPRoundGraphs | None = None  # whole rounds as graphs (`calibrate`)
-        self._read_at = 0.0  # perf_counter at the last overlapped round's read
 
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)
@@ -214,74 +227,6 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             **self.draft_length.stats(),
         }
 
-    def calibrate(self) -> None:
-        """Captures the round graphs (the per-forward graphs are captured now), then times
-        the steps of every K and the ragged verify's rows for the draft-length policy."""
-        self.rounds = self._capture_rounds()
-        self.draft_length.calibrate(
-            self._padding_step, self.runner.platform.synchronize, self._padding_rows
-        )
-
-    @torch.inference_mode()
-    def _padding_rows(self, n: int) -> None:
-        """The row-proportional forwards of a ragged step over `n` verify rows (as requests
-        of 1 + K rows and one of the rest; request row 0, PROFILE_CONTEXT tokens, KV into
-        the padding slot 0): the verify forward of the largest K and its logits, and the MTP
-        pass over those rows where it is ragged."""
-        runner, verify = self.runner, self.verifies[max(self.verifies)]
-        k1 = verify.k + 1
-        context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
-        full, rest = divmod(n, k1)
-        limits = [verify.k] * full + ([rest - 1] if rest else [])
-        bs = len(limits)
-        loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
-        ragged = Ragged.of(limits, verify.k, runner.device)
-        fb = verify.build(loc, [0] * bs, [context] * bs, loc, None, ragged)
-        hidden, _ = runner.forward_logits(fb, verify.kind)
-        if self.worker.ragged_pass:
-            per = [m + 1 for m in limits]
-            build = lambda: runner.build_forward_batch(  # noqa: E731
-                ForwardMode.DRAFT_EXTEND, ragged.take(loc.view(-1)), [0] * bs,
-                [context + m for m in per], per, ragged.take(loc.view(-1)),
-            )  # fmt: skip
-            ends = ragged.first + to_device(limits, runner.device)
-            self.worker.mtp_pass(build, hidden, None, verify.k, ends)
-
-    def _capture_rounds(self) -> MTPRoundGraphs | None:
-        """One graph per (K, bucket) running the whole round for all-greedy batches
-        (speculative/mtp_round_graph), where graphs are on, uncompiled, with one rank, and
-        every forward of the round runs over device lengths; None elsewhere."""
-        runner, args, w = self.runner, self.args, self.worker
-        graphs = runner.graph_runner
-        if graphs is None or args.disable_mtp_round_graph or args.enable_torch_compile:
-            return None
-        if runner.tp.size > 1 or runner.tp.dp_size > 1:
-            return None
-        kinds = {}
-        for k, verify in self.verifies.items():
-            steps = {j: self.step_kinds[j] for j in range(1, k)}
-            later = [w.layer_kinds[k, layer] for layer in w.later_layers]
-            round_kinds = RoundKinds(verify.kind, w.extend_kinds[k], steps, later)
-            every = [verify.kind, round_kinds.extend, *steps.values(), *later]
-            if all(
-                kind.backend.supports_static_shapes
-                and (not kind.host_lengths or kind.backend.takes_length_bounds(runner.device))
-                for kind in every
-            ):
-                kinds[k] = round_kinds
-        if not kinds:
-            return None
-        rounds = MTPRoundGraphs(
-            graphs,
-            runner.forward_static,
-            kinds,
-            self.vocab,
-            runner.config.hidden_size,
-            runner.dtype,
-        )
-        rounds.capture()
-        return rounds
-
     def _round_fits(self, reqs: list[StepRequest], k: int, generated: list[int]) -> bool:
         """Whether a round of K drafts over `reqs` runs as one graph: captured for K and the
         batch size, and its sampling the raw argmax (`greedy_without_logprobs`, counts
@@ -291,45 +236,6 @@ class MTPDecoder(OverlappedRoundsMixin, VerdictMixin, Decoder):
             and self.rounds.holds(k, len(reqs))
             and greedy_without_logprobs(reqs, generated)
         )
-
-    @torch.inference_mode()
-    def _padding_step(self, bs: int, k: int) -> None:
-        """The forwards of a step with K = k over `bs` padding requests (request row 0, a
-        context of PROFILE_CONTEXT tokens, every KV write into the padding slot 0): the K-1
-        draft steps, the verify forward and its logits, the MTP pass and its drafting head;
-        the round's one graph where it holds the batch (what all-greedy rounds replay; the
-        served steps scale the estimate per bucket and K)."""
-        runner, k1 = self.runner, k + 1
-        context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
-        loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
-        hidden = loc.new_zeros(bs, runner.config.hidden_size, dtype=runner.dtype)
-        rows = [0] * bs
-        if not k:  # the plain decode step
-            fb = runner.build_forward_batch(
-                ForwardMode.DECODE, loc[:, 0], rows, [context + 1] * bs, [1] * bs, loc[:, 0]
-            )
-            runner.forward_logits(fb, self.plain_kind)
-            return
-        if self.rounds is not None and self.rounds.holds(k, bs):  # the round's one graph
-            zeros = torch.zeros(bs, dtype=torch.int64, device=runner.device)  # row 0: slot 0
-            self.rounds.run(k, zeros, zeros + context, [context] * bs, zeros, zeros, hidden, None)
-            return
-        for j in range(1, k):
-            kind = self.step_kinds[j]
-            n = kind.tokens_per_req
-            ids = loc[:, :n].reshape(-1)
-            fb = runner.build_forward_batch(kind.mode, ids, rows, [context + j] * bs, [n] * bs, ids)
-            steps = hidden.new_zeros(bs * n, hidden.shape[-1])
-            last = torch.arange(n - 1, bs * n, n, device=runner.device)
-            runner.forward_mtp_logits(fb, steps, j, kind, last)
-        verify = self.verifies[k]
-        out, _ = runner.forward_logits(verify.build(loc, rows, [context] * bs, loc), verify.kind)
-        flat = loc.reshape(-1)
-        build = lambda: runner.build_forward_batch(  # noqa: E731
-            ForwardMode.DRAFT_EXTEND, flat, rows, [context + k1] * bs, [k1] * bs, flat
-        )
-        first = torch.arange(bs, device=runner.device)
-        self.worker.mtp_pass(build, out, self.worker.extend_kinds[k], k, first)
 
     def _timed(self, seconds: float) -> float | None:
         """A step's seconds for the cost table, None for the SETTLE_STEPS after a prefill."""
