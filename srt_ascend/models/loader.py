@@ -41,7 +41,8 @@ from srt_ascend.models.deepseek_v3 import DecoderLayer, DeepseekV3ForCausalLM, M
 from srt_ascend.models.quant_config import QuantConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# a routed expert's tensor: its weight, or a quantized expert's scales / offsets
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.\w+$")
 _IGNORED = re.compile(
     r"(rotary_emb\.inv_freq|\.weight_scale_inv|\.input_scale|\.activation_scale)$"
 )

@@ -274,13 +274,22 @@ def test_sharded_source_quantized_shard_by_shard(tiny_mtp_checkpoint, tmp_path, 
     assert float((got - want).abs().max()) < 0.1 * float(want.abs().max())
 
 
-def _tp_rank(local_rank: int, addr: str, path: str, out: str) -> None:
-    """One of 2 gloo ranks: its shard of the W8A8_DYNAMIC model, a dense forward's logits and
-    the per-channel tensors it holds, saved for the parent to check."""
+def _free_addr() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+def _tp_rank(local_rank: int, addr: str, path: str, out: str, ep: bool = False) -> None:
+    """One of 2 gloo ranks (`ep`: experts partitioned over them): its shard of the
+    W8A8_DYNAMIC model, a dense forward's logits and the per-channel tensors it holds, saved
+    for the parent to check."""
     from srt_ascend.distributed import DistInit, init_tp_group
 
     torch.set_num_threads(1)
-    tp = init_tp_group(DistInit(addr, 2), local_rank, "gloo")
+    tp = init_tp_group(DistInit(addr, 2), local_rank, "gloo", ep)
     try:
         config = load_config(path)
         q = resolve_quantization(path, config, None, shard_files(path))
@@ -298,6 +307,7 @@ def _tp_rank(local_rank: int, addr: str, path: str, out: str) -> None:
             "o_scale": layer.self_attn.o_proj.weight_scale.data,
             "w13_scale": layer.mlp.experts.w13_weight_scale.data,
             "w2": layer.mlp.experts.w2.data,
+            "w2_scale": layer.mlp.experts.w2_weight_scale.data,
         }
         torch.save(held, f"{out}.{tp.rank}")
     finally:
@@ -307,18 +317,13 @@ def _tp_rank(local_rank: int, addr: str, path: str, out: str) -> None:
 def test_tensor_parallel_w8a8_dynamic(quantized, tmp_path):
     """--tp-size 2 over gloo: each rank holds its slice of the int8 weights, column-parallel
     layers their rows' scales, row-parallel ones every scale; the logits follow TP = 1's
-    within the row-parallel layers' per-slice activation scales. W8A8 static and FP8 refuse
-    TP with a one-line error naming the scheme."""
-    import socket
-
+    within the row-parallel layers' per-slice activation scales; with --ep-size 2 too. W8A8
+    static and FP8 refuse TP with a one-line error naming the scheme."""
     import torch.multiprocessing as mp
 
     path = quantized["w8a8_dynamic"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        addr = f"127.0.0.1:{s.getsockname()[1]}"
     out = str(tmp_path / "rank")
-    mp.start_processes(_tp_rank, args=(addr, path, out), nprocs=2, start_method="spawn")
+    mp.start_processes(_tp_rank, args=(_free_addr(), path, out), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{out}.{r}") for r in range(2)]
     model, _ = _load(path)
     layer = model.model.layers[1]
@@ -339,6 +344,17 @@ def test_tensor_parallel_w8a8_dynamic(quantized, tmp_path):
     got = ranks[0]["logits"]
     assert float((got - want).abs().max()) < 0.05 * float(want.abs().max())
     assert float((got.argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
+    # --ep-size 2: each rank holds its routed experts whole, their scales and offsets with them
+    # (the other rank's skipped at load)
+    out = str(tmp_path / "ep_rank")
+    mp.start_processes(
+        _tp_rank, args=(_free_addr(), path, out, True), nprocs=2, start_method="spawn"
+    )
+    for r in range(2):
+        held = torch.load(f"{out}.{r}")
+        assert torch.equal(held["w2"], experts.w2.chunk(2, 0)[r])
+        assert torch.equal(held["w2_scale"], experts.w2_weight_scale.chunk(2, 0)[r])
+        assert float((held["logits"].argmax(-1) == want.argmax(-1)).float().mean()) >= 0.75
     tp2 = ServerArgs(tp_size=2)
     assert refused_with(_resolve(path), tp2) is None
     assert "for W8A8 layers (its quant_bias" in refused_with(_resolve(quantized["w8a8"]), tp2)
