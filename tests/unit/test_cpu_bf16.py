@@ -112,3 +112,35 @@ def test_mode_runs_small_weights_on_the_kernel(ops, mode):
     assert torch.equal(bits(got), bits(want))
     one = gemm.linear(x[1:2, 2:3], w)
     assert torch.equal(bits(one.view(-1)), bits(got[1, 2]))
+
+
+@pytest.fixture(scope="module")
+def moe():
+    from srt_ascend.models.loader import load_model
+    from srt_ascend.server_args import SHIPPED_MODEL
+
+    model, _ = load_model(SHIPPED_MODEL, dtype=BF16, load_mtp=False)
+    layer = model.model.layers[1].mlp  # 8 routed experts + the shared one
+    layer.fuse_weights()
+    return layer
+
+
+def test_moe_takes_the_ordered_path_row_invariant(ops, mode, moe):
+    """With every expert on the kernel the shipped MoE takes the ordered per-expert path (one
+    token reads its own experts only): each token the same bits alone, in any batch, eager
+    (sorted per-expert slices) or with static shapes (every expert over every token)."""
+    x = rand(24, 256, seed=11)
+    w13, w2 = moe.stacks[0].tensor, moe.stacks[1].tensor
+    assert moe.experts.fixed_order(x, w13, w2)
+    assert moe.experts.choose_path(1, 3, w13.shape[0], False, True) == "ordered"
+    assert moe.experts.choose_path(1, 3, w13.shape[0], True, True) == "ordered_dense"
+    with torch.inference_mode():
+        alone = torch.cat([moe(x[i : i + 1]) for i in range(24)])
+        for n in (2, 5, 24):
+            assert torch.equal(bits(moe(x[:n])), bits(alone[:n])), n
+            assert torch.equal(bits(moe(x[:n], static_shapes=True)), bits(alone[:n])), n
+        gate = moe.gate(x)
+        ids = F.pad(gate[1], (0, 1), value=moe.experts.n_experts)
+        weights = F.pad(gate[0], (0, 1), value=1.0)
+        dense = moe.experts.forward_dense(x, weights, ids, (w13, w2))
+    torch.testing.assert_close(alone.float(), dense.float(), rtol=2e-2, atol=2e-2)
