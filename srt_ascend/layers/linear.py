@@ -19,9 +19,13 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
 layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
 row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
-padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` runs
-on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for every row count,
-without the per-call weight reorder of a plain call), its plan probed on that op. The MKL
+padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` of a
+weight of at most FIXED_ORDER_MAX_WEIGHT elements runs on the fixed-order C++ kernel
+(`ops/cpu_bf16`: one reduction order over K for every row count, so no plan, and a one-row
+call costs about its weight's read, a third of oneDNN's per-call cost at this model's sizes);
+a larger one on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for
+every row count, without the per-call weight reorder of a plain call), its plan probed on that
+op; which one is a constant of the layer (its shape, whether the kernel built). The MKL
 routing above is off in this mode: its switch is process-wide, and a call of another thread
 that ran on the other library would change its bits.
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
@@ -130,6 +134,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         plan = row_plan.linear_plan(flat, weight, bias)
         out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def prepare_fixed_order() -> None:
+    """Builds / loads the fixed-order kernel now (model load in batch-invariant mode on CPU),
+    not in the first step; where it cannot be built the mode's bf16 linears stay on oneDNN."""
+    if FIXED_ORDER_MAX_WEIGHT > 0:
+        cpu_bf16.ops()
 
 
 def fixed_order_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
