@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 import torch
 
@@ -50,8 +51,8 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, generator=g).bfloat16()
             reps = max(5, args.reps // m)
-            a = best_us(lambda: cpu_bf16.linear(x, fixed, n), reps)
-            b = best_us(lambda: onednn_packed.linear(x, packed, None), reps)
+            a = best_us(partial(cpu_bf16.linear, x, fixed, n), reps)
+            b = best_us(partial(onednn_packed.linear, x, packed, None), reps)
             print(f"| {n} x {k} | {m} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
 
 

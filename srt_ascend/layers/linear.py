@@ -151,6 +151,8 @@ def fixed_order_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the op has no backward: a graph being recorded stays on oneDNN
     return weight.numel() <= FIXED_ORDER_MAX_WEIGHT and cpu_bf16.ops() is not None
 
 

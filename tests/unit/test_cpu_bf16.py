@@ -144,3 +144,20 @@ def test_moe_takes_the_ordered_path_row_invariant(ops, mode, moe):
         weights = F.pad(gate[0], (0, 1), value=1.0)
         dense = moe.experts.forward_dense(x, weights, ids, (w13, w2))
     torch.testing.assert_close(alone.float(), dense.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_kernel_off_leaves_the_mode_on_onednn(ops, mode, monkeypatch):
+    """SRT_ASCEND_CPU_BF16_KERNEL=0 (or no compiler): no layer on the kernel, said once."""
+    w = torch.nn.Parameter(rand(208, 256, seed=12), requires_grad=False)
+    x = rand(4, 256, seed=13)
+    monkeypatch.setenv(cpu_bf16.ENV, "0")
+    cpu_bf16.configure(True)  # forget the built ops: the next use reads the environment
+    try:
+        assert not gemm.fixed_order_covers(x, w)
+        assert cpu_bf16.unavailable() == f"{cpu_bf16.ENV}=0"
+        got = gemm.linear(x, w)  # oneDNN's packed product under its row plan
+        assert torch.equal(bits(got[2:3]), bits(gemm.linear(x[2:3], w)))
+    finally:
+        monkeypatch.delenv(cpu_bf16.ENV)
+        cpu_bf16.configure(True)
+    assert gemm.fixed_order_covers(x, w)

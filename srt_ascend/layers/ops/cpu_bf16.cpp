@@ -208,6 +208,15 @@ Tile tile_for(int64_t path) {
 
 template <int R>
 Tile tile_rows(int64_t path, int c) {
+  if constexpr (R < kRows) {  // few rows: up to 2 * kBlocks column blocks (more chains in flight)
+    switch (c) {
+      case 5: return tile_for<R, 5>(path);
+      case 6: return tile_for<R, 6>(path);
+      case 7: return tile_for<R, 7>(path);
+      case 8: return tile_for<R, 8>(path);
+      default: break;
+    }
+  }
   switch (c) {
     case 1: return tile_for<R, 1>(path);
     case 2: return tile_for<R, 2>(path);
@@ -225,19 +234,26 @@ Tile pick(int64_t path, int r, int c) {
   }
 }
 
-// Threads take groups of kBlocks column blocks; each runs every row over its group (the group's
-// weights stay in cache across the rows).
+// Threads take groups of kGroup column blocks; each runs every row over its group (the group's
+// weights stay in cache across the rows): kRows rows kBlocks blocks at a time, the last rows
+// (fewer than kRows) over the whole group at once. The tiling changes no output's order.
+constexpr int kGroup = 2 * kBlocks;
+
 void run(const Args& a, int64_t m, int64_t blocks, int64_t path) {
-  const int64_t groups = (blocks + kBlocks - 1) / kBlocks;
-  const int64_t work = m * a.pairs * kLanes * kBlocks;  // multiply-adds per group
+  const int64_t groups = (blocks + kGroup - 1) / kGroup;
+  const int64_t work = m * a.pairs * kLanes * kGroup;  // multiply-adds per group
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 17) / std::max<int64_t>(1, work));
   at::parallel_for(0, groups, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t g = lo; g < hi; ++g) {
-      const int64_t b0 = g * kBlocks;
-      const int c = static_cast<int>(std::min<int64_t>(kBlocks, blocks - b0));
+      const int64_t b0 = g * kGroup, width = std::min<int64_t>(kGroup, blocks - b0);
       for (int64_t r0 = 0; r0 < m; r0 += kRows) {
         const int r = static_cast<int>(std::min<int64_t>(kRows, m - r0));
-        pick(path, r, c)(a, r0, b0);
+        if (r < kRows) {
+          pick(path, r, static_cast<int>(width))(a, r0, b0);
+          continue;
+        }
+        for (int64_t b = b0; b < b0 + width; b += kBlocks)
+          pick(path, r, static_cast<int>(std::min<int64_t>(kBlocks, b0 + width - b)))(a, r0, b);
       }
     }
   });
