@@ -92,7 +92,7 @@ def test_bad_inputs_are_clear_errors(ops):
     packed = cpu_bf16.pack(rand(32, 16))
     with pytest.raises(RuntimeError, match="K or n"):
         cpu_bf16.linear(rand(2, 18), packed, 32)
-    with pytest.raises(RuntimeError, match="bf16"):
+    with pytest.raises(RuntimeError, match="dtype"):
         cpu_bf16.linear(rand(2, 16).float(), packed, 32)
 
 
@@ -161,3 +161,20 @@ def test_kernel_off_leaves_the_mode_on_onednn(ops, mode, monkeypatch):
         monkeypatch.delenv(cpu_bf16.ENV)
         cpu_bf16.configure(True)
     assert gemm.fixed_order_covers(x, w)
+
+
+def test_float32_paths_agree_and_rows_are_invariant(ops):
+    n, k, m = 40, 77, 130
+    g = torch.Generator().manual_seed(14)
+    w, x, bias = (torch.randn(*s, generator=g) for s in ((n, k), (m, k), (n,)))
+    packed = cpu_bf16.pack(w)
+    want = cpu_bf16.linear(x, packed, n, bias, "scalar")  # std::fma a step, k in order
+    for path in paths(ops):
+        assert torch.equal(
+            cpu_bf16.linear(x, packed, n, bias, path).view(torch.int32), want.view(torch.int32)
+        ), path
+    alone = torch.cat([cpu_bf16.linear(x[i : i + 1], packed, n, bias) for i in range(m)])
+    for size in (1, 2, 7, 16, 64, 129):
+        got = cpu_bf16.linear(x[m - size :], packed, n, bias)
+        assert torch.equal(got.view(torch.int32), alone[m - size :].view(torch.int32)), size
+    torch.testing.assert_close(want, F.linear(x, w, bias), rtol=1e-5, atol=1e-5)

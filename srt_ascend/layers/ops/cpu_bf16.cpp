@@ -1,4 +1,5 @@
-// A batch-invariant bf16 linear for CPU (`cpu_bf16.py`): y = x W^T (+ bias) where each output
+// A batch-invariant bf16 / float32 linear for CPU (`cpu_bf16.py`): y = x W^T (+ bias) where each
+// output
 // element is accumulated in float32 in one fixed order over K that depends on nothing but K, so a
 // row's bits never depend on how many other rows share the call (--enable-deterministic-inference:
 // a prefill's rows and a decode step's one row give a token the same bits).
@@ -13,7 +14,9 @@
 // The products of two bf16 values are exact in float32, so every step is one float32 rounding:
 // AVX-512 BF16's VDPBF16PS does exactly these two steps per lane (odd element first, with
 // denormals flushed), and the AVX-512F / AVX2 / scalar paths widen bf16 to float32 and do the
-// same two fused multiply-adds, giving the same bits (outside float32's denormal range). The
+// same two fused multiply-adds, giving the same bits (outside float32's denormal range).
+// float32 (x, w float32, y float32): acc = fma(x[m, k], w[n, k], acc) for k in order, the
+// weight packed [ceil(N/16), K, 16, 1]; fused multiply-adds round once on every path. The
 // vector lanes run over output columns, so there is no horizontal reduction; threads split the
 // columns, never K.
 #include <ATen/ATen.h>
@@ -53,21 +56,51 @@ inline float odd_of(uint32_t pair) {  // element 2p + 1
   return f;
 }
 
-// Everything a micro-kernel needs: x's rows as packed pairs (uint32 per pair), the packed weight.
+// Everything a micro-kernel needs. bf16: x's rows as packed pairs, the weight [blocks, pairs, 16]
+// pairs; float32: x's rows and the weight [blocks, K, 16] as float bits. `steps`: pairs or K.
 struct Args {
-  const uint32_t* x;   // [M, pairs]
-  const uint32_t* w;   // [blocks, pairs, 16]
+  const uint32_t* x;   // [M, steps]
+  const uint32_t* w;   // [blocks, steps, 16]
   const float* bias;   // [blocks * 16] (zero padded) or nullptr
-  uint16_t* y;         // [M, n]
-  int64_t pairs, n;
+  void* y;             // [M, n], bf16 or float32
+  int64_t pairs, n;    // pairs: the steps over K
 };
 
 inline void store(const Args& a, const float* acc, int64_t row, int64_t block) {
   const int64_t col0 = block * kLanes;
   const int64_t count = a.n - col0 < kLanes ? a.n - col0 : kLanes;
-  uint16_t* out = a.y + row * a.n + col0;
+  uint16_t* out = static_cast<uint16_t*>(a.y) + row * a.n + col0;
   for (int64_t l = 0; l < count; ++l)
     out[l] = bf16_bits(a.bias ? acc[l] + a.bias[col0 + l] : acc[l]);
+}
+
+inline void store_f32(const Args& a, const float* acc, int64_t row, int64_t block) {
+  const int64_t col0 = block * kLanes;
+  const int64_t count = a.n - col0 < kLanes ? a.n - col0 : kLanes;
+  float* out = static_cast<float*>(a.y) + row * a.n + col0;
+  for (int64_t l = 0; l < count; ++l) out[l] = a.bias ? acc[l] + a.bias[col0 + l] : acc[l];
+}
+
+inline float f32_at(const uint32_t* p, int64_t i) {
+  float f;
+  std::memcpy(&f, p + i, sizeof f);
+  return f;
+}
+
+// float32: acc = fma(x[m, k], w[n, k], acc) for k in order (one rounding a step on every path).
+template <int R, int C>
+void tile_f32_scalar(const Args& a, int64_t row0, int64_t block0) {
+  float acc[R][C][kLanes] = {};
+  for (int64_t k = 0; k < a.pairs; ++k)
+    for (int r = 0; r < R; ++r) {
+      const float xv = f32_at(a.x, (row0 + r) * a.pairs + k);
+      for (int c = 0; c < C; ++c) {
+        const uint32_t* wp = a.w + ((block0 + c) * a.pairs + k) * kLanes;
+        for (int l = 0; l < kLanes; ++l) acc[r][c][l] = std::fma(xv, f32_at(wp, l), acc[r][c][l]);
+      }
+    }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) store_f32(a, acc[r][c], row0 + r, block0 + c);
 }
 
 // Scalar path: the reference order, one lane at a time.
@@ -180,6 +213,56 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_bf16(const Args& a, int6
       store(a, buf, row0 + r, block0 + c);
     }
 }
+
+template <int R, int C>
+__attribute__((target("avx2,fma"))) void tile_f32_avx2(const Args& a, int64_t row0,
+                                                       int64_t block0) {
+  __m256 acc[R][C][2];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c][0] = acc[r][c][1] = _mm256_setzero_ps();
+  const float* x = reinterpret_cast<const float*>(a.x);
+  const float* w = reinterpret_cast<const float*>(a.w);
+  for (int64_t k = 0; k < a.pairs; ++k) {
+    __m256 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_set1_ps(x[(row0 + r) * a.pairs + k]);
+    for (int c = 0; c < C; ++c)
+      for (int h = 0; h < 2; ++h) {
+        const __m256 wv = _mm256_loadu_ps(w + ((block0 + c) * a.pairs + k) * kLanes + 8 * h);
+        for (int r = 0; r < R; ++r) acc[r][c][h] = _mm256_fmadd_ps(xv[r], wv, acc[r][c][h]);
+      }
+  }
+  alignas(64) float buf[kLanes];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      _mm256_store_ps(buf, acc[r][c][0]);
+      _mm256_store_ps(buf + 8, acc[r][c][1]);
+      store_f32(a, buf, row0 + r, block0 + c);
+    }
+}
+
+template <int R, int C>
+__attribute__((target("avx512f"))) void tile_f32_avx512(const Args& a, int64_t row0,
+                                                        int64_t block0) {
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+  const float* x = reinterpret_cast<const float*>(a.x);
+  const float* w = reinterpret_cast<const float*>(a.w);
+  for (int64_t k = 0; k < a.pairs; ++k) {
+    __m512 xv[R];
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_set1_ps(x[(row0 + r) * a.pairs + k]);
+    for (int c = 0; c < C; ++c) {
+      const __m512 wv = _mm512_loadu_ps(w + ((block0 + c) * a.pairs + k) * kLanes);
+      for (int r = 0; r < R; ++r) acc[r][c] = _mm512_fmadd_ps(xv[r], wv, acc[r][c]);
+    }
+  }
+  alignas(64) float buf[kLanes];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) {
+      _mm512_store_ps(buf, acc[r][c]);
+      store_f32(a, buf, row0 + r, block0 + c);
+    }
+}
 #endif
 
 enum Path : int64_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kAvx512Bf16 = 4 };
@@ -198,6 +281,11 @@ using Tile = void (*)(const Args&, int64_t, int64_t);
 
 template <int R, int C>
 Tile tile_for(int64_t path) {
+#ifdef SRT_X86
+  if (path == -kAvx512Bf16 || path == -kAvx512) return &tile_f32_avx512<R, C>;
+  if (path == -kAvx2) return &tile_f32_avx2<R, C>;
+#endif
+  if (path < 0) return &tile_f32_scalar<R, C>;
 #ifdef SRT_X86
   if (path == kAvx512Bf16) return &tile_bf16<R, C>;
   if (path == kAvx512) return &tile_avx512<R, C>;
@@ -259,26 +347,33 @@ void run(const Args& a, int64_t m, int64_t blocks, int64_t path) {
   });
 }
 
+// bf16: [blocks, ceil(K/2), 16, 2]; float32: [blocks, K, 16, 1] (zero padded)
 at::Tensor pack(const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kBFloat16, "pack: w must be bf16 [N, K]");
-  const int64_t n = w.size(0), k = w.size(1);
-  const int64_t blocks = (n + kLanes - 1) / kLanes, pairs = (k + 1) / 2;
-  at::Tensor padded = at::zeros({blocks * kLanes, pairs * 2}, w.options());
+  const bool f32 = w.scalar_type() == at::kFloat;
+  TORCH_CHECK(w.dim() == 2 && (f32 || w.scalar_type() == at::kBFloat16),
+              "pack: w must be bf16 or float32 [N, K]");
+  const int64_t n = w.size(0), k = w.size(1), e = f32 ? 1 : 2;
+  const int64_t blocks = (n + kLanes - 1) / kLanes, steps = (k + e - 1) / e;
+  at::Tensor padded = at::zeros({blocks * kLanes, steps * e}, w.options());
   padded.narrow(0, 0, n).narrow(1, 0, k).copy_(w);
-  return padded.view({blocks, kLanes, pairs, 2}).permute({0, 2, 1, 3}).contiguous();
+  return padded.view({blocks, kLanes, steps, e}).permute({0, 2, 1, 3}).contiguous();
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
                   const c10::optional<at::Tensor>& bias, int64_t path) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16, "linear: x must be bf16 [M, K]");
-  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == at::kBFloat16 && wp.size(2) == kLanes &&
-                  wp.size(3) == 2 && wp.is_contiguous(),
-              "linear: wp must come from pack()");
-  const int64_t m = x.size(0), k = x.size(1), blocks = wp.size(0), pairs = wp.size(1);
-  TORCH_CHECK(pairs == (k + 1) / 2 && n > 0 && n <= blocks * kLanes && n > (blocks - 1) * kLanes,
+  const bool f32 = x.scalar_type() == at::kFloat;
+  const int64_t e = f32 ? 1 : 2;
+  TORCH_CHECK(x.dim() == 2 && (f32 || x.scalar_type() == at::kBFloat16),
+              "linear: x must be bf16 or float32 [M, K]");
+  TORCH_CHECK(wp.dim() == 4 && wp.scalar_type() == x.scalar_type() && wp.size(2) == kLanes &&
+                  wp.size(3) == e && wp.is_contiguous(),
+              "linear: wp must come from pack() of x's dtype");
+  const int64_t m = x.size(0), k = x.size(1), blocks = wp.size(0), steps = wp.size(1);
+  TORCH_CHECK(steps == (k + e - 1) / e && n > 0 && n <= blocks * kLanes &&
+                  n > (blocks - 1) * kLanes,
               "linear: x's K or n does not match the packed weight");
   at::Tensor xs = x.contiguous();
-  if (k % 2) xs = at::constant_pad_nd(xs, {0, 1});  // the last pair's odd element is zero
+  if (k % e) xs = at::constant_pad_nd(xs, {0, 1});  // the last pair's odd element is zero
   at::Tensor bf;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "linear: bias must be [n]");
@@ -287,14 +382,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t n,
   }
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y;
-  Args a{reinterpret_cast<const uint32_t*>(xs.const_data_ptr<at::BFloat16>()),
-         reinterpret_cast<const uint32_t*>(wp.const_data_ptr<at::BFloat16>()),
-         bf.defined() ? bf.const_data_ptr<float>() : nullptr,
-         reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), pairs, n};
+  Args a{static_cast<const uint32_t*>(xs.const_data_ptr()),
+         static_cast<const uint32_t*>(wp.const_data_ptr()),
+         bf.defined() ? bf.const_data_ptr<float>() : nullptr, y.data_ptr(), steps, n};
   static const int64_t best = best_path();
   TORCH_CHECK(path >= kAuto && path <= kAvx512Bf16, "linear: unknown path ", path);
   TORCH_CHECK(path <= best || path == kAuto, "linear: path ", path, " needs CPU flags not here");
-  run(a, m, blocks, path == kAuto ? best : path);
+  const int64_t chosen = path == kAuto ? best : path;
+  run(a, m, blocks, f32 ? -chosen : chosen);
   return y;
 }
 

@@ -1,4 +1,5 @@
-"""A batch-invariant bf16 linear for CPU (`cpu_bf16.cpp`), for `--enable-deterministic-inference`.
+"""A batch-invariant bf16 (and float32) linear for CPU (`cpu_bf16.cpp`), for
+`--enable-deterministic-inference`.
 
 Each output element is accumulated in float32 over K in one fixed order (K's pairs in index
 order, each pair's odd product then its even one, as AVX-512 BF16's VDPBF16PS adds them), then
@@ -9,7 +10,8 @@ prefill's thousands, with no row plan, padding or probe. Vector lanes run over o
 reduction, and threads split columns, never K. Paths: AVX-512 BF16, AVX-512F and AVX2 (bf16
 widened to float32, two fused multiply-adds a pair), scalar; all give the same bits, products
 of bf16 values being exact in float32 (VDPBF16PS flushes float32 denormals, the others keep
-them). `reference` is the same order in torch ops.
+them). `reference` is the same order in torch ops. float32 operands (the router, float32
+models): acc = fma(x[k], w[k], acc) for k in order, one rounding a step on every path.
 
 Built with torch's C++ extension builder the first time a process needs it (cached under
 `TORCH_EXTENSIONS_DIR`). Where it cannot be built, or `SRT_ASCEND_CPU_BF16_KERNEL=0` is set,
@@ -97,7 +99,8 @@ def path_name() -> str:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight bf16 [N, K] as [ceil(N/16), ceil(K/2), 16, 2] (zero padded)."""
+    """weight bf16 [N, K] as [ceil(N/16), ceil(K/2), 16, 2], float32 as [ceil(N/16), K, 16, 1]
+    (zero padded)."""
     return ops().pack(weight.detach())
 
 
@@ -108,12 +111,14 @@ def linear(
     bias: torch.Tensor | None = None,
     path: str = "auto",
 ) -> torch.Tensor:
-    """x bf16 [M, K] times the packed weight's first n rows, transposed, plus bias: [M, n]."""
+    """x [M, K] (the packed weight's dtype) times its first n rows, transposed, plus bias:
+    [M, n] in x's dtype."""
     return ops().linear(x, packed, n, bias, PATHS[path])
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-    """The kernel's arithmetic in torch ops (the same float32 roundings in the same order)."""
+    """The bf16 kernel's arithmetic in torch ops (the same float32 roundings in the same
+    order)."""
     k = x.shape[-1]
     xf, wf = x.float(), weight.float()
     if k % 2:
