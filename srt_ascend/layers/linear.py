@@ -19,8 +19,8 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
 layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
 row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
-padded) where no plan holds; so a row's result depends on that row alone. A bf16 or float32
-`linear` of a weight of at most FIXED_ORDER_MAX_WEIGHT elements runs on the fixed-order C++ kernel
+padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` of a
+weight of at most FIXED_ORDER_MAX_WEIGHT elements runs on the fixed-order C++ kernel
 (`ops/cpu_bf16`: one reduction order over K for every row count, so no plan, and a one-row
 call costs about its weight's read, a third of oneDNN's per-call cost at this model's sizes);
 a larger one on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for
@@ -51,10 +51,12 @@ _row_tile: int | None = None  # batch-invariant mode: rows per GEMM call (None: 
 # The row tile of --enable-deterministic-inference: elementwise ops' padding, and the GEMMs'
 # fixed tile where no probed row plan holds (row_plan.FIXED_TILE).
 DETERMINISTIC_ROW_TILE = row_plan.FIXED_TILE.max_rows
-# Batch-invariant mode: bf16 and float32 weights of at most this many elements run on the
-# fixed-order C++ kernel (`ops/cpu_bf16`) for every row count; larger ones on oneDNN's
-# prepacked copy (bf16) or MKL under a row plan (float32).
-_FIXED_ORDER_DTYPES = (torch.bfloat16, torch.float32)
+# Batch-invariant mode: bf16 weights of at most this many elements run on the fixed-order C++
+# kernel (`ops/cpu_bf16`) for every row count; larger ones on oneDNN's prepacked copy.
+# The kernel's float32 path (tested) is not used by the mode yet: with the bf16 model's router
+# on it (a float32 copy of its weight packed per call) two runs measured 16 requests with MTP
+# K = 2 at 0.84x where the bf16-only choice had 0.92x (benchmark/README.md, issue 46).
+_FIXED_ORDER_DTYPES = (torch.bfloat16,)
 FIXED_ORDER_MAX_WEIGHT = int(os.environ.get("SRT_ASCEND_FIXED_ORDER_MAX_WEIGHT", 1 << 18))
 
 
@@ -147,7 +149,7 @@ def prepare_fixed_order() -> None:
 
 def fixed_order_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether batch-invariant mode runs `linear(x, weight)` on the fixed-order kernel
-    (`ops/cpu_bf16`): bf16 or float32 on CPU, a weight of at most FIXED_ORDER_MAX_WEIGHT
+    (`ops/cpu_bf16`): bf16 on CPU, a weight of at most FIXED_ORDER_MAX_WEIGHT
     elements, the kernel built. A constant of the layer, never of the row count."""
     if _batch_invariant(x) is None or weight.device.type != "cpu" or weight.dim() != 2:
         return False

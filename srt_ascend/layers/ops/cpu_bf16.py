@@ -10,8 +10,8 @@ prefill's thousands, with no row plan, padding or probe. Vector lanes run over o
 reduction, and threads split columns, never K. Paths: AVX-512 BF16, AVX-512F and AVX2 (bf16
 widened to float32, two fused multiply-adds a pair), scalar; all give the same bits, products
 of bf16 values being exact in float32 (VDPBF16PS flushes float32 denormals, the others keep
-them). `reference` is the same order in torch ops. float32 operands (the router, float32
-models): acc = fma(x[k], w[k], acc) for k in order, one rounding a step on every path.
+them). `reference` is the same order in torch ops. float32 operands: acc = fma(x[k], w[k],
+acc) for k in order, one rounding a step on every path (not yet used by the mode: `linear`).
 
 Built with torch's C++ extension builder the first time a process needs it (cached under
 `TORCH_EXTENSIONS_DIR`). Where it cannot be built, or `SRT_ASCEND_CPU_BF16_KERNEL=0` is set,
