@@ -19,9 +19,13 @@ computes a 102-row bf16 product's last rows with another kernel than the same ro
 one row). In this mode every CPU `linear` and `bmm`, whatever its dtype, runs under its
 layout's `row_plan.RowPlan`: calls of at most 16-64 rows that a one-off probe found
 row-invariant for every call size and row position, or fixed tiles of exactly `n` rows (zero
-padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` runs
-on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for every row count,
-without the per-call weight reorder of a plain call), its plan probed on that op. The MKL
+padded) where no plan holds; so a row's result depends on that row alone. A bf16 `linear` of a
+weight of at most FIXED_ORDER_MAX_WEIGHT elements runs on the fixed-order C++ kernel
+(`ops/cpu_bf16`: one reduction order over K for every row count, so no plan, and a one-row
+call costs about its weight's read, a third of oneDNN's per-call cost at this model's sizes);
+a larger one on its weight's oneDNN-prepacked copy (`onednn_packed`: one kernel family for
+every row count, without the per-call weight reorder of a plain call), its plan probed on that
+op; which one is a constant of the layer (its shape, whether the kernel built). The MKL
 routing above is off in this mode: its switch is process-wide, and a call of another thread
 that ran on the other library would change its bits.
 On CUDA the mode runs `linear` and `bmm` through the fixed-tile Triton GEMM instead
@@ -32,11 +36,14 @@ count (the MoE's short sums; the sampler's sums over the vocabulary).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from srt_ascend.layers import onednn_packed, row_plan
+from srt_ascend.layers.ops import cpu_bf16
 
 _HALF = (torch.bfloat16, torch.float16)
 _max_macs: int | None = None  # None: PyTorch's default backend for every matmul
@@ -44,6 +51,13 @@ _row_tile: int | None = None  # batch-invariant mode: rows per GEMM call (None: 
 # The row tile of --enable-deterministic-inference: elementwise ops' padding, and the GEMMs'
 # fixed tile where no probed row plan holds (row_plan.FIXED_TILE).
 DETERMINISTIC_ROW_TILE = row_plan.FIXED_TILE.max_rows
+# Batch-invariant mode: bf16 weights of at most this many elements run on the fixed-order C++
+# kernel (`ops/cpu_bf16`) for every row count; larger ones on oneDNN's prepacked copy.
+# The kernel's float32 path (tested) is not used by the mode yet: with the bf16 model's router
+# on it (a float32 copy of its weight packed per call) two runs measured 16 requests with MTP
+# K = 2 at 0.84x where the bf16-only choice had 0.92x (benchmark/README.md, issue 46).
+_FIXED_ORDER_DTYPES = (torch.bfloat16,)
+FIXED_ORDER_MAX_WEIGHT = int(os.environ.get("SRT_ASCEND_FIXED_ORDER_MAX_WEIGHT", 1 << 18))
 
 
 def configure(max_macs: int | None, row_tile: int | None = None) -> None:
@@ -113,6 +127,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if _batch_invariant(x) is None:
         return _linear_rows(x, weight, bias, x.numel() // max(x.shape[-1], 1))
     flat = x.reshape(-1, x.shape[-1]).contiguous()
+    if (fixed := _fixed_order_weight(flat, weight)) is not None:
+        out = cpu_bf16.linear(flat, fixed, weight.shape[0], bias)
+        return out.view(*x.shape[:-1], weight.shape[0])
     packed = onednn_packed.packed_weight(weight) if flat.dtype == weight.dtype else None
     if packed is not None:
         plan = row_plan.linear_plan(flat, weight, bias, packed=True)
@@ -121,6 +138,35 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         plan = row_plan.linear_plan(flat, weight, bias)
         out = plan.run(lambda rows: F.linear(rows, weight, bias), flat, 0)
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def prepare_fixed_order() -> None:
+    """Builds / loads the fixed-order kernel now (model load in batch-invariant mode on CPU),
+    not in the first step; where it cannot be built the mode's bf16 linears stay on oneDNN."""
+    if FIXED_ORDER_MAX_WEIGHT > 0:
+        cpu_bf16.ops()
+
+
+def fixed_order_covers(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether batch-invariant mode runs `linear(x, weight)` on the fixed-order kernel
+    (`ops/cpu_bf16`): bf16 on CPU, a weight of at most FIXED_ORDER_MAX_WEIGHT
+    elements, the kernel built. A constant of the layer, never of the row count."""
+    if _batch_invariant(x) is None or weight.device.type != "cpu" or weight.dim() != 2:
+        return False
+    if x.dtype not in _FIXED_ORDER_DTYPES or weight.dtype != x.dtype:
+        return False
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return False  # the op has no backward: a graph being recorded stays on oneDNN
+    return weight.numel() <= FIXED_ORDER_MAX_WEIGHT and cpu_bf16.ops() is not None
+
+
+def _fixed_order_weight(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """The `cpu_bf16` packing of weight (built once per weight, `onednn_packed.derived`)
+    where `fixed_order_covers`; None where the layer stays on oneDNN's prepacked path."""
+    if not fixed_order_covers(x, weight):
+        return None
+    key = ("cpu_bf16", weight.data_ptr(), tuple(weight.shape), weight.stride())
+    return onednn_packed.derived(weight, key, lambda: cpu_bf16.pack(weight))
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,15 @@ from torch import nn
 
 from srt_ascend.distributed import SINGLE, TPGroup
 from srt_ascend.layers import onednn_packed
-from srt_ascend.layers.linear import Linear, bmm, elementwise, linear, ordered_sum, row_tile
+from srt_ascend.layers.linear import (
+    Linear,
+    bmm,
+    elementwise,
+    fixed_order_covers,
+    linear,
+    ordered_sum,
+    row_tile,
+)
 from srt_ascend.layers.moe_all_to_all import AllToAllDispatch, combine
 from srt_ascend.layers.quantization import QuantStack, stack_linears
 from srt_ascend.layers.weight_stack import WeightStack
@@ -131,7 +139,9 @@ class RoutedExperts(nn.Module):
         The path is `choose_path`'s: sparse (sorted per-expert slices; shapes follow the
         routing), dense (every expert over every token) or gathered (each assignment runs its
         own expert's weights, gathered by id)."""
-        path = self.choose_path(topk_ids.shape[0], topk_ids.shape[1], self.n_experts, static_shapes)
+        t, k = topk_ids.shape
+        fixed = self.fixed_order(x, self.w13, self.w2)
+        path = self.choose_path(t, k, self.n_experts, static_shapes, fixed)
         return getattr(self, f"forward_{path}")(x, topk_weights, topk_ids)
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
@@ -143,7 +153,9 @@ class RoutedExperts(nn.Module):
         return local.masked_fill((local < 0) | (local >= self.n_experts), self.n_experts)
 
     @staticmethod
-    def choose_path(tokens: int, k: int, rows: int, static_shapes: bool) -> str:
+    def choose_path(
+        tokens: int, k: int, rows: int, static_shapes: bool, fixed_order: bool = False
+    ) -> str:
         """The dispatch rule for `tokens` tokens with `k` experts each over `rows` stacked
         experts. Shapes that must not depend on the routing (graph captures, accelerators)
         take gathered while the T*k assignments read fewer expert rows than there are (a
@@ -154,9 +166,12 @@ class RoutedExperts(nn.Module):
         paths sum a token's experts in different orders, so its output would follow the
         batch's size): dense while the stack has at most INVARIANT_DENSE_RATIO rows per choice
         (the shipped checkpoint: 9 rows, 3 choices, where per-expert calls cost more than the
-        extra rows), else the ordered pair (DeepSeek-V3: 257 rows, 9 choices)."""
+        extra rows), else the ordered pair (DeepSeek-V3: 257 rows, 9 choices). With
+        `fixed_order` (each expert's linears run on the fixed-order CPU kernel,
+        `linear.fixed_order_covers`: a one-row call costs its weight's read, no per-call setup)
+        always the ordered pair, whose one token reads only its own experts."""
         if row_tile() is not None:
-            if rows <= INVARIANT_DENSE_RATIO * k:
+            if rows <= INVARIANT_DENSE_RATIO * k and not fixed_order:
                 return "dense"
             return "ordered_dense" if static_shapes else "ordered"
         assignments = tokens * k
@@ -269,6 +284,13 @@ class RoutedExperts(nn.Module):
     def forward_ordered_dense(self, *args) -> torch.Tensor:
         """`forward_ordered` over every token (fixed shapes): what graphs capture."""
         return self.forward_ordered(*args, every_token=True)
+
+    @staticmethod
+    def fixed_order(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+        """Whether batch-invariant mode runs one expert's linears on the fixed-order kernel."""
+        if w13.dim() != 3 or w2.dim() != 3:
+            return False
+        return fixed_order_covers(x, w13[0]) and fixed_order_covers(x, w2[0])
 
     def _weights_by_expert(self, topk_weights, topk_ids, n: int) -> torch.Tensor:
         """[T, n] float32: each token's routing weight per stacked expert, zero where
@@ -404,7 +426,8 @@ class DeepseekMoE(nn.Module):
         if self.stacks is not None and self.stacks[0].intact() and self.stacks[1].intact():
             w13, w2 = self.stacks[0].tensor, self.stacks[1].tensor
             k = ids.shape[1] + 1  # + the shared row
-            path = self.experts.choose_path(ids.shape[0], k, w13.shape[0], static_shapes)
+            fixed = self.experts.fixed_order(flat, w13, w2)
+            path = self.experts.choose_path(ids.shape[0], k, w13.shape[0], static_shapes, fixed)
             if path != "sparse":
                 ids = F.pad(ids, (0, 1), value=self.experts.n_experts)
                 weights = F.pad(weights, (0, 1), value=1.0)

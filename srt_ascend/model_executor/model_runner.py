@@ -78,6 +78,8 @@ class ModelRunner:
             layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
         )
         set_fixed_order_sums(deterministic)  # all-reduces over > 2 ranks in rank order
+        if deterministic and self.device.type == "cpu":
+            layers_linear.prepare_fixed_order()  # built at load, never in a step
         self.quantization = resolve_quantization(
             server_args.model_path,
             self.config,
