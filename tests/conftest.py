@@ -203,6 +203,17 @@ def build_mtp_checkpoint(
     return MTPCheckpoint(dst_dir, hf_model, blocks, mtp_tensors, config)
 
 
+@pytest.fixture
+def gemm_mode():
+    """`linear.configure` for one test (the process-wide CPU GEMM mode: small-GEMM routing,
+    batch-invariant row tiles), the mode before it restored after."""
+    from srt_ascend.layers import linear
+
+    before = (linear.small_gemm_limit(), linear.row_tile())
+    yield linear.configure
+    linear.configure(*before)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_factory(tmp_path_factory) -> Callable:
     """make(**config_overrides) -> (path, hf_model); one build per distinct override set."""

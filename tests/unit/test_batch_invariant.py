@@ -27,12 +27,9 @@ BF16 = torch.bfloat16
 
 
 @pytest.fixture
-def tiles():
+def tiles(gemm_mode):
     """Batch-invariant mode on (16-row tiles, small-GEMM routing as on the CPU platform)."""
-    before = (gemm.small_gemm_limit(), gemm.row_tile())
-    gemm.configure(1 << 18, gemm.DETERMINISTIC_ROW_TILE)
-    yield
-    gemm.configure(*before)
+    gemm_mode(1 << 18, gemm.DETERMINISTIC_ROW_TILE)
 
 
 @pytest.fixture

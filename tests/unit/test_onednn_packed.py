@@ -20,11 +20,9 @@ needs_onednn = pytest.mark.skipif(
 
 
 @pytest.fixture
-def tiles():
-    before = (gemm.small_gemm_limit(), gemm.row_tile())
-    gemm.configure(1 << 18, gemm.DETERMINISTIC_ROW_TILE)
-    yield
-    gemm.configure(*before)
+def tiles(gemm_mode):
+    """Batch-invariant mode on (16-row tiles, small-GEMM routing as on the CPU platform)."""
+    gemm_mode(1 << 18, gemm.DETERMINISTIC_ROW_TILE)
 
 
 def rand(*shape, seed=0, dtype=BF16):

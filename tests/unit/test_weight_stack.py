@@ -8,20 +8,16 @@ import pytest
 import torch
 
 import srt_ascend.models.loader as loader
-from srt_ascend.layers import linear
 from srt_ascend.layers.moe import DeepseekMoE, DenseMLP
 from srt_ascend.models.deepseek_v3 import MLAAttention
 
 
 @pytest.fixture(autouse=True)
-def default_gemms():
+def default_gemms(gemm_mode):
     """PyTorch's own matmuls, batch-invariant mode off: the paths compared here are the plain
     ones (an Engine started earlier in the process with --enable-deterministic-inference
     leaves the process-wide mode on after its shutdown)."""
-    before = (linear.small_gemm_limit(), linear.row_tile())
-    linear.configure(None, None)
-    yield
-    linear.configure(*before)
+    gemm_mode(None, None)
 
 
 @pytest.fixture(scope="module")
