@@ -122,7 +122,11 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
-        whole = bool(k) and self._round_fits(batch, k, generated)  # one graph for the round
+        fit = self._round_fits(batch, k, generated) if k else None  # one graph for the round
+        whole, sampled = fit is not None, None
+        if fit:  # the sampled variant: its uniforms drawn here, for each count it may have
+            low, span = (generated, 1) if prev is None else ([g + 1 for g in generated], prev.k + 1)
+            sampled = self._sampled_round(batch, k, low, span)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
@@ -139,7 +143,11 @@ class OverlappedRoundsMixin:
                 first, start, tail, counts = _after(out, picked, generated, prev.k, k)
             at = Starts(start, bounds)
             if whole:  # its slots are gathered inside the graph
-                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited)
+                inputs = sampled  # with d_1's distributions and counts past the lowest
+                if sampled is not None:
+                    extra = None if prev is None else counts.extra
+                    inputs = sampled._replace(first_probs=first.probs, extra=extra)
+                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited, inputs)
                 return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
             loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             if not k:

@@ -82,6 +82,7 @@ class StartMixin:
             self.vocab,
             runner.config.hidden_size,
             runner.dtype,
+            self.accept,
         )
         rounds.capture()
         return rounds
