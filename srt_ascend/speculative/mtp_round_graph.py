@@ -254,6 +254,16 @@ class MTPRoundGraphs:
 
         return body
 
+    def _forward_rows(self, fb, kind, hidden, rows, s):
+        """`self.forward` and the logits of `rows` (None: every row). A sampled round (`s`)
+        runs the LM head over every row and picks `rows` after, as the per-forward graphs
+        do (ModelRunner._with_logits): the head's GEMM over another number of rows may round
+        differently, and a sampled draw reads every probability, not only the argmax."""
+        if s is None or rows is None:
+            return self.forward(fb, kind, hidden, rows)
+        out, logits = self.forward(fb, kind, hidden, None)
+        return out, logits.index_select(0, rows)
+
     def _draw(self, logits: torch.Tensor, s: RowSettings | None, uniforms):
         """A draft from each row of `logits` [B, V'] and what it was drawn from: the argmax
         (None) without `s`, else `s`'s distribution sampled at `uniforms` [B]."""
@@ -283,7 +293,7 @@ class MTPRoundGraphs:
             )
             hidden = torch.stack(outs[j - n :], dim=1).reshape(bs * n, -1)
             last = torch.arange(n - 1, bs * n, n, device=rows.device) if n > 1 else None
-            out, logits = self.forward(fb, kind, hidden, last)
+            out, logits = self._forward_rows(fb, kind, hidden, last, s)
             outs.append(out.view(bs, n, -1)[:, -1])
             token, p = self._draw(logits, s, s and s.u_chain[:, j - 1])
             tokens.append(token)
@@ -329,9 +339,8 @@ class MTPRoundGraphs:
         ids = emitted.clamp(min=0).reshape(-1)
         ends = torch.arange(0, bs * k1, k1, device=ids.device) + accept_len  # [B]
         flat = loc.reshape(-1)
-        out, logits = self.forward(
-            self._batch(kinds.extend, ids, rows, seq, k1, flat, window), kinds.extend, hidden, ends
-        )
+        fb = self._batch(kinds.extend, ids, rows, seq, k1, flat, window)
+        out, logits = self._forward_rows(fb, kinds.extend, hidden, ends, s)
         for kind in kinds.later:
             self.forward(self._batch(kind, ids, rows, seq, k1, flat, window), kind, hidden, None)
         u = None if s is None else s.u_next(accept_len)
@@ -378,6 +387,7 @@ class MTPRoundGraphs:
         if sampled is not None:
             self._sampled_inputs(sampled, first, n, bucket)
             self.sampled_replays[k] += 1
+            self.g.replays[f"mtp_round_sampled_k{k}"] += 1
         graph = self.graphs[k, bucket, window, sampled is not None]
         outs = graph.replay()
         self.replays[k] += 1
