@@ -39,7 +39,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from torch import nn
 
 from srt_ascend.layers.ops import spec_accept
 from srt_ascend.model_executor.forward_batch import ForwardBatch
@@ -105,8 +104,7 @@ class _SampledInputs:
     (round_sampling.host_block) and d_1's distributions."""
 
     def __init__(self, max_bs: int, k_max: int, vocab: int, device) -> None:
-        pad = round_sampling.padding_row(k_max)
-        self.block = pad.to(device).repeat(max_bs, 1)
+        self.block = round_sampling.padding_rows(max_bs, k_max, device)
         self.first_probs = torch.zeros(max_bs, vocab, dtype=torch.float32, device=device)
         self.extra = torch.zeros(max_bs, dtype=torch.int64, device=device)
 
@@ -188,7 +186,7 @@ class MTPRoundGraphs:
         s.block[:bucket].copy_(to_device(sampled.block, self.table.device, torch.float32))
         probs = sampled.first_probs
         if probs is None:  # every d_1 greedy
-            probs = nn.functional.one_hot(first, self.vocab).to(torch.float32)
+            probs = round_sampling.one_hot(first, self.vocab)
         s.first_probs[:n].copy_(probs)
         s.first_probs[n:bucket].zero_()
         if sampled.extra is None:

@@ -28,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch import nn
 
 from srt_ascend.decoding.base import StepRequest
 from srt_ascend.layers.linear import sum_last
@@ -60,11 +59,11 @@ def columns(k_max: int) -> int:
     return SETTINGS + c * (k_max - 1) + c * (k_max + 1) + c + k_max
 
 
-def padding_row(k_max: int) -> torch.Tensor:
-    """A padding row's block: greedy (top_k 1), temperature 1, every uniform 1."""
-    row = torch.ones(columns(k_max), dtype=torch.float32)
-    row[5:7] = 0.0
-    return row
+def padding_rows(n: int, k_max: int, device="cpu") -> torch.Tensor:
+    """`n` padding rows of the block: greedy (top_k 1), temperature 1, every uniform 1."""
+    rows = torch.ones(n, columns(k_max), dtype=torch.float32, device=device)
+    rows[:, 5:7] = 0.0
+    return rows
 
 
 def host_block(
@@ -79,7 +78,7 @@ def host_block(
     """The block the sampled round graph reads: its rows' settings and, for each count the
     row may have, its uniforms (module docstring); padding rows past the batch. A seeded
     row's are its streams' (`stream_draws`, as `stream_uniforms` draws them)."""
-    block = padding_row(k_max).repeat(bucket, 1)
+    block = padding_rows(bucket, k_max)
     c = k_max + 1
     chain = SETTINGS
     verify = chain + c * (k_max - 1)
@@ -164,5 +163,12 @@ def static_probs(logits: torch.Tensor, s: RowSettings) -> torch.Tensor:
     masked = probs.masked_fill(~keep, 0.0)
     masked = masked / sum_last(masked)
     probs = torch.where(s.renorm, masked, probs)
-    greedy = nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(torch.float32)
+    greedy = one_hot(logits.argmax(dim=-1), logits.shape[-1])
     return torch.where(s.pin & s.greedy.view(-1, 1), greedy, probs)
+
+
+def one_hot(tokens: torch.Tensor, vocab: int) -> torch.Tensor:  # [B, V] float32
+    """`one_hot_probs` by a scatter: the same values, and no range check that reads the
+    tokens on the host (one_hot's off CUDA), which a captured graph cannot do."""
+    out = torch.zeros(tokens.shape[0], vocab, dtype=torch.float32, device=tokens.device)
+    return out.scatter_(1, tokens.view(-1, 1), 1.0)
