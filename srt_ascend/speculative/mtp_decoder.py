@@ -66,6 +66,7 @@ from srt_ascend.model_executor.forward_batch import ForwardMode, pack_to_device
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import greedy_without_logprobs
+from srt_ascend.sampling.static_sampling import plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
@@ -82,7 +83,7 @@ from srt_ascend.speculative.mtp_worker import (
     lengths,
     state_of,
 )
-from srt_ascend.speculative.round_sampling import host_block, plain_sampling
+from srt_ascend.speculative.round_sampling import host_block
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES, Ragged
 from srt_ascend.utils import to_device
 

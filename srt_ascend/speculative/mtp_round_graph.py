@@ -43,6 +43,7 @@ import torch
 from srt_ascend.layers.ops import spec_accept
 from srt_ascend.model_executor.forward_batch import ForwardBatch
 from srt_ascend.model_executor.graph_runner import GraphKind, GraphRunner
+from srt_ascend.sampling import static_sampling
 from srt_ascend.sampling.sample_step import greedy_tokens
 from srt_ascend.speculative import round_sampling
 from srt_ascend.speculative.round_sampling import RowSettings
@@ -186,7 +187,7 @@ class MTPRoundGraphs:
         s.block[:bucket].copy_(to_device(sampled.block, self.table.device, torch.float32))
         probs = sampled.first_probs
         if probs is None:  # every d_1 greedy
-            probs = round_sampling.one_hot(first, self.vocab)
+            probs = static_sampling.one_hot(first, self.vocab)
         s.first_probs[:n].copy_(probs)
         s.first_probs[n:bucket].zero_()
         if sampled.extra is None:
