@@ -8,7 +8,8 @@ head too (`GraphKind.logits`, all but the KV-only passes of later MTP layers): a
 back the hidden states and their float32 logits, so a decode, verify or draft step runs no
 eager matmul after its forward (compiled, the LM head is compiled with the forward). A kind
 with `argmax_vocab` goes one op further and ends with the greedy argmax: plain decoding's
-all-greedy, no-logprob batches replay forward + sampling as one graph and get tokens back.
+all-greedy, no-logprob batches replay forward + sampling as one graph and get tokens back;
+with `sampled` it ends with sampling instead (sampled batches without logprobs).
 
 A replayed step costs what its live KV needs (DESIGN section 8). Kinds whose attention backend
 gathers the whole static KV window (torch_native) are also captured per KV window: powers of
@@ -20,6 +21,8 @@ graph per batch bucket, over the full width, serves every length.
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
 - decode_greedy:  the same, ending with the argmax (tokens, no logits);
+- decode_sampled: the same, ending with sampling (temperature, top-k / top-p / min-p and the
+                  uniforms from a static block the host fills: tokens, no logits);
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion); a ragged verify's
                   sum(1+k_r) rows replay the smallest bucket whose B(1+K) rows hold them;
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
@@ -150,6 +153,10 @@ class GraphKind:
     # tokenizer's vocabulary) and hands back those tokens instead of the logits: plain
     # decoding's all-greedy, no-logprob batches (their sampling is that argmax)
     argmax_vocab: int | None = None
+    # with `argmax_vocab`: the graph ends with sampling over those columns instead, from the
+    # settings and uniforms in the runner's static block (sampling/static_sampling): plain
+    # decoding's batches `plain_sampling` accepts with some sampled row
+    sampled: bool = False
 
     @property
     def q_per_row(self) -> int:
@@ -387,7 +394,7 @@ class GraphRunner:
             f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
         )
         if kind.argmax_vocab is not None:  # kinds without it keep their packages' keys
-            described += f"|argmax{kind.argmax_vocab}"
+            described += f"|{'sampled' if kind.sampled else 'argmax'}{kind.argmax_vocab}"
         path = self.packages.path(shape, described, threads)
         roots = {"fb": fb, "hidden": hidden}
         set_intra_op_threads(threads)  # kernels are generated for the threads they run on

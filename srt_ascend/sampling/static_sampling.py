@@ -65,6 +65,14 @@ def fill_settings(block: torch.Tensor, reqs: Sequence[SamplingRequest], vocab: i
     block[: len(reqs), 6] = float(pin)
 
 
+def padding_block(rows: int, device) -> torch.Tensor:
+    """A decode block's static buffer (`decode_block` rows copied into its first rows): rows
+    past a batch are greedy (top_k 1), temperature 1, uniform 1."""
+    block = torch.ones(rows, SETTINGS + 1, dtype=torch.float32, device=device)
+    block[:, 5:7] = 0.0
+    return block
+
+
 def decode_block(
     reqs: Sequence[SamplingRequest], generated: Sequence[int], vocab: int
 ) -> torch.Tensor:  # [B, SETTINGS + 1] float32 on the host
