@@ -73,6 +73,31 @@ def test_greedy_graph_kind_replays_forward_and_argmax(model_path, baseline, over
     assert replays.get("decode", 0) > 0 and not replays.get("decode_greedy"), replays
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sampled_graph_kind_replays_forward_and_sampling(model_path, overlap):
+    """Plain decoding of sampled batches without logprobs (seeded and not, top-k / top-p /
+    min-p, a greedy request beside them) replays `decode_sampled` (forward and sampling in
+    one graph) and never `decode`, serial or overlapped: the seeded and greedy requests'
+    tokens equal those of the same batch asking logprobs, which samples from the `decode`
+    graph's logits (and never replays `decode_sampled`)."""
+    flags = {"enable_overlap_schedule": True} if overlap else {"disable_overlap_schedule": True}
+    engine = Engine(
+        model_path=model_path, dtype="float32", **{**GRAPHS, "max_running_requests": 8}, **flags
+    )
+    params = sampled_params(7)
+    try:
+        outs = engine.generate(PROMPTS[:7], params)
+        sampled = dict(engine.get_internal_state()["graph_replays"])
+        with_logprobs = engine.generate(PROMPTS[:7], params, return_logprob=True)
+        replays = engine.get_internal_state()["graph_replays"]
+    finally:
+        engine.shutdown()
+    assert sampled.get("decode_sampled", 0) > 0 and not sampled.get("decode"), sampled
+    assert replays["decode"] > 0 and replays["decode_sampled"] == sampled["decode_sampled"]
+    kept = [i for i, p in enumerate(params) if "seed" in p or not p["temperature"]]
+    assert [outs[i]["output_ids"] for i in kept] == [with_logprobs[i]["output_ids"] for i in kept]
+
+
 ROUNDS = {  # name: (K, verify, overlap, chunked prefill)
     "k1-expand-serial-chunked": (1, "expand", False, True),
     "k2-fia-overlap": (2, "fia", True, False),
