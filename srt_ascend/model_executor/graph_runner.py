@@ -30,9 +30,10 @@ Kinds (B = requests in the bucket, K = draft tokens per step):
 - draft_extend_l{l}: a later MTP layer l of a multi-layer checkpoint, the same pass (its KV);
 - draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K);
 - draft_chain{j}_l{l}: draft step j+1 starting MTP layer l, B rows of j tokens.
-A whole MTP round (those forwards, the greedy acceptance and the next d_1 between them) is
-captured apart, per (K, bucket[, KV window]), in this runner's pool and stream
-(speculative/mtp_round_graph.py); its replays are counted here as `mtp_round_k{K}`.
+A whole MTP round (those forwards, the acceptance and the next d_1 between them; greedy and
+sampled variants) is captured apart, per (K, bucket[, KV window]), in this runner's pool and stream
+(speculative/mtp_round_graph.py); its replays are counted here as `mtp_round_k{K}`, the
+sampled variant's also as `mtp_round_sampled_k{K}`.
 
 Which kinds exist is the decoders' business: each hands its GraphKinds (with the attention
 backend the kind runs through) to `ModelRunner.capture_graphs`, and names the kind when it

@@ -13,8 +13,9 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 6. read the verdict (the step's one host read), commit up to a stop, set kv_len to the
    committed positions and free the slots past them.
 Steps 2-5 need no host value of the round: the round is device-resident, one launch of work
-and one read; with graphs on, an all-greedy batch without logprobs replays steps 2-5 as one
-captured graph per (K, bucket) (`_round_fits`, speculative/mtp_round_graph.py), its slots
+and one read; with graphs on, a batch without logprobs (nor penalties, grammar, logit bias,
+min_new_tokens ahead) replays steps 2-5 as one captured graph per (K, bucket), greedy or
+sampled (`_round_fits`, speculative/mtp_round_graph.py), its slots
 gathered from req_to_token on the device. A batch with penalties or a grammar (whose d_1
 reads the state the commit advances), or with several ranks (d_1 must follow the verdict
 `agree`d across them), runs step 5 after step 6, from the read verdict.

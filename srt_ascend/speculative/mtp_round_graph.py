@@ -1,19 +1,29 @@
 """One MTP round per captured graph (DESIGN section 9; issue 43 item 3).
 
-For a batch whose sampling is the raw argmax (`greedy_without_logprobs`: every request greedy,
-no logprobs, grammar, penalties, logit bias nor min_new_tokens ahead), the whole round is one
-graph per (K, batch bucket[, KV window]):
+For a batch without logprobs, grammar, penalties, logit bias nor min_new_tokens ahead, the
+whole round is one graph per (K, batch bucket[, KV window]) and variant: greedy, where every
+request is (`greedy_without_logprobs`: the raw argmax), else sampled (`plain_sampling`):
 
 1. the KV slots of positions start .. start+K, gathered from req_to_token on the device;
 2. draft steps 2..K (the MTP layer each step runs) from d_1 and the output that drafted it,
-   each draft the argmax of its logits;
+   each draft the argmax of its logits (sampled: drawn from its processed distribution at
+   the block's uniform, speculative/round_sampling);
 3. the verify forward over [t_{L-1}, d_1..d_K] (batch expansion, or the multi-query layout
    where the runner's backend serves it on the device) and its logits;
 4. greedy acceptance on the device (`spec_accept.greedy_accept`, the per-row limits a static
-   input): accept lengths and emitted tokens;
+   input; sampled: the decoder's rule, token-wise rejection sampling or block verification,
+   over each position's processed distribution and the block's verify uniforms): accept
+   lengths and emitted tokens;
 5. the MTP pass over the 1+K positions, its inputs the emitted tokens (every later MTP layer
    a draft step runs writes its KV too), and the next chain's d_1: the argmax of layer 0's
-   logits at row accept_len, and the output there, gathered on the device.
+   logits at row accept_len (sampled: drawn at the uniform of the count the round leaves,
+   with its distribution an output), and the output there, gathered on the device.
+
+The sampled variant's inputs besides the greedy ones: one float32 block (settings and the
+uniforms of every count the row may have; one host->device copy), d_1's distributions, and
+each row's count past the block's lowest (an overlapped round's, on the device). Its LM heads
+run over every row of a kind and pick the drafting rows after, as the per-forward graphs do,
+so seeded tokens equal theirs bit for bit.
 
 Results stay in the graph's outputs; the caller reads accept_len | emitted once. Nothing in
 the body reads a device value on the host: where the next chain starts is a device gather.

@@ -1,6 +1,7 @@
 """MTPDecoder's overlapped rounds (`launch` / `finish`, overlap scheduling): round N+1
 issued before round N's read, its inputs round N's device results (see mtp_decoder's
-docstring); an all-greedy round replays as one graph (`_graph_round`) from those results.
+docstring); a round `_round_fits` (greedy or sampled) replays as one graph (`_graph_round`)
+from those results.
 `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's `_latest` (the round
 launched last) and `_read_at`, and calls its `_verify`, `_read`, `_logprobs`, `_estimate`,
 `_count`, `_timed`, `_round_fits` and `_graph_round`."""
