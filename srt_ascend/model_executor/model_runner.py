@@ -369,7 +369,7 @@ class ModelRunner:
             return None
         rows = block()
         self.sample_block[: rows.shape[0]].copy_(to_device(rows, self.device, torch.float32))
-        out = graphs.run(fb, kind)
+        out = self._run(fb, kind, None, None)  # a graph holds it: the tokens come back
         return out.hidden, out.tokens
 
     @torch.inference_mode()
