@@ -165,19 +165,23 @@ class Decoder(ABC):
             argmax_vocab=self.vocab,
         )
 
-    def sampled_decode_kind(self) -> GraphKind:
-        """`decode_kind` ending with sampling (temperature, top-k / top-p / min-p, seeded
-        uniforms drawn on the host: sampling/static_sampling): forward and sampling in one
-        graph, for batches `plain_sampling` accepts with some sampled row."""
-        return GraphKind(
-            "decode_sampled",
-            ForwardMode.DECODE,
-            1,
-            1,
-            self.runner.attn_backend,
-            argmax_vocab=self.vocab,
-            sampled=True,
-        )
+    def sampled_decode_kinds(self) -> dict[bool, GraphKind]:
+        """`decode_kind` ending with sampling (temperature, min-p; `True`: top-k / top-p too,
+        a sort per row; seeded uniforms drawn on the host: sampling/static_sampling): forward
+        and sampling in one graph, for batches `plain_sampling` accepts with a sampled row."""
+        return {
+            filtered: GraphKind(
+                "decode_filtered" if filtered else "decode_sampled",
+                ForwardMode.DECODE,
+                1,
+                1,
+                self.runner.attn_backend,
+                argmax_vocab=self.vocab,
+                sampled=True,
+                filtered=filtered,
+            )
+            for filtered in (False, True)
+        }
 
     def graph_kinds(self) -> list[GraphKind]:
         """The forwards this decoder runs that graphs may capture."""
@@ -232,12 +236,12 @@ class Decoder(ABC):
         loc: torch.Tensor,
         kind: GraphKind,
         greedy_kind: GraphKind | None = None,
-        sampled_kind: GraphKind | None = None,
+        sampled_kinds: dict[bool, GraphKind] | None = None,
     ) -> torch.Tensor:
         """A plain decode step over requests whose slots `loc` [B] are allocated: each one's
         last token through the main model (graph `kind` where captured; `greedy_kind`, whose
         graph ends with the argmax, for a batch `greedy_without_logprobs` accepts;
-        `sampled_kind`, ending with sampling, for the other batches `plain_sampling`
+        `sampled_kinds`, ending with sampling, for the other batches `plain_sampling`
         accepts), its KV counted, the next token sampled and committed. Returns the hidden
         states [B, D]."""
         fb = self.runner.build_forward_batch(
@@ -251,8 +255,8 @@ class Decoder(ABC):
         out = None  # (hidden, tokens) from a graph ending with sampling
         if greedy_kind is not None and greedy_without_logprobs(reqs):
             out = self.runner.forward_greedy(fb, greedy_kind)
-        elif sampled_kind is not None:
-            out = self.sampled_decode(fb, reqs, sampled_kind)
+        elif sampled_kinds is not None:
+            out = self.sampled_decode(fb, reqs, sampled_kinds)
         if out is None:
             hidden, logits = self.runner.forward_logits(fb, kind)
         else:
@@ -269,17 +273,17 @@ class Decoder(ABC):
         self,
         fb: ForwardBatch,
         reqs: list[StepRequest],
-        kind: GraphKind,
+        kinds: dict[bool, GraphKind],
         generated: list[int] | None = None,  # tokens each generated (None: committed ones)
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, tokens) of a replay of `kind` (`sampled_decode_kind`) for a batch
+        """(hidden, tokens) of a replay of `kinds` (`sampled_decode_kinds`) for a batch
         `plain_sampling` accepts, its uniforms the streams of the counts `generated`
         (`decode_block`); None elsewhere (no graph holds it, or it needs the logits)."""
         generated = generated_counts(reqs, generated)
         if not plain_sampling(reqs, generated):
             return None
         block = lambda: decode_block(reqs, generated, self.vocab)  # noqa: E731
-        return self.runner.forward_sampled(fb, kind, block)
+        return self.runner.forward_sampled(fb, kinds, block)
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

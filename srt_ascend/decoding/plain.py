@@ -41,21 +41,21 @@ class PlainDecoder(Decoder):
         self.greedy_kind = None if args.enable_torch_compile else self.greedy_decode_kind()
         # and sampled batches without logprobs (nor anything modifying the logits) forward +
         # sampling as one graph, their settings and uniforms copied in as one block
-        self.sampled_kind = None if args.enable_torch_compile else self.sampled_decode_kind()
+        self.sampled_kinds = None if args.enable_torch_compile else self.sampled_decode_kinds()
 
     def graph_kinds(self) -> list[GraphKind]:
         """The decode forward, and (uncompiled) the same ending with the greedy argmax for
         batches `greedy_without_logprobs` accepts, and ending with sampling for the other
         batches `plain_sampling` accepts."""
-        extra = [k for k in (self.greedy_kind, self.sampled_kind) if k is not None]
-        return [self.kind, *extra]
+        sampled = [] if self.sampled_kinds is None else list(self.sampled_kinds.values())
+        return [self.kind, *([self.greedy_kind] if self.greedy_kind else []), *sampled]
 
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         reqs, loc = self.h.kv.alloc_running(reqs, 1)
         if not reqs:
             self.idle_step()
             return []
-        self.decode_and_commit(reqs, loc, self.kind, self.greedy_kind, self.sampled_kind)
+        self.decode_and_commit(reqs, loc, self.kind, self.greedy_kind, self.sampled_kinds)
         return reqs
 
     def can_overlap(self, reqs: list[StepRequest]) -> bool:
@@ -109,8 +109,8 @@ class PlainDecoder(Decoder):
             out = None  # forward + sampling in one graph
             if greedy:
                 out = self.runner.forward_greedy(fb, self.greedy_kind)
-            elif self.sampled_kind is not None:
-                out = self.sampled_decode(fb, batch, self.sampled_kind, generated)
+            elif self.sampled_kinds is not None:
+                out = self.sampled_decode(fb, batch, self.sampled_kinds, generated)
             if out is not None:
                 sampled = SampledTokens(out[1], None)
             else:

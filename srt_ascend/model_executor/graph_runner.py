@@ -21,8 +21,10 @@ graph per batch bucket, over the full width, serves every length.
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
 - decode_greedy:  the same, ending with the argmax (tokens, no logits);
-- decode_sampled: the same, ending with sampling (temperature, top-k / top-p / min-p and the
-                  uniforms from a static block the host fills: tokens, no logits);
+- decode_sampled: the same, ending with sampling (temperature, min-p and the uniforms from
+                  a static block the host fills: tokens, no logits);
+- decode_filtered: the same with the top-k / top-p masks (a sort per row; any batch with
+                  top-k, top-p or a greedy row beside sampled ones);
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion); a ragged verify's
                   sum(1+k_r) rows replay the smallest bucket whose B(1+K) rows hold them;
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
@@ -158,6 +160,7 @@ class GraphKind:
     # settings and uniforms in the runner's static block (sampling/static_sampling): plain
     # decoding's batches `plain_sampling` accepts with some sampled row
     sampled: bool = False
+    filtered: bool = False  # with `sampled`: the top-k / top-p masks (a sort per row) too
 
     @property
     def q_per_row(self) -> int:
@@ -395,7 +398,8 @@ class GraphRunner:
             f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
         )
         if kind.argmax_vocab is not None:  # kinds without it keep their packages' keys
-            described += f"|{'sampled' if kind.sampled else 'argmax'}{kind.argmax_vocab}"
+            way = ("filtered" if kind.filtered else "sampled") if kind.sampled else "argmax"
+            described += f"|{way}{kind.argmax_vocab}"
         path = self.packages.path(shape, described, threads)
         roots = {"fb": fb, "hidden": hidden}
         set_intra_op_threads(threads)  # kernels are generated for the threads they run on

@@ -88,11 +88,20 @@ def decode_block(
     return block
 
 
+def filtered(block: torch.Tensor) -> bool:
+    """Whether a host block's batch needs the top-k / top-p masks (its `pin` column: some row
+    has top_k or top_p set, a greedy row included), which sort every row: a graph variant
+    apart (`Settings.filtered`), as `processed_probs` skips the sort where none needs it."""
+    return bool(block.shape[0]) and bool(block[0, 6] > 0)
+
+
 class Settings:
     """The settings columns of a block's rows, inside a graph: `processed_probs` and
-    `sample_from_probs` over them."""
+    `sample_from_probs` over them; `filtered`: the variant for batches with top-k / top-p
+    (`filtered`), else no sort (and no greedy row, which would set top_k 1)."""
 
-    def __init__(self, rows: torch.Tensor) -> None:
+    def __init__(self, rows: torch.Tensor, filtered: bool = True) -> None:
+        self.filtered = filtered
         self.temperatures = rows[:, 0:1]
         self.top_ps, self.min_ps = rows[:, 1], rows[:, 2]
         self.top_ks = rows[:, 3].to(torch.int64)
@@ -108,10 +117,12 @@ class Settings:
         return torch.where(self.greedy, probs.argmax(dim=-1), inverse_cdf_sample(probs, uniforms))
 
 
-def sample_rows(logits: torch.Tensor, block: torch.Tensor) -> torch.Tensor:  # [B] int64
+def sample_rows(
+    logits: torch.Tensor, block: torch.Tensor, filtered: bool
+) -> torch.Tensor:  # [B] int64
     """A decode step's tokens from its logits [B, V] (the vocabulary's columns) and its block
     rows (`decode_block`): what `sample_tokens` draws for a batch `plain_sampling` accepts."""
-    settings = Settings(block)
+    settings = Settings(block, filtered)
     return settings.sample(settings.probs(logits), block[:, SETTINGS])
 
 
@@ -122,11 +133,14 @@ def static_probs(logits: torch.Tensor, s: Settings) -> torch.Tensor:
     not taken change nothing."""
     logits = logits.to(torch.float32)
     probs = torch.softmax(over_temperature(logits, s.temperatures), dim=-1)
-    keep = top_k_top_p_keep_mask(probs, s.top_ks, s.top_ps)
-    keep &= probs >= probs.amax(dim=-1, keepdim=True) * s.min_ps.view(-1, 1)
+    keep = probs >= probs.amax(dim=-1, keepdim=True) * s.min_ps.view(-1, 1)
+    if s.filtered:
+        keep &= top_k_top_p_keep_mask(probs, s.top_ks, s.top_ps)
     masked = probs.masked_fill(~keep, 0.0)
     masked = masked / sum_last(masked)
     probs = torch.where(s.renorm, masked, probs)
+    if not s.filtered:  # no row pinned: need_top_p_top_k is False
+        return probs
     greedy = one_hot(logits.argmax(dim=-1), logits.shape[-1])
     return torch.where(s.pin & s.greedy.view(-1, 1), greedy, probs)
 

@@ -146,8 +146,8 @@ class MTPRoundGraphs:
         self.table = graphs.req_to_token_pool.req_to_token
         self._range = torch.arange(max(kinds) + 2, device=device)
         self.windows = {k: self._windows(k) for k in kinds}
-        # (K, bucket, window, sampled)
-        self.graphs: dict[tuple[int, int, int, bool], DeviceGraph] = {}
+        # (K, bucket, window, variant): None greedy, False sampled, True filtered (top-k/p)
+        self.graphs: dict[tuple[int, int, int, bool | None], DeviceGraph] = {}
         self.replays: Counter[int] = Counter()  # per K
         self.sampled_replays: Counter[int] = Counter()  # per K, of the sampled variant
 
@@ -164,18 +164,18 @@ class MTPRoundGraphs:
     def capture(self) -> None:
         platform = self.g.platform
         platform.synchronize()
-        variants = [False] if self.sampling is None else [False, True]
+        variants = [None] if self.sampling is None else [None, False, True]
         for bs in reversed(self.buckets):  # largest first, in the graph runner's pool
             for k in sorted(self.kinds):
                 for window in reversed(self.windows[k]):
-                    for sampled in variants:
+                    for variant in variants:
                         graph = platform.new_graph(False)
-                        body = self._body(k, bs, window, sampled)
+                        body = self._body(k, bs, window, variant)
                         with platform.stream(self.g.stream):
                             for _ in range(graph.warmup_runs):
                                 body()
                         graph.capture(body, self.g.pool, self.g.stream)
-                        self.graphs[k, bs, window, sampled] = graph
+                        self.graphs[k, bs, window, variant] = graph
         platform.synchronize()
         logger.info(
             "captured %d MTP round graphs (K %s) for batch sizes %s",
@@ -235,14 +235,17 @@ class MTPRoundGraphs:
         )
 
     def _body(
-        self, k: int, bs: int, window: int, sampled: bool
+        self, k: int, bs: int, window: int, variant: bool | None
     ) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """Round K's body over bucket `bs`: greedy (`variant` None), or sampled, with the
+        top-k / top-p masks (True) or without (False, no sort)."""
         b, k1, kinds = self.buf, k + 1, self.kinds[k]
 
         def body() -> tuple[torch.Tensor, ...]:
             s = None
-            if sampled:
-                s = RowSettings(self.sampling.block, self.sampling.extra[:bs], k, self.k_max)
+            if variant is not None:
+                extra = self.sampling.extra[:bs]
+                s = RowSettings(self.sampling.block, extra, k, self.k_max, variant)
             live, rows, start = b.live[:bs], b.rows[:bs], b.starts[:bs]
             at = start.view(-1, 1) + self._range[:k1]
             loc = torch.where(live.view(-1, 1), self.table[rows.view(-1, 1), at], 0)  # [B, K+1]
@@ -397,7 +400,8 @@ class MTPRoundGraphs:
             self._sampled_inputs(sampled, first, n, bucket)
             self.sampled_replays[k] += 1
             self.g.replays[f"mtp_round_sampled_k{k}"] += 1
-        graph = self.graphs[k, bucket, window, sampled is not None]
+        variant = None if sampled is None else static_sampling.filtered(sampled.block)
+        graph = self.graphs[k, bucket, window, variant]
         outs = graph.replay()
         self.replays[k] += 1
         self.g.replays[f"mtp_round_k{k}"] += 1

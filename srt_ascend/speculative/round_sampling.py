@@ -81,10 +81,12 @@ class RowSettings(Settings):
     """Views of the block (`host_block`) for the first `bs` rows of a round of K drafts,
     inside the graph; `extra` [B]: each row's count past its lowest (0 in a serial round)."""
 
-    def __init__(self, block: torch.Tensor, extra: torch.Tensor, k: int, k_max: int) -> None:
+    def __init__(
+        self, block: torch.Tensor, extra: torch.Tensor, k: int, k_max: int, filtered: bool
+    ) -> None:
         bs, c = extra.shape[0], k_max + 1
         rows = block[:bs]
-        super().__init__(rows)
+        super().__init__(rows, filtered)
         chain = SETTINGS
         verify = chain + c * (k_max - 1)
         nxt = verify + c * (k_max + 1)

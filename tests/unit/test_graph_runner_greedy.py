@@ -151,14 +151,15 @@ def test_sampled_graph_gives_the_sampler_tokens(runner, n):
         before = dict(graphs.replays)
         _, logits = runner.forward_logits(fb, decoder.kind)
         want = sample_tokens(logits, reqs, runner.vocab_size, [], generated).token_ids.tolist()
-        out = decoder.sampled_decode(fb, reqs, decoder.sampled_kind, generated)
+        out = decoder.sampled_decode(fb, reqs, decoder.sampled_kinds, generated)
         replayed = {k: v - before.get(k, 0) for k, v in graphs.replays.items()}
         if n > 4:
             assert out is None and not replayed.get("decode_sampled")
             return
         hidden, tokens = out
         assert tokens.dtype == torch.int64 and tokens.shape == (n,) and hidden.shape[0] == n
-        assert replayed.get("decode_sampled") == 1
+        # top-k or top-p set, or a greedy row: the variant with the masks' sort
+        assert replayed.get("decode_filtered" if n > 1 else "decode_sampled") == 1
         kept = [i for i in range(n) if "seed" in SAMPLED[i] or not SAMPLED[i]["temperature"]]
         assert [tokens.tolist()[i] for i in kept] == [want[i] for i in kept]
     finally:
@@ -174,9 +175,9 @@ def test_sampled_graph_refuses_what_modifies_the_logits(runner):
     try:
         for kw in ({"frequency_penalty": 0.5}, {"logit_bias": {"5": 1.0}}, {"min_new_tokens": 9}):
             reqs = [_Req(sampling_params=_params(temperature=0.8, **kw)) for _ in range(2)]
-            assert decoder.sampled_decode(fb, reqs, decoder.sampled_kind) is None, kw
+            assert decoder.sampled_decode(fb, reqs, decoder.sampled_kinds) is None, kw
         asks = [_Req(sampling_params=_params(temperature=0.8), return_logprob=True)] * 2
-        assert decoder.sampled_decode(fb, asks, decoder.sampled_kind) is None
+        assert decoder.sampled_decode(fb, asks, decoder.sampled_kinds) is None
     finally:
         runner.req_to_token_pool.free(list(rows))
         runner.allocator.free(fb.out_cache_loc)
@@ -233,4 +234,5 @@ def test_compiled_forwards_keep_one_decode_kind(runner):
     assert [k.name for k in PlainDecoder(args, handles).graph_kinds()] == ["decode"]
     assert PlainDecoder(args, handles).greedy_kind is None
     eager = PlainDecoder(runner.server_args, handles)
-    assert [k.name for k in eager.graph_kinds()] == ["decode", "decode_greedy", "decode_sampled"]
+    names = ["decode", "decode_greedy", "decode_sampled", "decode_filtered"]
+    assert [k.name for k in eager.graph_kinds()] == names

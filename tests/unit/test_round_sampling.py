@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from srt_ascend.layers.sampler import processed_probs
+from srt_ascend.sampling import static_sampling
 from srt_ascend.sampling.sampling_batch_info import SamplingBatchInfo
 from srt_ascend.sampling.sampling_params import SamplingParams
 from srt_ascend.speculative import round_sampling as rs
@@ -50,7 +51,9 @@ def test_static_probs_bit_equal_processed_probs(names):
     logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], VOCAB, "cpu")
     block = rs.host_block(reqs, [0] * len(reqs), 1, 2, 3, 8, VOCAB)
-    settings = rs.RowSettings(block, torch.zeros(len(reqs), dtype=torch.int64), 2, 3)
+    filtered = static_sampling.filtered(block)  # the graph variant the batch replays
+    assert filtered == info.need_top_p_top_k
+    settings = rs.RowSettings(block, torch.zeros(len(reqs), dtype=torch.int64), 2, 3, filtered)
     assert torch.equal(settings.probs(logits), processed_probs(logits, info))
 
 
@@ -65,7 +68,7 @@ def test_block_uniforms_are_the_streams(k, span):
     extra = torch.tensor([span - 1, 0, span // 2, 0, 0])
     accept = torch.tensor([k, 0, 1 % (k + 1), 0, 0])
     block = rs.host_block(reqs, low, span, k, 3, 8, VOCAB)
-    s = rs.RowSettings(block, extra, k, 3)
+    s = rs.RowSettings(block, extra, k, 3, True)
     counts = Counts(low, extra, span)
     for j in range(1, k):
         want = stream_uniforms(reqs, counts, j + 1, 1)[:, 0]
