@@ -47,22 +47,20 @@ def plain_sampling(reqs: Sequence[SamplingRequest], generated: Sequence[int]) ->
 
 def fill_settings(block: torch.Tensor, reqs: Sequence[SamplingRequest], vocab: int) -> None:
     """The settings columns of the block's first rows, one per request (`SamplingBatchInfo`'s
-    values, and the batch's `renorm` and `pin` choices)."""
-    top_ks, top_ps, min_ps = [], [], []
-    for i, r in enumerate(reqs):
+    values, and the batch's `renorm` and `pin` choices), written at once."""
+    rows = []
+    for r in reqs:
         p = r.sampling_params
         top_k = 1 if p.is_greedy else p.top_k
         top_k = vocab if top_k < 1 or top_k > vocab else top_k
-        top_ks.append(top_k)
-        top_ps.append(float(p.top_p))
-        min_ps.append(float(p.min_p))
-        row = block[i]
-        row[0], row[1], row[2] = p.sampling_temperature, p.top_p, p.min_p
-        row[3], row[4] = float(top_k), float(p.is_greedy)
-    pin = any(t < vocab for t in top_ks) or any(t < 1.0 for t in top_ps)
-    renorm = pin or any(m > 0.0 for m in min_ps)
-    block[: len(reqs), 5] = float(renorm)
-    block[: len(reqs), 6] = float(pin)
+        rows.append([p.sampling_temperature, p.top_p, p.min_p, top_k, p.is_greedy, 0.0, 0.0])
+    if not rows:
+        return
+    pin = any(row[3] < vocab or row[1] < 1.0 for row in rows)
+    renorm = pin or any(row[2] > 0.0 for row in rows)
+    settings = torch.tensor(rows, dtype=torch.float32)
+    settings[:, 5], settings[:, 6] = float(renorm), float(pin)
+    block[: len(rows), :SETTINGS] = settings
 
 
 def padding_block(rows: int, device) -> torch.Tensor:
@@ -81,10 +79,11 @@ def decode_block(
     draws from; the others the host's global RNG)."""
     block = torch.ones(len(reqs), SETTINGS + 1, dtype=torch.float32)
     fill_settings(block, reqs, vocab)
+    block[:, SETTINGS] = 1.0 - torch.rand(len(reqs))  # one draw for the unseeded rows
     for i, (r, g) in enumerate(zip(reqs, generated)):
         seed = r.sampling_params.seed
-        gen = None if seed is None else seeded_generator(seed, g)
-        block[i, SETTINGS] = 1.0 - torch.rand(1, generator=gen)[0]
+        if seed is not None:
+            block[i, SETTINGS] = 1.0 - torch.rand(1, generator=seeded_generator(seed, g))[0]
     return block
 
 

@@ -61,15 +61,14 @@ def host_block(
     verify = chain + c * (k_max - 1)
     nxt = verify + c * (k_max + 1)
     fill_settings(block, reqs, vocab)
+    n = len(reqs)
+    block[:n, SETTINGS:] = 1.0 - torch.rand(n, block.shape[1] - SETTINGS)  # unseeded rows
     for i, (r, g) in enumerate(zip(reqs, low)):
         p, row = r.sampling_params, block[i]
+        if p.seed is None or p.is_greedy:  # the global RNG (a greedy row's decide nothing)
+            continue
         steps = row[chain:verify].view(c, k_max - 1)
         verifies = row[verify:nxt].view(c, k_max + 1)
-        if p.seed is None or p.is_greedy:  # the global RNG (a greedy row's decide nothing)
-            steps[:span, : k - 1] = 1.0 - torch.rand(span, k - 1)
-            verifies[:span, : k + 1] = 1.0 - torch.rand(span, k + 1)
-            row[nxt : nxt + span + k] = 1.0 - torch.rand(span + k)
-            continue
         for j in range(1, k):  # draft step j draws draft j+1
             steps[:span, j - 1] = 1.0 - stream_draws(r, j + 1, 1, g, span)[:, 0]
         verifies[:span, : k + 1] = 1.0 - stream_draws(r, 0, k + 1, g, span)
