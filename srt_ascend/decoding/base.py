@@ -47,7 +47,7 @@ from srt_ascend.sampling.sample_step import (
     greedy_without_logprobs,
     sample_rows,
 )
-from srt_ascend.sampling.static_sampling import decode_block, plain_sampling
+from srt_ascend.sampling.static_sampling import decode_block, needs_filter, plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.utils import HOST_READS
 
@@ -283,7 +283,8 @@ class Decoder(ABC):
         if not plain_sampling(reqs, generated):
             return None
         block = lambda: decode_block(reqs, generated, self.vocab)  # noqa: E731
-        return self.runner.forward_sampled(fb, kinds, block)
+        kind = kinds[needs_filter(reqs, self.vocab)]
+        return self.runner.forward_sampled(fb, kind, block)
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

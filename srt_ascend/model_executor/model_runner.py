@@ -357,19 +357,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_sampled(
-        self, fb: ForwardBatch, kinds: dict[bool, GraphKind], block: Callable[[], torch.Tensor]
+        self, fb: ForwardBatch, kind: GraphKind, block: Callable[[], torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(hidden, sampled tokens [T]) of a replay over `fb` of kinds[filtered]
-        (GraphKind.sampled; `static_sampling.filtered` of the block), its rows' settings and
-        uniforms `block()` (static_sampling.decode_block, drawn only when a graph holds the
-        batch) copied into the static block in one host->device copy; None where no graph
-        holds `fb` (or under DP attention, whose ranks agree on the kind they replay): the
-        caller samples from the logits."""
+        """(hidden, sampled tokens [T]) of a replay of `kind` (GraphKind.sampled) over `fb`,
+        its rows' settings and uniforms `block()` (static_sampling.decode_block, drawn only
+        when a graph holds the batch) copied into the static block in one host->device copy;
+        None where no graph holds `fb` (or under DP attention, whose ranks agree on the kind
+        they replay): the caller samples from the logits."""
         graphs = self.graph_runner
-        if graphs is None or self.tp.dp_size > 1 or not graphs.can_run(fb, kinds[False]):
+        if graphs is None or self.tp.dp_size > 1 or not graphs.can_run(fb, kind):
             return None
         rows = block()
-        kind = kinds[static_sampling.filtered(rows)]
         self.sample_block[: rows.shape[0]].copy_(to_device(rows, self.device, torch.float32))
         out = self._run(fb, kind, None, None)  # a graph holds it: the tokens come back
         return out.hidden, out.tokens

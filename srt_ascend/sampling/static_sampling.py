@@ -87,11 +87,17 @@ def decode_block(
     return block
 
 
-def filtered(block: torch.Tensor) -> bool:
-    """Whether a host block's batch needs the top-k / top-p masks (its `pin` column: some row
-    has top_k or top_p set, a greedy row included), which sort every row: a graph variant
-    apart (`Settings.filtered`), as `processed_probs` skips the sort where none needs it."""
-    return bool(block.shape[0]) and bool(block[0, 6] > 0)
+def needs_filter(reqs: Sequence[SamplingRequest], vocab: int) -> bool:
+    """Whether a batch needs the top-k / top-p masks (`need_top_p_top_k`: some row has top_k
+    or top_p set, a greedy row included), which sort every row: a graph variant apart
+    (`Settings.filtered`), as `processed_probs` skips the sort where none needs it. Read
+    from the requests, never from a block (a host value, no tensor read)."""
+    for r in reqs:
+        p = r.sampling_params
+        top_k = 1 if p.is_greedy else p.top_k
+        if 1 <= top_k < vocab or p.top_p < 1.0:
+            return True
+    return False
 
 
 class Settings:

@@ -67,7 +67,7 @@ from srt_ascend.model_executor.forward_batch import ForwardMode, pack_to_device
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import greedy_without_logprobs
-from srt_ascend.sampling.static_sampling import plain_sampling
+from srt_ascend.sampling.static_sampling import needs_filter, plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
@@ -252,7 +252,7 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         overlapped round's range, `Counts`, whose extra the round adds on the device)."""
         bucket = self.rounds.bucket_of(len(reqs))
         block = host_block(reqs, low, span, k, self.rounds.k_max, bucket, self.vocab)
-        return SampledRound(block, None, None)
+        return SampledRound(block, None, None, needs_filter(reqs, self.vocab))
 
     def _timed(self, seconds: float) -> float | None:
         """A step's seconds for the cost table, None for the SETTLE_STEPS after a prefill."""

@@ -98,6 +98,7 @@ class SampledRound(NamedTuple):
     block: torch.Tensor  # [bucket, columns] float32 on the host: round_sampling.host_block
     first_probs: torch.Tensor | None  # [B, V] float32, what each d_1 was drawn from (None: greedy)
     extra: torch.Tensor | None  # [B] int64 count past the block's lowest (None: 0, serial)
+    filtered: bool = True  # the variant with the top-k / top-p masks (static_sampling)
 
 
 class _Inputs:
@@ -400,7 +401,7 @@ class MTPRoundGraphs:
             self._sampled_inputs(sampled, first, n, bucket)
             self.sampled_replays[k] += 1
             self.g.replays[f"mtp_round_sampled_k{k}"] += 1
-        variant = None if sampled is None else static_sampling.filtered(sampled.block)
+        variant = None if sampled is None else sampled.filtered
         graph = self.graphs[k, bucket, window, variant]
         outs = graph.replay()
         self.replays[k] += 1

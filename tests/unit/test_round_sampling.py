@@ -51,7 +51,7 @@ def test_static_probs_bit_equal_processed_probs(names):
     logits = torch.randn(len(reqs), VOCAB, generator=torch.Generator().manual_seed(1)) * 3
     info = SamplingBatchInfo.from_params([r.sampling_params for r in reqs], VOCAB, "cpu")
     block = rs.host_block(reqs, [0] * len(reqs), 1, 2, 3, 8, VOCAB)
-    filtered = static_sampling.filtered(block)  # the graph variant the batch replays
+    filtered = static_sampling.needs_filter(reqs, VOCAB)  # the graph variant it replays
     assert filtered == info.need_top_p_top_k
     settings = rs.RowSettings(block, torch.zeros(len(reqs), dtype=torch.int64), 2, 3, filtered)
     assert torch.equal(settings.probs(logits), processed_probs(logits, info))
