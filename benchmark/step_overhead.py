@@ -1,7 +1,8 @@
 """Serving overhead: the bare decode forward beside the step it serves.
 
     python benchmark/step_overhead.py --matrix [--quick] [--modes eager compiled]
-        [--specs plain mtp] [--mtp-k 1] [--concurrencies 1 16] [--json-out FILE]
+        [--specs plain mtp] [--mtp-k 1] [--concurrencies 1 16] [--temperature T]
+        [--json-out FILE]
     python benchmark/step_overhead.py [--compile] [--spec plain|mtp] [--concurrency 1]
         [--input-len 64] [--output-len 64] [--num-prompts 16] [--context-length 256]
         [--py-spy FILE [--gil]] [--switch-interval S] [--json-out FILE]
@@ -20,8 +21,9 @@ host time exposed (period - device: what a device would idle) and the host work 
 scheduler's step calls less the forwards inside them; overlapped, it runs beside the
 forward). Ratios: step period / bare and device in the step / bare.
 
-One run (without --matrix), shipped checkpoint, bf16, greedy, `--concurrency` C requests at
-a time, MTP off (`--spec mtp`: K = --mtp-k):
+One run (without --matrix), shipped checkpoint, bf16, greedy (`--temperature`: sampled, the
+round graph's sampled variant and plain decoding's `decode_sampled`), `--concurrency` C
+requests at a time, MTP off (`--spec mtp`: K = --mtp-k):
 1. bare: a ModelRunner with the server's settings (graphs at batch C; `--compile`:
    compiled), in a child process's main thread, replays the decode forward (the LM head
    inside its graph) back to back over C requests with KV of the served mean length: the
@@ -232,6 +234,9 @@ def main() -> None:
     p.add_argument("--input-len", type=int, help="64; --matrix: 48")
     p.add_argument("--output-len", type=int, help="64; --matrix: 48 (--quick: 32)")
     p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="the clients' sampling (0: greedy)"
+    )
     p.add_argument("--context-length", type=int, help="256; --matrix: 110 (one KV window)")
     p.add_argument("--iters", type=int, help="300; --matrix: 200 (--quick: 50)")
     p.add_argument("--matrix", action="store_true", help="every cell below in one run")

@@ -146,7 +146,8 @@ def client(
 
     def one_stream(share):
         for ids in share:
-            _, t, tokens = stream_generate(f"http://127.0.0.1:{port}", ids, a.output_len)
+            url = f"http://127.0.0.1:{port}"
+            _, t, tokens = stream_generate(url, ids, a.output_len, a.temperature)
             # bench_serving's TPOT: per token after the first, not per chunk
             tpots.append((t[-1] - t[0]) / (tokens - 1) * 1e3)
 

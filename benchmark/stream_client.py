@@ -9,14 +9,16 @@ import time
 import urllib.parse
 
 
-def stream_generate(url: str, ids: list[int], n: int) -> tuple[float, list[float], int]:
+def stream_generate(
+    url: str, ids: list[int], n: int, temperature: float = 0.0
+) -> tuple[float, list[float], int]:
     """(send time, arrival times of the SSE chunks that carried new tokens, tokens) of one
-    streamed greedy /generate of `n` tokens after `ids` at `url` (http://host:port). A
-    speculative step's chunk carries several tokens."""
+    streamed /generate of `n` tokens after `ids` at `url` (http://host:port), greedy or at
+    `temperature`. A speculative step's chunk carries several tokens."""
     u = urllib.parse.urlparse(url)
     body = {
         "input_ids": ids,
-        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+        "sampling_params": {"max_new_tokens": n, "temperature": temperature, "ignore_eos": True},
         "stream": True,
     }
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)

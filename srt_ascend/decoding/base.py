@@ -36,12 +36,18 @@ from typing import Any, Protocol
 import torch
 
 from srt_ascend.layers.sampler import TokenLogprobs
-from srt_ascend.model_executor.forward_batch import ForwardMode
+from srt_ascend.model_executor.forward_batch import ForwardBatch, ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.model_executor.model_runner import ModelRunner
 from srt_ascend.platforms.device_worker import DeviceWorker, InlineWorker
 from srt_ascend.registry import Registry
-from srt_ascend.sampling.sample_step import SamplingRequest, greedy_without_logprobs, sample_rows
+from srt_ascend.sampling.sample_step import (
+    SamplingRequest,
+    generated_counts,
+    greedy_without_logprobs,
+    sample_rows,
+)
+from srt_ascend.sampling.static_sampling import decode_block, needs_filter, plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.utils import HOST_READS
 
@@ -159,6 +165,24 @@ class Decoder(ABC):
             argmax_vocab=self.vocab,
         )
 
+    def sampled_decode_kinds(self) -> dict[bool, GraphKind]:
+        """`decode_kind` ending with sampling (temperature, min-p; `True`: top-k / top-p too,
+        a sort per row; seeded uniforms drawn on the host: sampling/static_sampling): forward
+        and sampling in one graph, for batches `plain_sampling` accepts with a sampled row."""
+        return {
+            filtered: GraphKind(
+                "decode_filtered" if filtered else "decode_sampled",
+                ForwardMode.DECODE,
+                1,
+                1,
+                self.runner.attn_backend,
+                argmax_vocab=self.vocab,
+                sampled=True,
+                filtered=filtered,
+            )
+            for filtered in (False, True)
+        }
+
     def graph_kinds(self) -> list[GraphKind]:
         """The forwards this decoder runs that graphs may capture."""
         return [self.decode_kind()]
@@ -212,11 +236,14 @@ class Decoder(ABC):
         loc: torch.Tensor,
         kind: GraphKind,
         greedy_kind: GraphKind | None = None,
+        sampled_kinds: dict[bool, GraphKind] | None = None,
     ) -> torch.Tensor:
         """A plain decode step over requests whose slots `loc` [B] are allocated: each one's
         last token through the main model (graph `kind` where captured; `greedy_kind`, whose
-        graph ends with the argmax, for a batch `greedy_without_logprobs` accepts), its KV
-        counted, the next token sampled and committed. Returns the hidden states [B, D]."""
+        graph ends with the argmax, for a batch `greedy_without_logprobs` accepts;
+        `sampled_kinds`, ending with sampling, for the other batches `plain_sampling`
+        accepts), its KV counted, the next token sampled and committed. Returns the hidden
+        states [B, D]."""
         fb = self.runner.build_forward_batch(
             ForwardMode.DECODE,
             [r.last_id for r in reqs],
@@ -225,18 +252,39 @@ class Decoder(ABC):
             [1] * len(reqs),
             loc,
         )
-        greedy = greedy_kind is not None and greedy_without_logprobs(reqs)
-        if greedy:  # the graph's tokens, or the logits to sample from
-            hidden, out = self.runner.forward_greedy(fb, greedy_kind)
+        out = None  # (hidden, tokens) from a graph ending with sampling
+        if greedy_kind is not None and greedy_without_logprobs(reqs):
+            out = self.runner.forward_greedy(fb, greedy_kind)
+        elif sampled_kinds is not None:
+            out = self.sampled_decode(fb, reqs, sampled_kinds)
+        if out is None:
+            hidden, logits = self.runner.forward_logits(fb, kind)
         else:
-            hidden, out = self.runner.forward_logits(fb, kind)
+            hidden, tokens = out
         for r in reqs:
             r.kv_len += 1
-        if greedy:
-            self.commit_tokens(reqs, HOST_READS.read(out), None)
+        if out is not None:
+            self.commit_tokens(reqs, HOST_READS.read(tokens), None)
         else:
-            self.sample_and_commit(reqs, out)
+            self.sample_and_commit(reqs, logits)
         return hidden
+
+    def sampled_decode(
+        self,
+        fb: ForwardBatch,
+        reqs: list[StepRequest],
+        kinds: dict[bool, GraphKind],
+        generated: list[int] | None = None,  # tokens each generated (None: committed ones)
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, tokens) of a replay of `kinds` (`sampled_decode_kinds`) for a batch
+        `plain_sampling` accepts, its uniforms the streams of the counts `generated`
+        (`decode_block`); None elsewhere (no graph holds it, or it needs the logits)."""
+        generated = generated_counts(reqs, generated)
+        if not plain_sampling(reqs, generated):
+            return None
+        block = lambda: decode_block(reqs, generated, self.vocab)  # noqa: E731
+        kind = kinds[needs_filter(reqs, self.vocab)]
+        return self.runner.forward_sampled(fb, kind, block)
 
     @abstractmethod
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:

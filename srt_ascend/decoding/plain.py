@@ -39,18 +39,23 @@ class PlainDecoder(Decoder):
         # forwards keep to one decode kind (the LM head is compiled in already, and a second
         # kind would double the decode shapes to compile before the server is ready)
         self.greedy_kind = None if args.enable_torch_compile else self.greedy_decode_kind()
+        # and sampled batches without logprobs (nor anything modifying the logits) forward +
+        # sampling as one graph, their settings and uniforms copied in as one block
+        self.sampled_kinds = None if args.enable_torch_compile else self.sampled_decode_kinds()
 
     def graph_kinds(self) -> list[GraphKind]:
         """The decode forward, and (uncompiled) the same ending with the greedy argmax for
-        batches `greedy_without_logprobs` accepts."""
-        return [self.kind] + ([self.greedy_kind] if self.greedy_kind is not None else [])
+        batches `greedy_without_logprobs` accepts, and ending with sampling for the other
+        batches `plain_sampling` accepts."""
+        sampled = [] if self.sampled_kinds is None else list(self.sampled_kinds.values())
+        return [self.kind, *([self.greedy_kind] if self.greedy_kind else []), *sampled]
 
     def step(self, reqs: list[StepRequest]) -> list[StepRequest]:
         reqs, loc = self.h.kv.alloc_running(reqs, 1)
         if not reqs:
             self.idle_step()
             return []
-        self.decode_and_commit(reqs, loc, self.kind, self.greedy_kind)
+        self.decode_and_commit(reqs, loc, self.kind, self.greedy_kind, self.sampled_kinds)
         return reqs
 
     def can_overlap(self, reqs: list[StepRequest]) -> bool:
@@ -101,8 +106,13 @@ class PlainDecoder(Decoder):
             if prev is not None:  # the future-token gather: prev's tokens, still on the device
                 tokens = prev.result.result().sampled.token_ids
                 inputs.copy_(tokens if rows is None else tokens.index_select(0, rows))
+            out = None  # forward + sampling in one graph
             if greedy:
-                sampled = SampledTokens(self.runner.forward_greedy(fb, self.greedy_kind)[1], None)
+                out = self.runner.forward_greedy(fb, self.greedy_kind)
+            elif self.sampled_kinds is not None:
+                out = self.sampled_decode(fb, batch, self.sampled_kinds, generated)
+            if out is not None:
+                sampled = SampledTokens(out[1], None)
             else:
                 _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head
                 sampled = sample_tokens(logits, batch, self.vocab, self.h.eos_ids, generated)

@@ -8,7 +8,8 @@ head too (`GraphKind.logits`, all but the KV-only passes of later MTP layers): a
 back the hidden states and their float32 logits, so a decode, verify or draft step runs no
 eager matmul after its forward (compiled, the LM head is compiled with the forward). A kind
 with `argmax_vocab` goes one op further and ends with the greedy argmax: plain decoding's
-all-greedy, no-logprob batches replay forward + sampling as one graph and get tokens back.
+all-greedy, no-logprob batches replay forward + sampling as one graph and get tokens back;
+with `sampled` it ends with sampling instead (sampled batches without logprobs).
 
 A replayed step costs what its live KV needs (DESIGN section 8). Kinds whose attention backend
 gathers the whole static KV window (torch_native) are also captured per KV window: powers of
@@ -20,6 +21,10 @@ graph per batch bucket, over the full width, serves every length.
 Kinds (B = requests in the bucket, K = draft tokens per step):
 - decode:         main model, B rows of 1 token;
 - decode_greedy:  the same, ending with the argmax (tokens, no logits);
+- decode_sampled: the same, ending with sampling (temperature, min-p and the uniforms from
+                  a static block the host fills: tokens, no logits);
+- decode_filtered: the same with the top-k / top-p masks (a sort per row; any batch with
+                  top-k, top-p or a greedy row beside sampled ones);
 - verify_expand:  main model, B(1+K) single-token rows (batch expansion); a ragged verify's
                   sum(1+k_r) rows replay the smallest bucket whose B(1+K) rows hold them;
 - verify_fia:     main model, B + spare rows through the FIA backend, B(1+K) tokens;
@@ -27,9 +32,10 @@ Kinds (B = requests in the bucket, K = draft tokens per step):
 - draft_extend_l{l}: a later MTP layer l of a multi-layer checkpoint, the same pass (its KV);
 - draft_step{l}:  MTP layer l over B rows of 1 token (draft steps 2..K);
 - draft_chain{j}_l{l}: draft step j+1 starting MTP layer l, B rows of j tokens.
-A whole MTP round (those forwards, the greedy acceptance and the next d_1 between them) is
-captured apart, per (K, bucket[, KV window]), in this runner's pool and stream
-(speculative/mtp_round_graph.py); its replays are counted here as `mtp_round_k{K}`.
+A whole MTP round (those forwards, the acceptance and the next d_1 between them; greedy and
+sampled variants) is captured apart, per (K, bucket[, KV window]), in this runner's pool and stream
+(speculative/mtp_round_graph.py); its replays are counted here as `mtp_round_k{K}`, the
+sampled variant's also as `mtp_round_sampled_k{K}`.
 
 Which kinds exist is the decoders' business: each hands its GraphKinds (with the attention
 backend the kind runs through) to `ModelRunner.capture_graphs`, and names the kind when it
@@ -150,6 +156,11 @@ class GraphKind:
     # tokenizer's vocabulary) and hands back those tokens instead of the logits: plain
     # decoding's all-greedy, no-logprob batches (their sampling is that argmax)
     argmax_vocab: int | None = None
+    # with `argmax_vocab`: the graph ends with sampling over those columns instead, from the
+    # settings and uniforms in the runner's static block (sampling/static_sampling): plain
+    # decoding's batches `plain_sampling` accepts with some sampled row
+    sampled: bool = False
+    filtered: bool = False  # with `sampled`: the top-k / top-p masks (a sort per row) too
 
     @property
     def q_per_row(self) -> int:
@@ -387,7 +398,8 @@ class GraphRunner:
             f"{type(kind.backend).__name__}|{kind.mtp_layer}|{kind.logits}"
         )
         if kind.argmax_vocab is not None:  # kinds without it keep their packages' keys
-            described += f"|argmax{kind.argmax_vocab}"
+            way = ("filtered" if kind.filtered else "sampled") if kind.sampled else "argmax"
+            described += f"|{way}{kind.argmax_vocab}"
         path = self.packages.path(shape, described, threads)
         roots = {"fb": fb, "hidden": hidden}
         set_intra_op_threads(threads)  # kernels are generated for the threads they run on

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -33,8 +34,10 @@ from srt_ascend.models.loader import load_config, load_model, shard_files
 from srt_ascend.models.quant_config import refused_with, resolve_quantization
 from srt_ascend.models.weight_memory import weight_memory
 from srt_ascend.platforms import Platform
+from srt_ascend.sampling import static_sampling
 from srt_ascend.sampling.sample_step import greedy_tokens
 from srt_ascend.server_args import MAX_SPEC_STEPS, ServerArgs
+from srt_ascend.utils import to_device
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +138,7 @@ class ModelRunner:
             batch_invariant_backend(backend, self.device.type) if deterministic else backend
         )
         self.graph_runner: GraphRunner | None = None
+        self.sample_block: torch.Tensor | None = None  # decode_sampled graphs' settings
 
     def capture_graphs(
         self, kinds: list[GraphKind], smallest_kv_window: int = MIN_KV_WINDOW
@@ -164,6 +168,11 @@ class ModelRunner:
             logger.warning("--enable-torch-compile: data-parallel attention runs graphs uncompiled")
             compile_on = False
         compile_max = compile_max_bs(compile_on, args.torch_compile_max_bs, self.platform)
+        buckets = graph_buckets(
+            args.cuda_graph_bs, min(args.cuda_graph_max_bs, args.max_running_requests)
+        )
+        if any(kind.sampled for kind in kinds):  # rows past a replay's batch: greedy padding
+            self.sample_block = static_sampling.padding_block(buckets[-1], self.device)
         self.graph_runner = GraphRunner(
             self.platform,
             self._captured_forward,
@@ -171,9 +180,7 @@ class ModelRunner:
             self.kv_pool,
             self.config.hidden_size,
             self.dtype,
-            graph_buckets(
-                args.cuda_graph_bs, min(args.cuda_graph_max_bs, args.max_running_requests)
-            ),
+            buckets,
             kinds,
             smallest_kv_window,
             compile_max,
@@ -351,6 +358,23 @@ class ModelRunner:
         return hidden, greedy_tokens(logits, self.vocab_size)
 
     @torch.inference_mode()
+    def forward_sampled(
+        self, fb: ForwardBatch, kind: GraphKind, block: Callable[[], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, sampled tokens [T]) of a replay of `kind` (GraphKind.sampled) over `fb`,
+        its rows' settings and uniforms `block()` (static_sampling.decode_block, drawn only
+        when a graph holds the batch) copied into the static block in one host->device copy;
+        None where no graph holds `fb` (or under DP attention, whose ranks agree on the kind
+        they replay): the caller samples from the logits."""
+        graphs = self.graph_runner
+        if graphs is None or self.tp.dp_size > 1 or not graphs.can_run(fb, kind):
+            return None
+        rows = block()
+        self.sample_block[: rows.shape[0]].copy_(to_device(rows, self.device, torch.float32))
+        out = self._run(fb, kind, None, None)  # a graph holds it: the tokens come back
+        return out.hidden, out.tokens
+
+    @torch.inference_mode()
     def forward_mtp(
         self,
         forward_batch: ForwardBatch,
@@ -409,6 +433,11 @@ class ModelRunner:
         if not kind.logits:
             return (out,)
         logits = self.model.compute_logits(out)
+        if kind.sampled:  # the settings and uniforms of the replay's rows (`forward_sampled`)
+            block = self.sample_block[: out.shape[0]]
+            vocab = logits[:, : kind.argmax_vocab]
+            tokens = static_sampling.sample_rows(vocab, block, kind.filtered)
+            return (out, tokens)
         if kind.argmax_vocab is not None:
             return (out, greedy_tokens(logits, kind.argmax_vocab))
         return (out, logits)

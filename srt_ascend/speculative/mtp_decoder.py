@@ -13,8 +13,9 @@ Step for requests with committed tokens t_0..t_{L-1} (KV for 0..L-2) and drafts 
 6. read the verdict (the step's one host read), commit up to a stop, set kv_len to the
    committed positions and free the slots past them.
 Steps 2-5 need no host value of the round: the round is device-resident, one launch of work
-and one read; with graphs on, an all-greedy batch without logprobs replays steps 2-5 as one
-captured graph per (K, bucket) (`_round_fits`, speculative/mtp_round_graph.py), its slots
+and one read; with graphs on, a batch without logprobs (nor penalties, grammar, logit bias,
+min_new_tokens ahead) replays steps 2-5 as one captured graph per (K, bucket), greedy or
+sampled (`_round_fits`, speculative/mtp_round_graph.py), its slots
 gathered from req_to_token on the device. A batch with penalties or a grammar (whose d_1
 reads the state the commit advances), or with several ranks (d_1 must follow the verdict
 `agree`d across them), runs step 5 after step 6, from the read verdict.
@@ -66,10 +67,11 @@ from srt_ascend.model_executor.forward_batch import ForwardMode, pack_to_device
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import greedy_without_logprobs
+from srt_ascend.sampling.static_sampling import needs_filter, plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
 from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
-from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs
+from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs, SampledRound
 from srt_ascend.speculative.mtp_rounds import LaunchedRound, OverlappedRoundsMixin
 from srt_ascend.speculative.mtp_start import StartMixin
 from srt_ascend.speculative.mtp_verdict import VerdictMixin
@@ -82,6 +84,7 @@ from srt_ascend.speculative.mtp_worker import (
     lengths,
     state_of,
 )
+from srt_ascend.speculative.round_sampling import host_block
 from srt_ascend.speculative.verify import VERIFY_STRATEGIES, Ragged
 from srt_ascend.utils import to_device
 
@@ -227,15 +230,29 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             **self.draft_length.stats(),
         }
 
-    def _round_fits(self, reqs: list[StepRequest], k: int, generated: list[int]) -> bool:
-        """Whether a round of K drafts over `reqs` runs as one graph: captured for K and the
-        batch size, and its sampling the raw argmax (`greedy_without_logprobs`, counts
-        `generated`: lower bounds suffice, min_new_tokens only grows behind them)."""
-        return (
-            self.rounds is not None
-            and self.rounds.holds(k, len(reqs))
-            and greedy_without_logprobs(reqs, generated)
-        )
+    def _round_fits(self, reqs: list[StepRequest], k: int, generated: list[int]) -> bool | None:
+        """Whether a round of K drafts over `reqs` runs as one graph, and which: None (the
+        per-forward path), False (the greedy variant: the batch's sampling is the raw
+        argmax, `greedy_without_logprobs`) or True (the sampled variant: nothing modifies
+        the logits and no logprobs, `plain_sampling`). Counts `generated`: lower bounds
+        suffice, min_new_tokens only grows behind them."""
+        if self.rounds is None or not self.rounds.holds(k, len(reqs)):
+            return None
+        if greedy_without_logprobs(reqs, generated):
+            return False
+        if self.rounds.holds(k, len(reqs), True) and plain_sampling(reqs, generated):
+            return True
+        return None
+
+    def _sampled_round(
+        self, reqs: list[StepRequest], k: int, low: list[int], span: int = 1
+    ) -> SampledRound:
+        """The sampled round graph's block, drawn on the host now: each row's settings and
+        the uniforms of every count low .. low+span-1 it may have (1: exact counts; an
+        overlapped round's range, `Counts`, whose extra the round adds on the device)."""
+        bucket = self.rounds.bucket_of(len(reqs))
+        block = host_block(reqs, low, span, k, self.rounds.k_max, bucket, self.vocab)
+        return SampledRound(block, None, None, needs_filter(reqs, self.vocab))
 
     def _timed(self, seconds: float) -> float | None:
         """A step's seconds for the cost table, None for the SETTLE_STEPS after a prefill."""
@@ -358,10 +375,15 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         rows = [r.req_pool_idx for r in reqs]
         limited = self._limits(limits, k)
         ahead, ragged = True, None
-        if self._round_fits(reqs, k, generated):  # the whole round as one graph
+        fit = self._round_fits(reqs, k, generated)
+        if fit is not None:  # the whole round as one graph
             index, begin, last = pack_to_device([rows, starts, [r.last_id for r in reqs]], device)
             first = self.worker.first_of(reqs)
-            res, _ = self._graph_round(reqs, k, index, Starts(begin, starts), last, first, limited)
+            sampled = None
+            if fit:
+                sampled = self._sampled_round(reqs, k, generated)._replace(first_probs=first.probs)
+            at = Starts(begin, starts)
+            res, _ = self._graph_round(reqs, k, index, at, last, first, limited, sampled)
             logits = None
         else:
             loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
@@ -408,13 +430,14 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         last: torch.Tensor,  # [B] their last committed tokens
         first: FirstDrafts,  # their d_1 (greedy: no distributions)
         limits: torch.Tensor | None,  # [B] drafts each row may accept (None: K)
+        sampled: SampledRound | None = None,  # the sampled variant's inputs (`_sampled_round`)
     ) -> tuple[AcceptResult, FirstDrafts]:
         """A round of K drafts replayed as one graph (`_round_fits`): the verdict and the
         next round's d_1, which each request's SpecState keeps too."""
         out = self.rounds.run(
-            k, rows, starts.device, starts.bounds, last, first.tokens, first.hidden, limits
+            k, rows, starts.device, starts.bounds, last, first.tokens, first.hidden, limits, sampled
         )
-        nxt = FirstDrafts(out.first, None, out.first_hidden)
+        nxt = FirstDrafts(out.first, out.first_probs, out.first_hidden)
         self.worker.keep_first(reqs, *nxt)
         return AcceptResult(out.accept_len, out.emitted), nxt
 

@@ -1,6 +1,7 @@
 """MTPDecoder's overlapped rounds (`launch` / `finish`, overlap scheduling): round N+1
 issued before round N's read, its inputs round N's device results (see mtp_decoder's
-docstring); an all-greedy round replays as one graph (`_graph_round`) from those results.
+docstring); a round `_round_fits` (greedy or sampled) replays as one graph (`_graph_round`)
+from those results.
 `OverlappedRoundsMixin` is a part of MTPDecoder: it writes the decoder's `_latest` (the round
 launched last) and `_read_at`, and calls its `_verify`, `_read`, `_logprobs`, `_estimate`,
 `_count`, `_timed`, `_round_fits` and `_graph_round`."""
@@ -122,7 +123,11 @@ class OverlappedRoundsMixin:
         batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
         limits = None if limited is None else plan
-        whole = bool(k) and self._round_fits(batch, k, generated)  # one graph for the round
+        fit = self._round_fits(batch, k, generated) if k else None  # one graph for the round
+        whole, sampled = fit is not None, None
+        if fit:  # the sampled variant: its uniforms drawn here, for each count it may have
+            low, span = (generated, 1) if prev is None else ([g + 1 for g in generated], prev.k + 1)
+            sampled = self._sampled_round(batch, k, low, span)
         if prev is None:
             last = to_device([[r.last_id] for r in reqs], device)
             begin = to_device(known, device)
@@ -139,7 +144,11 @@ class OverlappedRoundsMixin:
                 first, start, tail, counts = _after(out, picked, generated, prev.k, k)
             at = Starts(start, bounds)
             if whole:  # its slots are gathered inside the graph
-                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited)
+                inputs = sampled  # with d_1's distributions and counts past the lowest
+                if sampled is not None:
+                    extra = None if prev is None else counts.extra
+                    inputs = sampled._replace(first_probs=first.probs, extra=extra)
+                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited, inputs)
                 return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
             loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
             if not k:

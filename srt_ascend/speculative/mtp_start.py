@@ -82,6 +82,8 @@ class StartMixin:
             self.vocab,
             runner.config.hidden_size,
             runner.dtype,
+            # the decoder's rule when the round is traced (eager replays: at each replay)
+            lambda *a, **kw: self.accept(*a, **kw),
         )
         rounds.capture()
         return rounds

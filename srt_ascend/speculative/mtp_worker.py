@@ -158,14 +158,19 @@ def stream_draws(req: StepRequest, draft: int, num: int, low: int, span: int) ->
     round overlaps the next one's); counts below `low` are dropped (counts only grow: a
     stream is never read again once its count is passed, and one drawn again is the same)."""
     kept = state_of(req).draws.setdefault((draft, num), {})
-    for c in [c for c in kept if c < low]:
-        del kept[c]
-    seed = req.sampling_params.seed
+    # a snapshot of the counts, and pops that tolerate a miss: an overlapped round's sampled
+    # graph draws on the scheduler's thread while the round before it may draw here on the
+    # device worker's (a count dropped by one is drawn again, the same numbers)
+    for c in [c for c in list(kept) if c < low]:
+        kept.pop(c, None)
+    seed, out = req.sampling_params.seed, []
     for c in range(low, low + span):
-        if c not in kept:
+        drawn = kept.get(c)
+        if drawn is None:
             offset = c if draft == 0 else draft_seed_offset(c, draft)
-            kept[c] = torch.rand(num, generator=seeded_generator(seed, offset))
-    return torch.stack([kept[c] for c in range(low, low + span)])
+            drawn = kept[c] = torch.rand(num, generator=seeded_generator(seed, offset))
+        out.append(drawn)
+    return torch.stack(out)
 
 
 def lengths(starts: list[int] | Starts, plus: int):

@@ -368,17 +368,29 @@ def graph_replays(engine: Engine) -> dict:
     return dict(engine.get_internal_state()["graph_replays"])
 
 
+def sampled_with_logprobs(engine: Engine) -> list:
+    """A seeded sampled request asking logprobs (the per-forward kinds run its rounds)."""
+    params = {"temperature": 0.9, "seed": 3, "max_new_tokens": 6, "ignore_eos": True}
+    out = engine.generate(PROMPTS[0], params, return_logprob=True)
+    return out["output_ids"]
+
+
 def test_mtp_round_graph_aborts_and_fallbacks(model_path, overlapped):
     """All-greedy rounds replay as one graph per round (`mtp_round_k2`, no per-forward verify
     or draft step), serial and overlapped, with an abort mid-round: the plain decoder's greedy
-    tokens, the KV invariant intact after it; a batch with sampled requests runs the
-    per-forward kinds (its seeded and greedy tokens equal either way). Greedy tokens and stop
-    strings through the round graph: `test_mtp_overlap_with_expand_verify_and_graphs`."""
+    tokens, the KV invariant intact after it. A batch mixing seeded, unseeded sampled and
+    greedy requests replays the round graph's sampled variant (`mtp_round_sampled_k2`, still
+    no per-forward verify): its seeded and greedy tokens equal the per-forward kinds'
+    (--disable-mtp-round-graph), serial and overlapped; a sampled request asking logprobs
+    runs the per-forward kinds. Greedy tokens and stop strings through the round graph:
+    `test_mtp_overlap_with_expand_verify_and_graphs`."""
     scenarios = {
         "abort_in_flight": abort_in_flight,
         "after_greedy": graph_replays,
         "mixed_sampling": mixed_sampling,
         "after_mixed": graph_replays,
+        "sampled_with_logprobs": sampled_with_logprobs,
+        "after_logprobs": graph_replays,
     }
     kw = {"speculative_verify": "expand", "enable_cpu_graph": True, "cuda_graph_bs": (1, 8)}
     mixed = []
@@ -390,9 +402,14 @@ def test_mtp_round_graph_aborts_and_fallbacks(model_path, overlapped):
         greedy, after = res["after_greedy"][0][0], res["after_mixed"][0][0]
         assert greedy.get("mtp_round_k2", 0) > 0, greedy
         assert not greedy.get("verify_expand") and not greedy.get("draft_step0"), greedy
-        assert after.get("verify_expand", 0) > 0 and after.get("draft_step0", 0) > 0, after
+        assert after.get("mtp_round_sampled_k2", 0) > 0, after
+        assert not after.get("verify_expand") and not after.get("draft_step0"), after
+        logprobs = res["after_logprobs"][0][0]
+        assert logprobs.get("verify_expand", 0) > 0, logprobs
         mixed.append(res["mixed_sampling"][0][0])
-    assert mixed[0] == mixed[1]
+    off = {"disable_mtp_round_graph": True, "disable_overlap_schedule": True}
+    res = run_all(model_path, {"mixed_sampling": mixed_sampling}, **off, **MTP, **kw)
+    assert mixed[0] == mixed[1] == res["mixed_sampling"][0][0]
 
 
 def test_mtp_retractions_under_overlap(model_path):

@@ -78,9 +78,10 @@ def exact(model_path) -> dict[tuple[int, ...], float]:
         engine.shutdown()
 
 
-def _sample(model_path, k: int, method: str, rule=None) -> tuple[list, list, dict]:
+def _sample(model_path, k: int, method: str, rule=None, **kw) -> tuple[list, list, dict]:
     """(seeded outputs, unseeded outputs, internal state) of SAMPLES requests each, with K
-    drafts and `method`; `rule` replaces the acceptance rule (the controls)."""
+    drafts and `method`; `rule` replaces the acceptance rule (the controls); `kw`: more
+    server arguments."""
     torch.manual_seed(1234 + k)  # the unseeded requests draw from the global RNG
     engine = Engine(
         model_path=model_path,
@@ -88,7 +89,7 @@ def _sample(model_path, k: int, method: str, rule=None) -> tuple[list, list, dic
         speculative_algorithm="MTP",
         speculative_num_steps=k,
         speculative_accept_method=method,
-        max_running_requests=64,
+        **{"max_running_requests": 64, **kw},
     )
     try:
         if rule is not None:
@@ -121,6 +122,32 @@ def test_mtp_sampling_follows_target_distribution(model_path, exact, k, method):
     for name, outs in (("seeded", seeded), ("unseeded", unseeded)):
         p = _p_value(name, outs, exact)
         assert p > ALPHA, f"K={k} {method} {name}: chi-square p = {p:.2e}"
+
+
+# the whole-round graph's sampled variant (CPU: an eager replay of the captured body)
+ROUND_GRAPH = {
+    "enable_cpu_graph": True,
+    "cuda_graph_bs": (4, 16),
+    "max_running_requests": 16,
+    "disable_overlap_schedule": True,
+}
+
+
+def test_round_graph_sampling_follows_target_distribution(model_path, exact):
+    """K = 2 token-wise through the round graph's sampled variant (every round of the batch
+    replays `mtp_round_sampled_k2`, no per-forward verify): the emitted sequences follow the
+    target distribution; the same rule biased (`_sharpened_block_verify`, which the round
+    reads at each replay here) is rejected."""
+    seeded, unseeded, state = _sample(model_path, 2, "token", **ROUND_GRAPH)
+    replays = state["graph_replays"]
+    assert replays.get("mtp_round_sampled_k2", 0) > 0, replays
+    assert not replays.get("verify_fia") and not replays.get("verify_expand"), replays
+    for name, outs in (("seeded", seeded), ("unseeded", unseeded)):
+        p = _p_value(name, outs, exact)
+        assert p > ALPHA, f"round graph {name}: chi-square p = {p:.2e}"
+    biased, _, _ = _sample(model_path, 2, "block", _sharpened_block_verify, **ROUND_GRAPH)
+    p = _p_value("biased", biased, exact)
+    assert p < ALPHA, f"the biased rule passed the round graph: chi-square p = {p:.2e}"
 
 
 def _sharpened_block_verify(

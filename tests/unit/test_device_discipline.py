@@ -417,14 +417,19 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
             assert reads.count - before == 1
 
 
-@pytest.mark.parametrize("verify, k", [("expand", 2), ("fia", 3)])
-def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k):
+@pytest.mark.parametrize(
+    "verify, k, sampled", [("expand", 2, False), ("fia", 3, False), ("expand", 2, True)]
+)
+def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k, sampled):
     """Greedy requests without logprobs replay each MTP round as one graph (the platform's
     eager graph class over static device buffers; three requests pad bucket 4): every op of
     the round (the slots of its positions gathered from the request table, the draft chain,
     the verify, the greedy acceptance, the MTP pass and the next d_1 gathered at each row's
     accept length) stays on the device, and each step makes its one read after the whole
-    round, no forward following it; the per-forward verify graph never replays."""
+    round, no forward following it; the per-forward verify graph never replays. `sampled`:
+    two seeded sampled requests (top-k, top-p) beside a greedy one replay the sampled
+    variant (draft sampling, rejection sampling, the next d_1 drawn inside, its uniforms
+    copied in with the settings block) under the same rules."""
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
@@ -452,8 +457,12 @@ def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k):
             runner.capture_graphs(decoder.graph_kinds())
             decoder.calibrate()  # captures the round graphs
             reqs = _requests()[:3]
-            for r in reqs:
+            for i, r in enumerate(reqs):
                 r.sampling_params = SamplingParams(temperature=0.0, max_new_tokens=64)
+                if sampled and i:
+                    r.sampling_params = SamplingParams(
+                        temperature=0.9, top_k=5, top_p=0.9, seed=i, max_new_tokens=64
+                    )
                 r.sampling_params.normalize()
                 r.return_logprob = False
             _prefill(runner, decoder, reqs)
@@ -470,6 +479,7 @@ def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k):
                 events = reads.events
                 assert events.count("read") == 1 and events[-1] == "read", events
     assert decoder.rounds is not None and decoder.rounds.replays[k] == 3
+    assert decoder.rounds.sampled_replays[k] == (3 if sampled else 0)
     assert not runner.graph_runner.replays.get(decoder.verifies[k].kind.name)
     assert reads.accepted > 0
 

@@ -127,6 +127,62 @@ def test_greedy_graph_gives_the_sampler_tokens(runner, n):
         runner.allocator.free(fb.out_cache_loc)  # the KV slots before it stay taken: plenty
 
 
+SAMPLED = [  # seeded over every setting, a greedy row, an unseeded one
+    {"temperature": 0.8, "seed": 1},
+    {"temperature": 1.0, "top_k": 5, "seed": 2},
+    {"temperature": 0},
+    {"temperature": 0.7, "top_p": 0.8, "min_p": 0.02, "seed": 3},
+    {"temperature": 0.9},
+    {"temperature": 1.1, "seed": 4},
+]
+
+
+@pytest.mark.parametrize("n", [1, 3, 4, 6])
+def test_sampled_graph_gives_the_sampler_tokens(runner, n):
+    """`decode_sampled` (GraphKind.sampled): forward and sampling in one graph, its settings
+    and uniforms one block (static_sampling.decode_block) copied in before the replay: the
+    seeded and greedy rows' tokens are `sample_tokens`' over the `decode` graph's logits
+    (the same streams: counts 3 + i); 6 requests: no bucket holds them, None (eager)."""
+    decoder, graphs = runner.decoder, runner.graph_runner
+    fb, rows = _decode_batch(runner, n, seed=n)
+    reqs = [_Req(sampling_params=_params(**SAMPLED[i])) for i in range(n)]
+    generated = [3 + i for i in range(n)]
+    try:
+        before = dict(graphs.replays)
+        _, logits = runner.forward_logits(fb, decoder.kind)
+        want = sample_tokens(logits, reqs, runner.vocab_size, [], generated).token_ids.tolist()
+        out = decoder.sampled_decode(fb, reqs, decoder.sampled_kinds, generated)
+        replayed = {k: v - before.get(k, 0) for k, v in graphs.replays.items()}
+        if n > 4:
+            assert out is None and not replayed.get("decode_sampled")
+            return
+        hidden, tokens = out
+        assert tokens.dtype == torch.int64 and tokens.shape == (n,) and hidden.shape[0] == n
+        # top-k or top-p set, or a greedy row: the variant with the masks' sort
+        assert replayed.get("decode_filtered" if n > 1 else "decode_sampled") == 1
+        kept = [i for i in range(n) if "seed" in SAMPLED[i] or not SAMPLED[i]["temperature"]]
+        assert [tokens.tolist()[i] for i in kept] == [want[i] for i in kept]
+    finally:
+        runner.req_to_token_pool.free(list(rows))
+        runner.allocator.free(fb.out_cache_loc)
+
+
+def test_sampled_graph_refuses_what_modifies_the_logits(runner):
+    """Penalties, a logit bias, min_new_tokens ahead or logprobs: no sampled graph (None),
+    the caller samples from the logits."""
+    decoder = runner.decoder
+    fb, rows = _decode_batch(runner, 2, seed=9)
+    try:
+        for kw in ({"frequency_penalty": 0.5}, {"logit_bias": {"5": 1.0}}, {"min_new_tokens": 9}):
+            reqs = [_Req(sampling_params=_params(temperature=0.8, **kw)) for _ in range(2)]
+            assert decoder.sampled_decode(fb, reqs, decoder.sampled_kinds) is None, kw
+        asks = [_Req(sampling_params=_params(temperature=0.8), return_logprob=True)] * 2
+        assert decoder.sampled_decode(fb, asks, decoder.sampled_kinds) is None
+    finally:
+        runner.req_to_token_pool.free(list(rows))
+        runner.allocator.free(fb.out_cache_loc)
+
+
 # ---- ForwardBatch.build: one packed copy -----------------------------------------------------
 
 
@@ -178,4 +234,5 @@ def test_compiled_forwards_keep_one_decode_kind(runner):
     assert [k.name for k in PlainDecoder(args, handles).graph_kinds()] == ["decode"]
     assert PlainDecoder(args, handles).greedy_kind is None
     eager = PlainDecoder(runner.server_args, handles)
-    assert [k.name for k in eager.graph_kinds()] == ["decode", "decode_greedy"]
+    names = ["decode", "decode_greedy", "decode_sampled", "decode_filtered"]
+    assert [k.name for k in eager.graph_kinds()] == names
