@@ -86,12 +86,17 @@ def test_dispatchers_use_the_fused_ops(ops):
 
 def test_disabled_falls_back_to_torch_ops(monkeypatch):
     monkeypatch.setenv(cpu_int8.ENV, "0")
-    monkeypatch.setattr(cpu_int8, "_state", {})
-    assert cpu_int8.ops() is None and cpu_int8.unavailable() == f"{cpu_int8.ENV}=0"
-    assert qm._DYNAMIC_KERNELS["cpu"]() is qm._w8a8_dynamic_torch
-    x, wq, ws = _data(4, 64, 24, torch.bfloat16)
-    want = qm.w8a8_dynamic_reference(x, wq, ws).to(torch.bfloat16)
-    assert torch.equal(qm.w8a8_dynamic_linear(x, wq, ws), want)
+    cpu_int8.configure(True)  # forget the built ops: the next use reads the environment
+    try:
+        assert cpu_int8.ops() is None and cpu_int8.unavailable() == f"{cpu_int8.ENV}=0"
+        assert qm._DYNAMIC_KERNELS["cpu"]() is qm._w8a8_dynamic_torch
+        x, wq, ws = _data(4, 64, 24, torch.bfloat16)
+        want = qm.w8a8_dynamic_reference(x, wq, ws).to(torch.bfloat16)
+        assert torch.equal(qm.w8a8_dynamic_linear(x, wq, ws), want)
+    finally:
+        monkeypatch.delenv(cpu_int8.ENV)
+        cpu_int8.configure(True)
+    assert cpu_int8.ops() is not None
 
 
 def test_bad_inputs_are_errors(ops):

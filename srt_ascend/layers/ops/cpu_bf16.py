@@ -21,75 +21,41 @@ naming the reason.
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-
 import torch
 
-logger = logging.getLogger(__name__)
+from srt_ascend.layers.ops.cpp_ops import CppOps
 
 ENV = "SRT_ASCEND_CPU_BF16_KERNEL"
 LANES = 16  # output columns per packed block
 PATHS = {"auto": 0, "scalar": 1, "avx2": 2, "avx512": 3, "avx512_bf16": 4}
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cpu_bf16.cpp")
-_lock = threading.Lock()
-_state: dict[str, object] = {}  # "ops": the op namespace, or "why": why it is not used
+_LIB = CppOps(
+    "srt_ascend_cpu_bf16",
+    "cpu_bf16.cpp",
+    "srt_cpu_bf16",
+    ENV,
+    "the deterministic mode's bf16 linears run on oneDNN",
+)
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return _LIB.enabled()
 
 
 def configure(on: bool) -> None:
-    """Use the kernel (built when next needed) or not, from now on, for this process
+    """Use the ops (built when next needed) or the torch path from now on, for this process
     (benchmarks compare both in one run; a server keeps the environment's choice)."""
-    with _lock:
-        _state.clear()
-        if not on:
-            _state["why"] = "configured off"
-
-
-def _build():
-    from torch.utils import cpp_extension
-
-    logger.info("loading the batch-invariant CPU bf16 linear (cpu_bf16.cpp; built once, ~30 s)")
-    cpp_extension.load(
-        name="srt_ascend_cpu_bf16",
-        sources=[_SOURCE],
-        extra_cflags=["-O3"],
-        is_python_module=False,
-        verbose=False,
-    )
-    return torch.ops.srt_cpu_bf16
+    _LIB.configure(on)
 
 
 def ops():
-    """The ops (`torch.ops.srt_cpu_bf16`), built on first use; None where disabled or not
-    buildable (said once)."""
-    if "ops" in _state or "why" in _state:
-        return _state.get("ops")
-    with _lock:
-        if "ops" in _state or "why" in _state:
-            return _state.get("ops")
-        if not enabled():
-            _state["why"] = f"{ENV}=0"
-            return None
-        try:
-            _state["ops"] = _build()
-        except Exception as e:  # noqa: BLE001 - any build failure falls back, said once
-            _state["why"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            logger.warning(
-                "batch-invariant CPU bf16 kernel unavailable (%s); the deterministic mode's "
-                "bf16 linears run on oneDNN",
-                _state["why"],
-            )
-    return _state.get("ops")
+    """The ops (`torch.ops.srt_cpu_bf16`), built on first use; None where disabled or not buildable
+    (said once)."""
+    return _LIB.ops()
 
 
 def unavailable() -> str | None:
-    """Why the kernel is not used (after `ops()` was called), or None."""
-    return _state.get("why")
+    """Why the ops are not used (after `ops()` was called), or None."""
+    return _LIB.unavailable()
 
 
 def path_name() -> str:
