@@ -72,37 +72,8 @@ class ModelRunner:
         self.config = load_config(server_args.model_path)
         self.dtype = resolve_dtype(server_args.dtype, self.config)
         deterministic = server_args.enable_deterministic_inference
-        if deterministic and (why := platform.deterministic_unavailable()):
-            raise ValueError(
-                f"--enable-deterministic-inference is not available on {platform.name}: {why}"
-            )
-        layers_linear.configure(
-            platform.small_gemm_macs(server_args.cpu_small_gemm),
-            layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
-        )
-        set_fixed_order_sums(deterministic)  # all-reduces over > 2 ranks in rank order
-        if deterministic and self.device.type == "cpu":
-            layers_linear.prepare_fixed_order()  # built at load, never in a step
-        self.quantization = resolve_quantization(
-            server_args.model_path,
-            self.config,
-            server_args.quantization,
-            shard_files(server_args.model_path),
-        )
-        if self.quantization is not None and (why := refused_with(self.quantization, server_args)):
-            raise ValueError(why)
-        self.model, self.mtp = load_model(
-            server_args.model_path,
-            dtype=self.dtype,
-            device=self.device,
-            load_mtp=server_args.spec_enabled,
-            config=self.config,
-            tp=tp,
-            quantization=self.quantization,
-        )
-        self.model.eval()
-        if self.mtp is not None:
-            self.mtp.eval()
+        self._set_numerics(deterministic)
+        self._load_model()
         self.weight_memory = weight_memory([self.model, self.mtp])  # bytes, as loaded
         self.vocab_size = self.config.vocab_size
         # Speculative verify writes up to K positions past the committed length.
@@ -139,6 +110,47 @@ class ModelRunner:
         )
         self.graph_runner: GraphRunner | None = None
         self.sample_block: torch.Tensor | None = None  # decode_sampled graphs' settings
+
+    def _set_numerics(self, deterministic: bool) -> None:
+        """The process-wide GEMM and all-reduce modes (--cpu-small-gemm, and batch-invariant
+        ones under --enable-deterministic-inference, its CPU kernel built now, at load)."""
+        server_args, platform = self.server_args, self.platform
+        if deterministic and (why := platform.deterministic_unavailable()):
+            raise ValueError(
+                f"--enable-deterministic-inference is not available on {platform.name}: {why}"
+            )
+        layers_linear.configure(
+            platform.small_gemm_macs(server_args.cpu_small_gemm),
+            layers_linear.DETERMINISTIC_ROW_TILE if deterministic else None,
+        )
+        set_fixed_order_sums(deterministic)  # all-reduces over > 2 ranks in rank order
+        if deterministic and self.device.type == "cpu":
+            layers_linear.prepare_fixed_order()  # built at load, never in a step
+
+    def _load_model(self) -> None:
+        """This rank's model (and MTP module when speculating), in its checkpoint's
+        quantization (a one-line error where the settings cannot serve it), in eval mode."""
+        server_args = self.server_args
+        self.quantization = resolve_quantization(
+            server_args.model_path,
+            self.config,
+            server_args.quantization,
+            shard_files(server_args.model_path),
+        )
+        if self.quantization is not None and (why := refused_with(self.quantization, server_args)):
+            raise ValueError(why)
+        self.model, self.mtp = load_model(
+            server_args.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            load_mtp=server_args.spec_enabled,
+            config=self.config,
+            tp=self.tp,
+            quantization=self.quantization,
+        )
+        self.model.eval()
+        if self.mtp is not None:
+            self.mtp.eval()
 
     def capture_graphs(
         self, kinds: list[GraphKind], smallest_kv_window: int = MIN_KV_WINDOW
