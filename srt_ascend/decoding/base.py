@@ -252,11 +252,7 @@ class Decoder(ABC):
             [1] * len(reqs),
             loc,
         )
-        out = None  # (hidden, tokens) from a graph ending with sampling
-        if greedy_kind is not None and greedy_without_logprobs(reqs):
-            out = self.runner.forward_greedy(fb, greedy_kind)
-        elif sampled_kinds is not None:
-            out = self.sampled_decode(fb, reqs, sampled_kinds)
+        out = self.sampling_replay(fb, reqs, greedy_kind, sampled_kinds)
         if out is None:
             hidden, logits = self.runner.forward_logits(fb, kind)
         else:
@@ -268,6 +264,23 @@ class Decoder(ABC):
         else:
             self.sample_and_commit(reqs, logits)
         return hidden
+
+    def sampling_replay(
+        self,
+        fb: ForwardBatch,
+        reqs: list[StepRequest],
+        greedy_kind: GraphKind | None,
+        sampled_kinds: dict[bool, GraphKind] | None,
+        generated: list[int] | None = None,  # tokens each generated (None: committed ones)
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(hidden, tokens) of a decode forward whose graph ends with sampling: `greedy_kind`
+        for a batch `greedy_without_logprobs` accepts, else `sampled_decode` over
+        `sampled_kinds`; None where neither serves (the caller samples from the logits)."""
+        if greedy_kind is not None and greedy_without_logprobs(reqs, generated):
+            return self.runner.forward_greedy(fb, greedy_kind)
+        if sampled_kinds is not None:
+            return self.sampled_decode(fb, reqs, sampled_kinds, generated)
+        return None
 
     def sampled_decode(
         self,

@@ -11,11 +11,7 @@ from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.model_executor.graph_runner import GraphKind
 from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.penalty_state import has_penalties
-from srt_ascend.sampling.sample_step import (
-    SampledTokens,
-    greedy_without_logprobs,
-    sample_tokens,
-)
+from srt_ascend.sampling.sample_step import SampledTokens, sample_tokens
 from srt_ascend.utils import HOST_READS, to_device
 
 
@@ -98,20 +94,14 @@ class PlainDecoder(Decoder):
             r.kv_len += 1
         generated = [len(r.output_ids) + ahead for r in reqs]
         batch = list(reqs)
-        # forward + argmax in one graph
-        greedy = self.greedy_kind is not None and greedy_without_logprobs(batch, generated)
 
         @torch.inference_mode()
         def run():
             if prev is not None:  # the future-token gather: prev's tokens, still on the device
                 tokens = prev.result.result().sampled.token_ids
                 inputs.copy_(tokens if rows is None else tokens.index_select(0, rows))
-            out = None  # forward + sampling in one graph
-            if greedy:
-                out = self.runner.forward_greedy(fb, self.greedy_kind)
-            elif self.sampled_kinds is not None:
-                out = self.sampled_decode(fb, batch, self.sampled_kinds, generated)
-            if out is not None:
+            out = self.sampling_replay(fb, batch, self.greedy_kind, self.sampled_kinds, generated)
+            if out is not None:  # forward + sampling in one graph
                 sampled = SampledTokens(out[1], None)
             else:
                 _, logits = self.runner.forward_logits(fb, self.kind)  # a graph's own LM head

@@ -133,20 +133,22 @@ def generated_counts(
     return [len(r.output_ids) for r in reqs] if generated is None else generated
 
 
+def raw_logits(reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None) -> bool:
+    """Nothing applies to any request's logits: no penalties, no logit bias, no grammar, and
+    min_new_tokens already reached (so no stop mask, now or for later draft positions)."""
+    for r, n in zip(reqs, generated_counts(reqs, generated)):
+        p = r.sampling_params
+        if n < p.min_new_tokens or r.grammar is not None or p.logit_bias or has_penalties(p):
+            return False
+    return True
+
+
 def all_plain_greedy(
     reqs: Sequence[SamplingRequest], generated: Sequence[int] | None = None
 ) -> bool:
-    """Every request decodes by argmax with nothing to apply to its logits: no penalties, no
-    logit bias, no grammar, and min_new_tokens already reached (so no stop mask, now or for
-    later draft positions). Such batches skip the sampling-settings tensors (argmax of the raw
-    logits is the same rule)."""
-    for r, n in zip(reqs, generated_counts(reqs, generated)):
-        p = r.sampling_params
-        if not p.is_greedy or n < p.min_new_tokens or r.grammar is not None:
-            return False
-        if p.logit_bias or has_penalties(p):
-            return False
-    return True
+    """Every request decodes by argmax of its `raw_logits`. Such batches skip the
+    sampling-settings tensors (argmax of the raw logits is the same rule)."""
+    return all(r.sampling_params.is_greedy for r in reqs) and raw_logits(reqs, generated)
 
 
 def greedy_tokens(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:

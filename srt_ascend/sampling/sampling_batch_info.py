@@ -35,6 +35,13 @@ def mix_seed(seed: int, offset: int) -> int:
     return (x ^ (x >> 31)) & ((1 << 63) - 1)
 
 
+def effective_top_k(p, vocab_size: int) -> int:
+    """The top_k the sampler applies for params `p`: 1 for a greedy request, the whole
+    vocabulary where unset (< 1) or past it."""
+    top_k = 1 if p.is_greedy else p.top_k
+    return vocab_size if top_k < 1 or top_k > vocab_size else top_k
+
+
 @dataclass(frozen=True)
 class SamplingBatchInfo:
     """Sampling parameters of a batch as tensors on the model's device.
@@ -78,10 +85,8 @@ class SamplingBatchInfo:
         """
         temps, top_ks, gens = [], [], []
         for i, p in enumerate(params):
-            greedy = p.is_greedy
             temps.append(p.sampling_temperature)
-            top_k = 1 if greedy else p.top_k
-            top_ks.append(vocab_size if top_k < 1 or top_k > vocab_size else top_k)
+            top_ks.append(effective_top_k(p, vocab_size))
             offset = 0 if seed_offsets is None else int(seed_offsets[i])
             seeded = p.seed is not None and generators
             gens.append(seeded_generator(p.seed, offset) if seeded else None)

@@ -25,24 +25,15 @@ import torch
 
 from srt_ascend.layers.linear import sum_last
 from srt_ascend.layers.sampler import inverse_cdf_sample, over_temperature, top_k_top_p_keep_mask
-from srt_ascend.sampling.penalty_state import has_penalties
-from srt_ascend.sampling.sample_step import SamplingRequest
-from srt_ascend.sampling.sampling_batch_info import seeded_generator
+from srt_ascend.sampling.sample_step import SamplingRequest, raw_logits
+from srt_ascend.sampling.sampling_batch_info import effective_top_k, seeded_generator
 
 SETTINGS = 7  # temperature, top_p, min_p, top_k, greedy, renorm, pin
 
 
 def plain_sampling(reqs: Sequence[SamplingRequest], generated: Sequence[int]) -> bool:
-    """Every request samples from its raw logits (greedy or not) and asks no logprobs: no
-    penalties, logit bias nor grammar, min_new_tokens reached (`all_plain_greedy`'s rule
-    without its greedy condition)."""
-    for r, n in zip(reqs, generated):
-        p = r.sampling_params
-        if r.return_logprob or r.grammar is not None or n < p.min_new_tokens:
-            return False
-        if p.logit_bias or has_penalties(p):
-            return False
-    return True
+    """Every request samples from its `raw_logits` (greedy or not) and asks no logprobs."""
+    return raw_logits(reqs, generated) and not any(r.return_logprob for r in reqs)
 
 
 def fill_settings(block: torch.Tensor, reqs: Sequence[SamplingRequest], vocab: int) -> None:
@@ -51,8 +42,7 @@ def fill_settings(block: torch.Tensor, reqs: Sequence[SamplingRequest], vocab: i
     rows = []
     for r in reqs:
         p = r.sampling_params
-        top_k = 1 if p.is_greedy else p.top_k
-        top_k = vocab if top_k < 1 or top_k > vocab else top_k
+        top_k = effective_top_k(p, vocab)
         rows.append([p.sampling_temperature, p.top_p, p.min_p, top_k, p.is_greedy, 0.0, 0.0])
     if not rows:
         return
@@ -63,10 +53,11 @@ def fill_settings(block: torch.Tensor, reqs: Sequence[SamplingRequest], vocab: i
     block[: len(rows), :SETTINGS] = settings
 
 
-def padding_block(rows: int, device) -> torch.Tensor:
-    """A decode block's static buffer (`decode_block` rows copied into its first rows): rows
-    past a batch are greedy (top_k 1), temperature 1, uniform 1."""
-    block = torch.ones(rows, SETTINGS + 1, dtype=torch.float32, device=device)
+def padding_block(rows: int, device, width: int = SETTINGS + 1) -> torch.Tensor:
+    """A block's static buffer (a decode block's `decode_block` rows, or a round's, copied
+    into its first rows): rows past a batch are greedy (top_k 1), temperature 1, every
+    uniform 1, renorm and pin off."""
+    block = torch.ones(rows, width, dtype=torch.float32, device=device)
     block[:, 5:7] = 0.0
     return block
 
@@ -94,8 +85,7 @@ def needs_filter(reqs: Sequence[SamplingRequest], vocab: int) -> bool:
     from the requests, never from a block (a host value, no tensor read)."""
     for r in reqs:
         p = r.sampling_params
-        top_k = 1 if p.is_greedy else p.top_k
-        if 1 <= top_k < vocab or p.top_p < 1.0:
+        if effective_top_k(p, vocab) < vocab or p.top_p < 1.0:
             return True
     return False
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from srt_ascend.decoding.base import StepRequest
-from srt_ascend.sampling.static_sampling import SETTINGS, Settings, fill_settings
+from srt_ascend.sampling.static_sampling import SETTINGS, Settings, fill_settings, padding_block
 from srt_ascend.speculative.mtp_worker import stream_draws
 
 
@@ -32,15 +32,19 @@ def columns(k_max: int) -> int:
     """Width of the block for rounds of up to `k_max` drafts: the settings, then per count
     candidate (C = k_max + 1 of them) draft steps' and the verify's uniforms, then the next
     d_1's candidates (C + k_max)."""
-    c = k_max + 1
-    return SETTINGS + c * (k_max - 1) + c * (k_max + 1) + c + k_max
+    return _offsets(k_max)[2] + (k_max + 1) + k_max
 
 
 def padding_rows(n: int, k_max: int, device="cpu") -> torch.Tensor:
-    """`n` padding rows of the block: greedy (top_k 1), temperature 1, every uniform 1."""
-    rows = torch.ones(n, columns(k_max), dtype=torch.float32, device=device)
-    rows[:, 5:7] = 0.0
-    return rows
+    """`n` padding rows of the block (`static_sampling.padding_block`)."""
+    return padding_block(n, device, columns(k_max))
+
+
+def _offsets(k_max: int) -> tuple[int, int, int]:
+    """Where the block's draft-step, verify and next-d_1 uniforms start."""
+    chain = SETTINGS
+    verify = chain + (k_max + 1) * (k_max - 1)
+    return chain, verify, verify + (k_max + 1) * (k_max + 1)
 
 
 def host_block(
@@ -57,9 +61,7 @@ def host_block(
     row's are its streams' (`stream_draws`, as `stream_uniforms` draws them)."""
     block = padding_rows(bucket, k_max)
     c = k_max + 1
-    chain = SETTINGS
-    verify = chain + c * (k_max - 1)
-    nxt = verify + c * (k_max + 1)
+    chain, verify, nxt = _offsets(k_max)
     fill_settings(block, reqs, vocab)
     n = len(reqs)
     block[:n, SETTINGS:] = 1.0 - torch.rand(n, block.shape[1] - SETTINGS)  # unseeded rows
@@ -86,9 +88,7 @@ class RowSettings(Settings):
         bs, c = extra.shape[0], k_max + 1
         rows = block[:bs]
         super().__init__(rows, filtered)
-        chain = SETTINGS
-        verify = chain + c * (k_max - 1)
-        nxt = verify + c * (k_max + 1)
+        chain, verify, nxt = _offsets(k_max)
         self.extra = extra
         self.u_chain = _at(rows[:, chain:verify].reshape(bs, c, k_max - 1), extra)[:, : k - 1]
         self.u_verify = _at(rows[:, verify:nxt].reshape(bs, c, k_max + 1), extra)[:, : k + 1]
