@@ -184,6 +184,23 @@ def _commit(req, tokens, logprobs=None) -> None:
     req.output_ids.extend(tokens)
 
 
+def _fake_cuda_args(**kw) -> ServerArgs:
+    """Checked server args of the shipped checkpoint on the fake CUDA device (float32, the
+    torch_native attention, 8 requests over 512 KV tokens, context 128), plus `kw`."""
+    args = ServerArgs(
+        model_path=SHIPPED_MODEL,
+        dtype="float32",
+        device="cuda",
+        attention_backend="torch_native",
+        max_running_requests=8,
+        max_total_tokens=512,
+        context_length=128,
+        **kw,
+    )
+    args.check()
+    return args
+
+
 @pytest.mark.parametrize(
     "algorithm, verify, k, extra",
     [
@@ -211,21 +228,13 @@ def test_step_path_stays_on_device(monkeypatch, algorithm, verify, k, extra):
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
     spec = algorithm == "MTP"
-    args = ServerArgs(
-        model_path=SHIPPED_MODEL,
-        dtype="float32",
-        device="cuda",
-        attention_backend="torch_native",
+    args = _fake_cuda_args(
         speculative_algorithm=algorithm if spec else None,
         speculative_num_steps=max(k, 1),
         speculative_verify=verify,
-        max_running_requests=8,
-        max_total_tokens=512,
-        context_length=128,
         disable_cuda_graph=True,
         **extra,
     )
-    args.check()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:  # the checkpoint is read on the host
         runner = model_runner_module.ModelRunner(args, FakeCuda())
         assert next(runner.model.parameters()).device == DEVICE
@@ -374,20 +383,12 @@ def test_scheduler_steps_stay_on_device(monkeypatch, algorithm, extra):
         _fix_profiled_costs(monkeypatch)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
-    args = ServerArgs(
-        model_path=SHIPPED_MODEL,
-        dtype="float32",
-        device="cuda",
-        attention_backend="torch_native",
+    args = _fake_cuda_args(
         speculative_algorithm=None if algorithm == "NONE" else algorithm,
-        max_running_requests=8,
-        max_total_tokens=512,
-        context_length=128,
         chunked_prefill_size=20,
         disable_cuda_graph=True,
         **extra,
     )
-    args.check()
     outputs = []
     with FakeTensorMode(allow_non_fake_inputs=True) as fake, RealHost(fake) as strict:
         runner = model_runner_module.ModelRunner(args, FakeCuda())
@@ -433,21 +434,13 @@ def test_mtp_round_graph_stays_on_device(monkeypatch, verify, k, sampled):
     monkeypatch.setattr(model_runner_module, "load_model", _load_then_place)
     reads = Counted()
     monkeypatch.setattr(HOST_READS, "read", reads)
-    args = ServerArgs(
-        model_path=SHIPPED_MODEL,
-        dtype="float32",
-        device="cuda",
-        attention_backend="torch_native",
+    args = _fake_cuda_args(
         speculative_algorithm="MTP",
         speculative_num_steps=k,
         speculative_verify=verify,
-        max_running_requests=8,
-        max_total_tokens=512,
-        context_length=128,
         enable_cpu_graph=True,
         cuda_graph_bs=(2, 4),
     )
-    args.check()
     with FakeTensorMode(allow_non_fake_inputs=True) as fake:
         runner = model_runner_module.ModelRunner(args, FakeCuda())
         with Strict(fake):
