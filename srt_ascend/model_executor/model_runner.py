@@ -413,6 +413,15 @@ class ModelRunner:
         return self._with_logits(self._run(forward_batch, kind, step, hidden), rows)
 
     @torch.inference_mode()
+    def write_mtp_kv(self, fb: ForwardBatch, hidden: torch.Tensor, layer: int) -> None:
+        """The KV MTP layer `layer` writes at `fb`'s positions (input ids = token t+1,
+        `hidden` = h_t), eagerly and without the rest of the layer: the same ops as its
+        forward's, so the same bits as an eager MTP pass leaves (a pass without drafting
+        reads no output). No collective but the embedding's, which every rank runs alike."""
+        set_intra_op_threads(self.eager_threads)
+        self.mtp.write_kv(fb.input_ids, hidden, fb.positions, fb, layer)
+
+    @torch.inference_mode()
     def forward_eager(
         self, fb: ForwardBatch, mtp_step: int | None = None, hidden: torch.Tensor | None = None
     ) -> torch.Tensor:

@@ -44,9 +44,15 @@ class MTPLayer(nn.Module):
 
     def forward(self, embeds, hidden, positions, forward_batch: ForwardBatch | None):
         """embeds, hidden [..., d] -> normed output hidden [..., d] (feeds the LM head)."""
-        x = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
-        x = self.block(positions, x, forward_batch)
+        x = self.block(positions, self._input(embeds, hidden), forward_batch)
         return self.shared_head.norm(x)
+
+    def write_kv(self, embeds, hidden, positions, forward_batch: ForwardBatch) -> None:
+        """Only the KV `forward` writes at these positions (DecoderLayer.write_kv)."""
+        self.block.write_kv(positions, self._input(embeds, hidden), forward_batch)
+
+    def _input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
 
 
 class DeepseekV3ModelMTP(nn.Module):
@@ -82,6 +88,19 @@ class DeepseekV3ModelMTP(nn.Module):
         """input_ids = token t+1, hidden = h_t, positions = t. Returns normed hidden for t+2."""
         embeds = self._shared[0](input_ids)
         return self.layers[self.layer_for_step(step)](embeds, hidden, positions, forward_batch)
+
+    def write_kv(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        layer: int,
+    ) -> None:
+        """The KV MTP layer `layer`'s forward writes at these positions (token t+1, h_t,
+        positions t), without the rest of the layer: a pass whose outputs nobody reads."""
+        embeds = self._shared[0](input_ids)
+        self.layers[layer].write_kv(embeds, hidden, positions, forward_batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._shared[1](hidden).float()

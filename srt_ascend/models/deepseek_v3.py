@@ -152,6 +152,16 @@ class MLAAttention(nn.Module):
         out = bmm(o_latent.to(x.dtype).transpose(0, 1), w_vc)  # [H, T, v]
         return self.o_proj(out.transpose(0, 1).reshape(x.shape[0], -1))
 
+    def write_kv(
+        self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
+    ) -> None:
+        """Only the KV `forward` writes at these positions: the latents of x [T, hidden],
+        by the same ops (so the same bits), without attention. A position's KV depends on its
+        own input only."""
+        _, _, c_kv, k_pe = self._project(x, positions)
+        pool = forward_batch.token_to_kv_pool
+        pool.set_mla_kv_buffer(self.layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
+
     def forward_dense(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Expanded MLA, causal over each row. positions [S]; x [B, S, hidden]."""
         b, s, _ = x.shape
@@ -220,6 +230,11 @@ class DecoderLayer(nn.Module):
             return x + self.mlp.forward_all_to_all(h, _routing_free(forward_batch, h))
         every_group = self._mlp(self.tp.dp_gather(h, counts), forward_batch)
         return x + self.tp.dp_scatter(every_group, counts)
+
+    def write_kv(self, positions, x, forward_batch: ForwardBatch) -> None:
+        """The KV `forward` writes at these positions (MLAAttention.write_kv), nothing else:
+        no attention, MLP or collective."""
+        self.self_attn.write_kv(positions, self.input_layernorm(x), forward_batch)
 
     def _mlp(self, h: torch.Tensor, forward_batch: ForwardBatch | None) -> torch.Tensor:
         """This rank's partial sum of the MLP over h."""

@@ -164,6 +164,8 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
                 handles.req_to_token,
                 self.vocab,
                 handles.eos_ids,
+                # under DP attention every group's passes pair up through their exchanges
+                runner.write_mtp_kv if runner.tp.dp_size == 1 else None,
             ),
             extend_kinds,
             self.step_kinds,

@@ -79,6 +79,9 @@ class DraftHandles:
     req_to_token: torch.Tensor  # [rows, max_context] slot table
     vocab_size: int
     eos_ids: list[int]
+    # (fb, h_t, MTP layer): only the KV that layer's forward writes (ModelRunner.write_mtp_kv);
+    # None: a pass without drafting runs the whole layers
+    write_kv: Callable[[ForwardBatch, torch.Tensor, int], None] | None = None
 
 
 class Drafts(NamedTuple):
@@ -186,6 +189,19 @@ def one_hot_probs(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return nn.functional.one_hot(tokens, vocab).to(torch.float32)
 
 
+def _drop_deferred(state: SpecState, n: int) -> None:
+    """Forgets the `n` oldest deferred positions of `state` (views: no copy)."""
+    state.deferred_start += n
+    state.deferred_len -= n
+    while n:
+        head = state.deferred[0]
+        if head.shape[0] <= n:
+            n -= head.shape[0]
+            del state.deferred[0]
+        else:
+            state.deferred[0], n = head[n:], 0
+
+
 def state_of(req: StepRequest) -> SpecState:
     if req.decoder_state is None:
         req.decoder_state = SpecState()
@@ -239,7 +255,8 @@ class MTPWorker:
         draft_rows: list[bool],  # whose last position's output drafts d_1
     ) -> None:
         """DRAFT_EXTEND: MTP over (h_p, token p+1) at positions p, writing the MTP layer's KV
-        into the same slots as the main model's; the last output drafts d_1."""
+        into the same slots as the main model's; the last output drafts d_1. A pass where
+        nobody drafts writes only the KV (`write_kv`), where the handles can."""
         ids = [t for toks in next_tokens for t in toks]
         rows = [r.req_pool_idx for r in reqs]
         seq = [s + n for s, n in zip(starts, lens)]
@@ -249,6 +266,11 @@ class MTPWorker:
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc
         )
+        if self.h.write_kv is not None and not any(draft_rows):
+            fb = build()
+            for layer in [0, *self.later_layers]:
+                self.h.write_kv(fb, hidden, layer)
+            return
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
         picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
         out, logits = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds), last)
@@ -366,12 +388,12 @@ class MTPWorker:
         for r, start, rows in zip(reqs, starts, hidden):
             s = state_of(r)
             if not s.deferred:
-                s.deferred_start = start
-            s.deferred.extend(rows)
+                s.deferred_start, s.deferred_len = start, 0
+            s.deferred.append(rows)
+            s.deferred_len += rows.shape[0]
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
-            if len(s.deferred) > MAX_DEFERRED and not r.finished:
-                s.deferred_start += len(s.deferred) - MAX_DEFERRED
-                del s.deferred[:-MAX_DEFERRED]
+            if s.deferred_len > MAX_DEFERRED and not r.finished:
+                _drop_deferred(s, s.deferred_len - MAX_DEFERRED)
 
     @torch.inference_mode()
     def catch_up(self, reqs: list[StepRequest], draft: bool = True) -> None:
@@ -385,10 +407,10 @@ class MTPWorker:
             return
         states = [state_of(r) for r in stale]
         starts = [s.deferred_start for s in states]
-        lens = [len(s.deferred) for s in states]
-        hidden = torch.stack([h for s in states for h in s.deferred])
+        lens = [s.deferred_len for s in states]
+        hidden = torch.cat([h for s in states for h in s.deferred])
         for s in states:
-            s.deferred = []
+            s.deferred, s.deferred_len = [], 0
         next_tokens = [
             (r.all_ids[st + 1 : st + 1 + n] + [0] * n)[:n] for r, st, n in zip(stale, starts, lens)
         ]
