@@ -343,14 +343,24 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         """Each request's drafts this step, k_r in 0..num_steps: its own
         `speculative_num_steps` when it asked, else what `draft_length` chooses for the
         requests that did not ask (`DraftLength.plan`): one K, or per request under
-        --speculative-adaptive with a ragged verify or the split (`count`: the step runs,
-        the policy counts it; else a peek)."""
+        --speculative-adaptive with a ragged verify (not where whole-round graphs run the
+        batch: `_whole_rounds`) or the split (`count`: the step runs, the policy counts it;
+        else a peek)."""
         asked = [r.sampling_params.speculative_num_steps for r in reqs]
         free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked
-        own = iter(self.draft_length.plan(free, count, self.split_zeros or self.ragged))
+        per_request = self.split_zeros or (self.ragged and not self._whole_rounds(reqs))
+        own = iter(self.draft_length.plan(free, count, per_request))
         return [next(own) if a is None else a for a in asked]
+
+    def _whole_rounds(self, reqs: list[StepRequest]) -> bool:
+        """Whether the batch's rounds run as one graph (`_round_fits`, at the largest K):
+        such a round verifies B(1 + K) rows whatever each request's k_r, so shorter drafts
+        save it nothing, and the ragged policy's plans (priced by their rows) would trade
+        expected tokens for a saving it never makes: the policy then plans one K for all."""
+        k = max(self.verifies, default=0)
+        return bool(k) and self._round_fits(reqs, k, [len(r.output_ids) for r in reqs]) is not None
 
     def _batch_k(self, plan: list[int]) -> int:
         """The step's K for requests drafting `plan`: the smallest K with a verify (every one

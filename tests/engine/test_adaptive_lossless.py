@@ -161,3 +161,37 @@ def test_adaptive_k_walks_the_captured_round_graphs(model_path, baseline):
         state["available_kv_tokens"] + state["cached_tokens_in_tree"]
         == (state["max_total_num_tokens"])
     )
+
+
+def test_per_request_plans_only_where_rows_cost(model_path, baseline):
+    """The per-request adaptive policy prices a ragged verify by its rows; a batch whose
+    rounds replay the whole-round graph verifies B(1 + K) rows whatever each request drafts,
+    so its steps are planned one K for all (no ragged step), while batches the graph does
+    not take (logprobs) are planned per request. Greedy tokens equal the baseline's."""
+    args, _ = CONFIGS["walk-fia-graphs"]
+    engine = Engine(model_path=model_path, dtype="float32", max_running_requests=8, **args)
+    asked = []
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        policy = decoder.draft_length
+        buckets = policy.costs.buckets
+        costs = {(b, k): 1.0 + 0.1 * k for b in buckets for k in range(4)}  # drafts pay
+        policy.costs = CostTable(buckets, 3, costs, {1: 0.01, 64: 0.64})
+        plan = policy.plan
+
+        def spy(estimates, count, per_request):
+            asked.append(per_request)
+            return plan(estimates, count, per_request)
+
+        policy.plan = spy
+        whole = engine.generate(PROMPTS[:8], [GREEDY] * 8)
+        state = engine.get_internal_state()
+        rounds = {asked.pop() for _ in range(len(asked))}
+        logprobs = engine.generate(PROMPTS[:8], [GREEDY] * 8, return_logprob=True)
+    finally:
+        engine.shutdown()
+    assert [o["output_ids"] for o in whole] == [b["output_ids"] for b in baseline[:8]]
+    assert_same_greedy("logprobs", logprobs, baseline[:8])
+    assert rounds == {False} and state["spec_ragged_steps"] == 0
+    assert sum(n for k, n in state["graph_replays"].items() if k.startswith("mtp_round")) > 0
+    assert True in asked
