@@ -42,8 +42,10 @@ rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARG
 chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
 left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
-Estimates a_r start from the server-wide acceptance per position and move with each of r's
-verify steps. Under overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
+Estimates a_r (`Estimate`) start from the recent acceptance per position of requests of r's
+kind (greedy or sampled; the server-wide acceptance before any) and move with each of r's
+verify steps, fast while they rest on few outcomes (PRIOR_WEIGHT, ESTIMATE_DECAY). Under
+overlap scheduling (MTPDecoder.launch) a round's K is chosen at its launch,
 before the round in flight is read: from estimates one round stale; its timing is the time
 from the previous round's read to its own (a streak's period: what a served round costs). A
 launch looks at the choice (`peek`) and counts the step (`advance`) only once the round runs:
@@ -64,8 +66,20 @@ from tqdm import tqdm
 from srt_ascend.registry import Registry
 
 COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
-ACCEPT_WEIGHT = 0.1  # weight of a new verify outcome in a request's acceptance estimate
-# (0.3 let one rejected draft swing a lone request's choice to K = 0 and back)
+# A request's acceptance estimate at a draft position (`Estimate`) is a decayed average of its
+# own verify outcomes there, its prior counting PRIOR_WEIGHT outcomes at the start: a new
+# request moves fast (its first outcome weighs 1/(PRIOR_WEIGHT x ESTIMATE_DECAY + 1) = 0.36),
+# an established one at about 1 - ESTIMATE_DECAY per outcome (0.1 per outcome throughout let
+# requests that accept well but started from a low prior, code among random-token requests,
+# go unrecognised: at K = 0 only an exploration step every EXPLORE_EVERY plans observes them,
+# twice in a 64-token request's life; 0.3 throughout let one rejected draft swing a lone
+# request's choice to K = 0 and back)
+PRIOR_WEIGHT = 2.0
+ESTIMATE_DECAY = 0.9
+# The prior of a new request: the acceptance per position of the recent requests of its kind
+# (greedy or sampled: a temperature changes acceptance most), each outcome discounting the
+# earlier ones by KIND_DECAY (about the last 500 outcomes per position)
+KIND_DECAY = 0.998
 # Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
 # costs beyond its steps is not in the costs (the passes that catch up deferred positions, the
 # MTP pass over prompts, which delays first tokens, requests that no longer finish together and
@@ -114,30 +128,51 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 
 
 class AcceptanceStats:
-    """Server-wide drafts verified and accepted per draft position (0-based)."""
+    """Drafts verified and accepted per draft position (0-based): server-wide counts, or
+    with `decay` < 1 counts that discount each earlier outcome at a position by it."""
 
-    def __init__(self, max_k: int) -> None:
+    def __init__(self, max_k: int, decay: float = 1.0) -> None:
         self.drafted = [0] * max_k  # drafts examined at position j (all before it accepted)
         self.accepted = [0] * max_k
+        self.decay = decay
 
     def record(self, k: int, accepted: int) -> None:
         for j in range(min(accepted + 1, k)):
+            if self.decay < 1.0:
+                self.drafted[j] *= self.decay
+                self.accepted[j] *= self.decay
             self.drafted[j] += 1
-        for j in range(accepted):
-            self.accepted[j] += 1
+            self.accepted[j] += j < accepted
 
     def rates(self) -> list[float]:
         """Conditional acceptance per position (PRIOR_ACCEPT where none was examined)."""
         return [a / d if d else PRIOR_ACCEPT for a, d in zip(self.accepted, self.drafted)]
 
 
+class Estimate(list):
+    """A request's conditional acceptance per draft position (the floats the policy reads):
+    at position j, hits[j] / seen[j], the decayed counts of its drafts accepted and examined
+    there, started at PRIOR_WEIGHT outcomes of its `prior` (module comment). `kind`: the
+    requests whose recent acceptance gave the prior, and which its outcomes inform."""
+
+    def __init__(self, prior: Sequence[float], kind: str = "") -> None:
+        super().__init__(prior)
+        self.kind = kind
+        self.hits = [PRIOR_WEIGHT * a for a in prior]
+        self.seen = [PRIOR_WEIGHT] * len(prior)
+
+
 def update_estimate(estimate: list[float], k: int, accepted: int) -> None:
-    """Moves a request's conditional acceptance per position towards one verify outcome:
-    positions 1..accepted were accepted, position accepted+1 (if <= k) rejected, later ones
-    were not examined and keep their value."""
+    """Moves a request's conditional acceptance per position (an `Estimate`) towards one
+    verify outcome: positions 1..accepted were accepted, position accepted+1 (if <= k)
+    rejected, later ones were not examined and keep their value. A plain list has no counts
+    and stays as it is (a fixed estimate)."""
+    if not isinstance(estimate, Estimate):
+        return
     for j in range(min(accepted + 1, k)):
-        outcome = 1.0 if j < accepted else 0.0
-        estimate[j] += ACCEPT_WEIGHT * (outcome - estimate[j])
+        estimate.hits[j] = ESTIMATE_DECAY * estimate.hits[j] + (j < accepted)
+        estimate.seen[j] = ESTIMATE_DECAY * estimate.seen[j] + 1.0
+        estimate[j] = estimate.hits[j] / estimate.seen[j]
 
 
 class CostTable:
@@ -331,6 +366,7 @@ class DraftLength(ABC):
     def __init__(self, max_k: int, buckets: Sequence[int]) -> None:
         self.max_k = max_k
         self.acceptance = AcceptanceStats(max_k)
+        self.kinds: dict[str, AcceptanceStats] = {}  # recent acceptance by request kind
         self.chosen: Counter[int] = Counter()  # steps per K
 
     def choose(self, estimates: Sequence[list[float]]) -> int:
@@ -377,10 +413,24 @@ class DraftLength(ABC):
         for i, (estimate, n) in enumerate(zip(estimates, accepted)):
             k_r = k if limits is None else limits[i]
             self.acceptance.record(k_r, n)
+            if isinstance(estimate, Estimate):
+                self._kind(estimate.kind).record(k_r, n)
             update_estimate(estimate, k_r, n)
 
-    def initial_estimate(self) -> list[float]:
-        return self.acceptance.rates()
+    def initial_estimate(self, kind: str = "") -> Estimate:
+        """A new request's estimate: the recent acceptance of requests of its `kind` where
+        some were verified, else the server-wide acceptance."""
+        recent = self.kinds.get(kind)
+        if recent is None or not any(recent.drafted):
+            return Estimate(self.acceptance.rates(), kind)
+        server = self.acceptance.rates()  # positions its kind never reached: the server's
+        rates = zip(recent.accepted, recent.drafted, server)
+        return Estimate([a / d if d else s for a, d, s in rates], kind)
+
+    def _kind(self, kind: str) -> AcceptanceStats:
+        if kind not in self.kinds:
+            self.kinds[kind] = AcceptanceStats(self.max_k, KIND_DECAY)
+        return self.kinds[kind]
 
     def calibrate(  # noqa: B027 - optional hook
         self,
@@ -416,6 +466,7 @@ class AdaptiveDraftLength(DraftLength):
         self.costs: CostTable | None = None  # from `calibrate`, before the first step
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
         self.plans = 0  # steps planned per request (`lengths`)
+        self.margin = SPEC_MARGIN
 
     def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
@@ -433,7 +484,7 @@ class AdaptiveDraftLength(DraftLength):
 
     def _best(self, rates: dict[int, float]) -> int:
         best = max(rates, key=rates.__getitem__)
-        return best if rates[best] >= SPEC_MARGIN * rates[0] else 0
+        return best if rates[best] >= self.margin * rates[0] else 0
 
     def peek(self, estimates):
         bucket = self.costs.bucket(len(estimates))
@@ -475,7 +526,7 @@ class AdaptiveDraftLength(DraftLength):
         its acceptance keeps being measured."""
         n, costs = len(estimates), self.costs
         bucket = costs.bucket(n)
-        best, plan = SPEC_MARGIN * n / costs.cost(bucket, 0), [0] * n
+        best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
         for k in costs.ks[1:]:
             gains = []
             for r, e in enumerate(estimates):
@@ -509,7 +560,7 @@ class AdaptiveDraftLength(DraftLength):
             return [k] * n
         order = sorted(range(n), key=lambda r: expected_tokens(estimates[r], self.max_k))
         whole = sum(expected_tokens(e, k) for e in estimates) / costs.cost(costs.bucket(n), k)
-        best, plan = SPEC_MARGIN * whole, (0, k)
+        best, plan = self.margin * whole, (0, k)
         for j in costs.ks[1:]:
             tails = [0.0] * (n + 1)  # tails[m]: expected tokens of the requests past the m first
             for i in range(n - 1, -1, -1):

@@ -534,7 +534,8 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         """The request's moving acceptance per draft position (host floats, in its state)."""
         state = state_of(req)
         if state.acceptance is None:
-            state.acceptance = self.draft_length.initial_estimate()
+            kind = "greedy" if req.sampling_params.is_greedy else "sampled"
+            state.acceptance = self.draft_length.initial_estimate(kind)
         return state.acceptance
 
     def _count(self, req: StepRequest, k: int, accepted: int) -> None:

@@ -255,8 +255,18 @@ class MTPWorker:
         draft_rows: list[bool],  # whose last position's output drafts d_1
     ) -> None:
         """DRAFT_EXTEND: MTP over (h_p, token p+1) at positions p, writing the MTP layer's KV
-        into the same slots as the main model's; the last output drafts d_1. A pass where
-        nobody drafts writes only the KV (`write_kv`), where the handles can."""
+        into the same slots as the main model's; the last output drafts d_1. Where the
+        handles can (`write_kv`), the positions no draft is read from (all but each drafting
+        request's last) get only their KV, and the whole layers run over the drafting
+        requests' last positions, whose attention reads that KV."""
+        if self.h.write_kv is not None:
+            picked = self._write_kv(reqs, starts, lens, hidden, next_tokens, draft_rows)
+            if not picked:
+                return
+            reqs, starts, hidden, next_tokens = self._last_positions(
+                picked, reqs, starts, lens, hidden, next_tokens
+            )
+            lens, draft_rows = [1] * len(reqs), [True] * len(reqs)
         ids = [t for toks in next_tokens for t in toks]
         rows = [r.req_pool_idx for r in reqs]
         seq = [s + n for s, n in zip(starts, lens)]
@@ -266,15 +276,49 @@ class MTPWorker:
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc
         )
-        if self.h.write_kv is not None and not any(draft_rows):
-            fb = build()
-            for layer in [0, *self.later_layers]:
-                self.h.write_kv(fb, hidden, layer)
-            return
         ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
         picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
         out, logits = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds), last)
         self._draft_first(picked, out[last], logits)
+
+    def _write_kv(self, reqs, starts, lens, hidden, next_tokens, draft_rows) -> list[int]:
+        """`draft_extend`'s KV-only part: every MTP layer's KV at each request's positions
+        but a drafting request's last (`write_kv`: the ops and bits of the layer's forward).
+        Returns the indices of the drafting requests."""
+        only = [n - 1 if d else n for n, d in zip(lens, draft_rows)]  # KV-only positions
+        at = [i for i, m in enumerate(only) if m]
+        if at:
+            offsets = [0, *itertools.accumulate(lens)]
+            fb = self.h.build_forward_batch(
+                ForwardMode.DRAFT_EXTEND,
+                [t for i in at for t in next_tokens[i][: only[i]]],
+                [reqs[i].req_pool_idx for i in at],
+                [starts[i] + only[i] for i in at],
+                [only[i] for i in at],
+                torch.cat(
+                    [self.h.req_to_token[reqs[i].req_pool_idx, starts[i] : starts[i] + only[i]]
+                     for i in at]
+                ),
+            )  # fmt: skip
+            if sum(only) < hidden.shape[0]:
+                rows = [offsets[i] + j for i in at for j in range(only[i])]
+                hidden = hidden.index_select(0, to_device(rows, hidden.device))
+            for layer in [0, *self.later_layers]:
+                self.h.write_kv(fb, hidden, layer)
+        return [i for i, d in enumerate(draft_rows) if d]
+
+    @staticmethod
+    def _last_positions(picked, reqs, starts, lens, hidden, next_tokens):
+        """The `picked` requests with their last position only: (requests, its position,
+        its hidden row, its next token)."""
+        ends = list(itertools.accumulate(lens))
+        rows = to_device([ends[i] - 1 for i in picked], hidden.device)
+        return (
+            [reqs[i] for i in picked],
+            [starts[i] + lens[i] - 1 for i in picked],
+            hidden.index_select(0, rows),
+            [next_tokens[i][-1:] for i in picked],
+        )
 
     @torch.inference_mode()
     def draft_after_verify(

@@ -11,17 +11,19 @@ from srt_ascend.metrics import ServerMetrics
 from srt_ascend.server_args import ServerArgs, prepare_server_args
 from srt_ascend.speculative import draft_length
 from srt_ascend.speculative.draft_length import (
-    ACCEPT_WEIGHT,
     COST_WINDOW,
+    ESTIMATE_DECAY,
     EXPLORE_EVERY,
     EXPLORE_UNMEASURED,
     EXPLORE_WITHIN,
+    PRIOR_WEIGHT,
     PROFILE_MAX_RUNS,
     PROFILE_MIN_RUNS,
     SPEC_MARGIN,
     AcceptanceStats,
     AdaptiveDraftLength,
     CostTable,
+    Estimate,
     FixedDraftLength,
     expected_tokens,
     monotone,
@@ -155,9 +157,42 @@ def test_acceptance_stats_and_estimates_count_examined_positions_only() -> None:
     stats.record(0, 0)  # no drafts
     assert stats.drafted == [2, 2, 0] and stats.accepted == [2, 1, 0]
     assert stats.rates()[:2] == [1.0, 0.5]
-    estimate = [0.5, 0.5, 0.5]
+    estimate = Estimate([0.5, 0.5, 0.5])
     update_estimate(estimate, 3, 1)
-    assert estimate == pytest.approx([0.5 + ACCEPT_WEIGHT * 0.5, 0.5 - ACCEPT_WEIGHT * 0.5, 0.5])
+    first = 1 / (PRIOR_WEIGHT * ESTIMATE_DECAY + 1)  # the first outcome's weight
+    assert estimate == pytest.approx([0.5 + first * 0.5, 0.5 - first * 0.5, 0.5])
+    fixed = [0.5, 0.5, 0.5]  # a plain list has no counts: held as it is
+    update_estimate(fixed, 3, 1)
+    assert fixed == [0.5, 0.5, 0.5]
+
+
+def test_estimates_move_fast_while_new_and_slower_once_established() -> None:
+    new, old = Estimate([0.5]), Estimate([0.5])
+    for _ in range(30):
+        update_estimate(old, 1, 1)
+    assert old[0] > 0.95
+    before = old[0]
+    update_estimate(old, 1, 0)  # one rejection after 30 acceptances
+    update_estimate(new, 1, 0)  # a new request's first outcome
+    assert before - old[0] < 0.11 < 0.5 - new[0]
+    for _ in range(20):  # no floor left by the prior: a request that stops accepting
+        update_estimate(old, 1, 0)
+    assert old[0] < 0.15
+
+
+def test_a_new_request_starts_from_its_kinds_recent_acceptance() -> None:
+    policy = FixedDraftLength(2, BUCKETS)
+    assert policy.initial_estimate("greedy") == [draft_length.PRIOR_ACCEPT] * 2  # none yet
+    for _ in range(50):
+        code, chat = policy.initial_estimate("greedy"), policy.initial_estimate("sampled")
+        policy.record([code, chat], 2, [2, 0], None)
+    assert policy.initial_estimate("greedy") == pytest.approx([1.0, 1.0])
+    # the sampled requests never reached position 2: the server-wide rate there (all greedy)
+    assert policy.initial_estimate("sampled") == pytest.approx([0.0, 1.0])
+    assert policy.initial_estimate("") == pytest.approx([0.5, 1.0])  # server-wide
+    for _ in range(5000):  # the kind's rate follows its recent requests
+        policy.record([policy.initial_estimate("sampled")], 2, [2], None)
+    assert policy.initial_estimate("sampled")[0] > 0.99
 
 
 @pytest.mark.parametrize(
