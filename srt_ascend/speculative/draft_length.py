@@ -232,8 +232,10 @@ class CostTable:
         0 .. batch x k: its profile (`profiled`) x S(b, K)."""
         full = self.profile[bucket, k]
         scale = self.cost(bucket, k) / full
-        base = full - self._w(bucket * (k + 1))
-        return [scale * max(base + self._w(batch + m), full / 10) for m in range(batch * k + 1)]
+        base, floor = full - self._w(bucket * (k + 1)), full / 10
+        table = self.row_seconds[batch : batch * (k + 1) + 1]  # W at batch + m rows
+        table += [self.row_seconds[-1]] * (batch * k + 1 - len(table))  # flat past the end
+        return [scale * max(base + w, floor) for w in table]
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale

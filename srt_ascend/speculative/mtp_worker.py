@@ -414,7 +414,10 @@ class MTPWorker:
         if not keep:
             return
         rows = [row for _, _, first, m in keep for row in range(first, first + m)]
-        kept = hidden.index_select(0, to_device(rows, hidden.device))
+        if len(rows) == hidden.shape[0]:  # every row (a K = 0 step's): a copy, no gather
+            kept = hidden.clone()
+        else:
+            kept = hidden.index_select(0, to_device(rows, hidden.device))
         owned = list(kept.split([m for *_, m in keep]))
         self.keep_deferred([r for r, *_ in keep], [start for _, start, *_ in keep], owned)
         self.catch_up([r for r, *_ in keep if r.finished], draft=False)
