@@ -30,3 +30,10 @@ class SpecState:
     # seeded streams' host draws by (draft j, 0 for the target's; draws) and generated count,
     # the counts an overlapped round may start at and those after (`mtp_worker.stream_draws`)
     draws: dict[tuple[int, int], dict[int, torch.Tensor]] = field(default_factory=dict)
+
+
+def state_of(req) -> SpecState:
+    """The request's SpecState (Req.decoder_state), made on first use."""
+    if req.decoder_state is None:
+        req.decoder_state = SpecState()
+    return req.decoder_state
