@@ -6,8 +6,7 @@ target forward over 1+K tokens per request, K-1 draft steps, the MTP pass over 1
 is expected to emit E_r(K) = 1 + sum_{i=1..K} prod_{j<=i} a_r[j] tokens, where a_r[j] is r's
 moving estimate of P(draft j accepted | drafts 1..j-1 accepted). The step takes the K in
 0..K_max that maximises sum_r E_r(K) / C(b, K): expected tokens per second, K = 0 unless
-another K promises the margin times its rate (SPEC_MARGIN
-at most, less for a quiet start profile: `margin_for`). K = 0 verifies no
+another K promises SPEC_MARGIN times its rate. K = 0 verifies no
 draft: a one-token target forward whose token is sampled as in plain decoding, with the MTP
 pass deferred (MTPDecoder), so its cost is a plain decode step's; the first step with drafts
 after it pays the deferred passes (one MTP forward over the positions), which is kept out of
@@ -37,9 +36,9 @@ rows plus W at the plan's rows (`CostTable.profiled`; W timed at start by `profi
 scaled by S(b, K), which served steps measure against their own rows. Each request's draft j
 adds prod_{i<=j} a_r[i] expected tokens for one row; the drafts ranked by that (every prefix
 is a plan) give, per K, the plan with the most tokens per second, taken when it promises
-the margin times the plain step's. Without a ragged verify, the requests expecting the
+SPEC_MARGIN times the plain step's. Without a ragged verify, the requests expecting the
 fewest tokens from drafts may run apart as a plain step beside one step of j drafts over the
-rest, when that pair of steps (each costed at its own bucket) promises the margin times the
+rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARGIN times the
 chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
 left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
@@ -86,15 +85,8 @@ KIND_DECAY = 0.998
 # MTP pass over prompts, which delays first tokens, requests that no longer finish together and
 # so prefill their successors one by one instead of in one batch). On 2 CPU cores at four
 # requests K = 3 and K = 0 tied in-process (4.65 vs 4.6 ms per token) while K = 2 and 3 served
-# at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting. That is
-# the most; a quieter device asks less (`margin_for`): 1 + MARGIN_PER_NOISE x the profile's
-# noise (the median over its entries of median run / fastest run - 1), at least MIN_MARGIN
-# (the catch-up and prompt passes are MTP KV only, cheap but not free). 2 CPU cores measured
-# 4-8% noise (1.13-1.15); a simulated device 1.05 instead of 1.15 (benchmark/policy_sim.py)
-# drafts where it gains 5-15% (code at 64 requests 0.87x -> 0.96-1.00x of the best fixed K).
+# at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting.
 SPEC_MARGIN = 1.15
-MIN_MARGIN = 1.05
-MARGIN_PER_NOISE = 3.0
 # A position's acceptance before any draft was verified there: optimistic (DeepSeek-V3 reports
 # 85-90% for its MTP drafts), so that where drafting can pay it gets tried and the estimates
 # learn; the policy runs no drafts only to learn (0.5 kept a lone request on K = 0 for good)
@@ -274,21 +266,11 @@ class CostTable:
         return {str(b): {str(k): self.cost(b, k) for k in self.ks} for b in self.buckets}
 
 
-def margin_for(noise: Sequence[float]) -> float:
-    """SPEC_MARGIN's bound for a profile whose entries' runs spread by `noise` (each
-    entry's median run / fastest run - 1): 1 + MARGIN_PER_NOISE x their median, between
-    MIN_MARGIN and SPEC_MARGIN (SPEC_MARGIN when nothing was timed twice)."""
-    if not noise:
-        return SPEC_MARGIN
-    return min(SPEC_MARGIN, max(MIN_MARGIN, 1 + MARGIN_PER_NOISE * statistics.median(noise)))
-
-
 def profile_costs(
     buckets: Sequence[int],
     max_k: int,
     run_step_forwards: Callable[[int, int], None],
     synchronize: Callable[[], None],
-    noise: list[float] | None = None,
 ) -> dict[tuple[int, int], float]:
     """Seconds of a step's forwards per (bucket, K), with a progress bar. The smallest and
     largest buckets and the powers of two between are timed: `run_step_forwards(bucket, k)`
@@ -299,8 +281,7 @@ def profile_costs(
     ordered = sorted(buckets)
     timed = [b for b in ordered if b in (ordered[0], ordered[-1]) or b & (b - 1) == 0]
     keys = [(b, k) for b in timed for k in range(max_k + 1)]
-    run = lambda key: run_step_forwards(*key)  # noqa: E731
-    out = time_entries(keys, run, synchronize, "MTP step costs", noise)
+    out = time_entries(keys, lambda key: run_step_forwards(*key), synchronize, "MTP step costs")
     for b in ordered:
         if b in timed:
             continue
@@ -312,16 +293,9 @@ def profile_costs(
     return monotone(out)
 
 
-def time_entries(
-    keys: list,
-    run: Callable,
-    synchronize: Callable[[], None],
-    what: str,
-    noise: list[float] | None = None,
-) -> dict:
+def time_entries(keys: list, run: Callable, synchronize: Callable[[], None], what: str) -> dict:
     """Seconds of `run(key)` per key, with a progress bar: each once to warm up, then in
-    interleaved rounds (PROFILE_MIN_RUNS above), keeping each key's fastest run; `noise`
-    gets each key's median run / fastest run - 1."""
+    interleaved rounds (PROFILE_MIN_RUNS above), keeping each key's fastest run."""
     runs: dict = {key: [] for key in keys}
 
     def wanted(key) -> bool:
@@ -340,8 +314,6 @@ def time_entries(
                 synchronize()
                 runs[key].append(time.perf_counter() - started)
                 bar.update()
-    if noise is not None:
-        noise.extend(statistics.median(r) / min(r) - 1 for r in runs.values() if min(r) > 0)
     return {key: min(r) for key, r in runs.items()}
 
 
@@ -499,9 +471,7 @@ class AdaptiveDraftLength(DraftLength):
         self.margin = SPEC_MARGIN
 
     def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
-        noise: list[float] = []
-        profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize, noise)
-        self.margin = margin_for(noise)
+        profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
         rows = None
         if self.ragged and run_rows is not None and self.max_k:
             rows = profile_rows(max(self.buckets) * (self.max_k + 1), run_rows, synchronize)
@@ -553,7 +523,7 @@ class AdaptiveDraftLength(DraftLength):
         K, the drafts d_{j} of request r ranked by their expected tokens (prod_{i<=j}
         a_r[i], which falls with j, so every prefix of the ranking is a plan), and the plan
         with the most expected tokens per second (`CostTable.ragged_cost` of its rows) is
-        taken when it promises the margin times the plain step's (else every k_r = 0).
+        taken when it promises SPEC_MARGIN times the plain step's (else every k_r = 0).
         Every EXPLORE_EVERY-th plan gives each request at 0 one draft (one more row), so
         its acceptance keeps being measured."""
         n, costs = len(estimates), self.costs
@@ -620,8 +590,4 @@ class AdaptiveDraftLength(DraftLength):
             self.costs.observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
-        return {
-            **super().stats(),
-            "spec_step_cost_seconds": self.costs.snapshot(),
-            "spec_draft_margin": self.margin,
-        }
+        return {**super().stats(), "spec_step_cost_seconds": self.costs.snapshot()}
