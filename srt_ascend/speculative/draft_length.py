@@ -85,7 +85,9 @@ KIND_DECAY = 0.998
 # MTP pass over prompts, which delays first tokens, requests that no longer finish together and
 # so prefill their successors one by one instead of in one batch). On 2 CPU cores at four
 # requests K = 3 and K = 0 tied in-process (4.65 vs 4.6 ms per token) while K = 2 and 3 served
-# at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting.
+# at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting. A margin
+# from the start profile's own noise (1 + 3x its runs' median spread: 1.05-1.09 there) drafted
+# at four requests and served 0.85x of MTP off: that noise does not measure what serving adds.
 SPEC_MARGIN = 1.15
 # A position's acceptance before any draft was verified there: optimistic (DeepSeek-V3 reports
 # 85-90% for its MTP drafts), so that where drafting can pay it gets tried and the estimates
