@@ -68,13 +68,15 @@ from srt_ascend.registry import Registry
 COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
 # A request's acceptance estimate at a draft position (`Estimate`) is a decayed average of its
 # own verify outcomes there, its prior counting PRIOR_WEIGHT outcomes at the start: a new
-# request moves fast (its first outcome weighs 1/(PRIOR_WEIGHT x ESTIMATE_DECAY + 1) = 0.36),
-# an established one at about 1 - ESTIMATE_DECAY per outcome (0.1 per outcome throughout let
+# request moves faster (its first outcome weighs 1/(PRIOR_WEIGHT x ESTIMATE_DECAY + 1) = 0.22),
+# an established one at about 1 - ESTIMATE_DECAY per outcome. 0.1 per outcome throughout let
 # requests that accept well but started from a low prior, code among random-token requests,
 # go unrecognised: at K = 0 only an exploration step every EXPLORE_EVERY plans observes them,
-# twice in a 64-token request's life; 0.3 throughout let one rejected draft swing a lone
-# request's choice to K = 0 and back)
-PRIOR_WEIGHT = 2.0
+# twice in a 64-token request's life. A prior of 2 outcomes (first weight 0.36) swung a lone
+# request to K = 0 after a few rejections, where it stayed until the next exploration: 0.84x
+# of the best fixed K at one request in benchmark/policy_sim.py, 0.99x with 4 (0.3 per
+# outcome throughout did the same to a lone request served on CPU).
+PRIOR_WEIGHT = 4.0
 ESTIMATE_DECAY = 0.9
 # The prior of a new request: the acceptance per position of the recent requests of its kind
 # (greedy or sampled: a temperature changes acceptance most), each outcome discounting the
