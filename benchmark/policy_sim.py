@@ -28,9 +28,9 @@ import random
 
 from srt_ascend.speculative.draft_length import (
     AdaptiveDraftLength,
-    CostTable,
     FixedDraftLength,
 )
+from srt_ascend.speculative.step_costs import CostTable
 
 BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 MAX_K = 3

@@ -16,7 +16,8 @@ import pytest
 from lossless import GREEDY, PROMPTS, assert_same_greedy
 
 from srt_ascend import Engine
-from srt_ascend.speculative.draft_length import CostTable, FixedDraftLength
+from srt_ascend.speculative.draft_length import FixedDraftLength
+from srt_ascend.speculative.step_costs import CostTable
 
 N_PROMPTS = 24
 SAMPLED = [{**GREEDY, "temperature": 1.0, "seed": s} for s in range(8)]  # block-expand's

@@ -9,26 +9,28 @@ import pytest
 
 from srt_ascend.metrics import ServerMetrics
 from srt_ascend.server_args import ServerArgs, prepare_server_args
-from srt_ascend.speculative import draft_length
+from srt_ascend.speculative import draft_length, step_costs
 from srt_ascend.speculative.draft_length import (
-    COST_WINDOW,
     ESTIMATE_DECAY,
     EXPLORE_EVERY,
     EXPLORE_UNMEASURED,
     EXPLORE_WITHIN,
     PRIOR_WEIGHT,
-    PROFILE_MAX_RUNS,
-    PROFILE_MIN_RUNS,
     SPEC_MARGIN,
     AcceptanceStats,
     AdaptiveDraftLength,
-    CostTable,
     Estimate,
     FixedDraftLength,
     expected_tokens,
+    update_estimate,
+)
+from srt_ascend.speculative.step_costs import (
+    COST_WINDOW,
+    PROFILE_MAX_RUNS,
+    PROFILE_MIN_RUNS,
+    CostTable,
     monotone,
     profile_costs,
-    update_estimate,
 )
 
 BUCKETS = [1, 2, 4, 8, 16]
@@ -69,7 +71,7 @@ clock = _Clock()
 @pytest.fixture(autouse=True)
 def fake_clock(monkeypatch):
     """profile_costs times its forwards with this clock, which the synthetic forwards move."""
-    monkeypatch.setattr(draft_length.time, "perf_counter", lambda: clock.now)
+    monkeypatch.setattr(step_costs.time, "perf_counter", lambda: clock.now)
 
 
 def test_expected_tokens_is_one_plus_the_survival_sum() -> None:

@@ -11,9 +11,9 @@ from test_draft_length import BUCKETS
 from srt_ascend.speculative.draft_length import (
     EXPLORE_EVERY,
     AdaptiveDraftLength,
-    CostTable,
     FixedDraftLength,
 )
+from srt_ascend.speculative.step_costs import CostTable
 
 HIGH, LOW = [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]
 

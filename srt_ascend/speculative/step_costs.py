@@ -1,0 +1,206 @@
+"""The step costs the adaptive draft-length policy (speculative/draft_length) weighs: a
+profile of every K's step per batch bucket taken before serving (`profile_costs`), the
+verify's row-proportional part for ragged plans (`profile_rows`), and the table that scales
+them by what served steps measure (`CostTable`). The rule they serve is draft_length's."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+
+from tqdm import tqdm
+
+COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
+# Timed runs per profiled entry, after one warm-up; the minimum is kept. The entries are timed
+# in interleaved rounds (a burst of interference then spoils one run of several entries, not
+# every run of one), an entry until it has PROFILE_MIN_RUNS runs and PROFILE_ENTRY_SECONDS of
+# them, at most PROFILE_MAX_RUNS: a short entry, whose ratio to the others a few milliseconds
+# of noise swings most, gets the most runs. On 2 CPU cores single profiles of one server put
+# K = 3 at 2.6x to 4.0x the cost of K = 0 at 4 requests (the policy's tie is at 3.3x).
+PROFILE_MIN_RUNS = 2
+PROFILE_MAX_RUNS = 8
+PROFILE_ENTRY_SECONDS = 0.2
+
+
+class CostTable:
+    """Seconds per step by (batch bucket, K): the start profile scaled by what serving
+    measured (speculative/draft_length's docstring). A batch belongs to the smallest bucket
+    that holds it (the largest one when none does)."""
+
+    def __init__(
+        self,
+        buckets: Sequence[int],
+        max_k: int,
+        profile: dict[tuple[int, int], float],
+        rows: dict[int, float] | None = None,
+    ) -> None:
+        """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
+        that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
+        self.rows = rows
+        # W at every row count up to the profiled most (a list: the planner reads it per row)
+        self.row_seconds = (
+            None if rows is None else [interpolate(rows, n) for n in range(max(rows) + 1)]
+        )
+        self.buckets = sorted(buckets)
+        self.ks = list(range(max_k + 1))
+        missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
+        if missing:
+            raise ValueError(f"the cost profile lacks {missing}")
+        self.profile = profile
+        self.recent: dict[tuple[int, int], deque[float]] = {}  # wall time / profile per step
+        self.scale: dict[tuple[int, int], float] = {}  # the lower median of `recent`
+
+    def bucket(self, batch: int) -> int:
+        return next((b for b in self.buckets if b >= batch), self.buckets[-1])
+
+    def observe(self, batch: int, k: int, seconds: float, rows: int | None = None) -> None:
+        """A served step of K = k over `batch` requests took `seconds`; `rows`: the rows
+        its verify ran (None: batch x (1 + k))."""
+        key = self.bucket(batch), k
+        recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
+        recent.append(seconds / self.profiled(key[0], k, rows))
+        self.scale[key] = statistics.median_low(recent)
+
+    def profiled(self, bucket: int, k: int, rows: int | None = None) -> float:
+        """The profile's seconds of a step of K = k in `bucket` verifying `rows` rows: the
+        full step's, less the row-proportional part of its bucket x (1 + k) rows, plus that
+        of `rows` (never below a tenth of the full step)."""
+        full = self.profile[bucket, k]
+        if rows is None or self.rows is None or not k:
+            return full
+        return max(full - self._w(bucket * (k + 1)) + self._w(rows), full / 10)
+
+    def _w(self, rows: int) -> float:
+        table = self.row_seconds
+        return table[min(rows, len(table) - 1)]
+
+    def ragged_costs(self, bucket: int, k: int, batch: int) -> list[float]:
+        """`cost` of a step of K = k over `batch` requests verifying batch + m rows, for m in
+        0 .. batch x k: its profile (`profiled`) x S(b, K)."""
+        full = self.profile[bucket, k]
+        scale = self.cost(bucket, k) / full
+        base, floor = full - self._w(bucket * (k + 1)), full / 10
+        table = self.row_seconds[batch : batch * (k + 1) + 1]  # W at batch + m rows
+        table += [self.row_seconds[-1]] * (batch * k + 1 - len(table))  # flat past the end
+        return [scale * max(base + w, floor) for w in table]
+
+    def measured(self, bucket: int, k: int) -> bool:
+        return (bucket, k) in self.scale
+
+    def cost(self, bucket: int, k: int) -> float:
+        """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
+        bucket's measured K, else the nearest measured bucket's, for this K if it has it),
+        1 before any step ran; never below half the profile."""
+        return self.profile[bucket, k] * max(self._scale(bucket, k), 0.5)
+
+    def _scale(self, bucket: int, k: int) -> float:
+        if (bucket, k) in self.scale:
+            return self.scale[bucket, k]
+        if mine := self._measured_scales(bucket):
+            return statistics.median_low(mine)
+        near = min({b for b, _ in self.scale}, key=lambda b: abs(b - bucket), default=None)
+        if near is None:
+            return 1.0
+        if (near, k) in self.scale:
+            return self.scale[near, k]
+        return statistics.median_low(self._measured_scales(near))
+
+    def _measured_scales(self, bucket: int) -> list[float]:
+        return [self.scale[bucket, j] for j in self.ks if (bucket, j) in self.scale]
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """{bucket: {K: seconds}} as the policy sees them now, for /server_info and /metrics."""
+        return {str(b): {str(k): self.cost(b, k) for k in self.ks} for b in self.buckets}
+
+
+def profile_costs(
+    buckets: Sequence[int],
+    max_k: int,
+    run_step_forwards: Callable[[int, int], None],
+    synchronize: Callable[[], None],
+) -> dict[tuple[int, int], float]:
+    """Seconds of a step's forwards per (bucket, K), with a progress bar. The smallest and
+    largest buckets and the powers of two between are timed: `run_step_forwards(bucket, k)`
+    once each to warm up, then in rounds (PROFILE_MIN_RUNS above), keeping each entry's
+    fastest run. The buckets between are interpolated linearly in the batch size (at the
+    default 64 requests this times 7 of 10 buckets). Last, no entry may cost more than a
+    larger one (`monotone`)."""
+    ordered = sorted(buckets)
+    timed = [b for b in ordered if b in (ordered[0], ordered[-1]) or b & (b - 1) == 0]
+    keys = [(b, k) for b in timed for k in range(max_k + 1)]
+    out = time_entries(keys, lambda key: run_step_forwards(*key), synchronize, "MTP step costs")
+    for b in ordered:
+        if b in timed:
+            continue
+        lo = max(t for t in timed if t < b)
+        hi = min(t for t in timed if t > b)
+        w = (b - lo) / (hi - lo)
+        for k in range(max_k + 1):
+            out[b, k] = (1 - w) * out[lo, k] + w * out[hi, k]
+    return monotone(out)
+
+
+def time_entries(keys: list, run: Callable, synchronize: Callable[[], None], what: str) -> dict:
+    """Seconds of `run(key)` per key, with a progress bar: each once to warm up, then in
+    interleaved rounds (PROFILE_MIN_RUNS above), keeping each key's fastest run."""
+    runs: dict = {key: [] for key in keys}
+
+    def wanted(key) -> bool:
+        n, spent = len(runs[key]), sum(runs[key])
+        return n < PROFILE_MIN_RUNS or (n < PROFILE_MAX_RUNS and spent < PROFILE_ENTRY_SECONDS)
+
+    with tqdm(desc=f"profiling {what}", unit="run", mininterval=2.0) as bar:
+        for key in keys:
+            run(key)
+            bar.update()
+        while todo := [key for key in keys if wanted(key)]:
+            for key in todo:
+                synchronize()
+                started = time.perf_counter()
+                run(key)
+                synchronize()
+                runs[key].append(time.perf_counter() - started)
+                bar.update()
+    return {key: min(r) for key, r in runs.items()}
+
+
+def profile_rows(
+    most: int, run_rows: Callable[[int], None], synchronize: Callable[[], None]
+) -> dict[int, float]:
+    """Seconds of the row-proportional part of a step (`run_rows(n)`: the verify forward over
+    n single-token rows, and the MTP pass over them where it is ragged) at 1, the powers of
+    two below `most`, and `most`; never less for more rows (`monotone` in one dimension)."""
+    points = sorted({1, most, *(1 << i for i in range(most.bit_length()) if 1 << i < most)})
+    timed = time_entries(points, run_rows, synchronize, "verify rows")
+    out, cap = {}, float("inf")
+    for n in reversed(points):
+        cap = out[n] = min(timed[n], cap)
+    return out
+
+
+def interpolate(points: dict[int, float], n: float) -> float:
+    """Piecewise-linear in n through `points` (flat past the ends)."""
+    keys = sorted(points)
+    if n <= keys[0]:
+        return points[keys[0]]
+    for lo, hi in zip(keys, keys[1:]):
+        if n <= hi:
+            w = (n - lo) / (hi - lo)
+            return (1 - w) * points[lo] + w * points[hi]
+    return points[keys[-1]]
+
+
+def monotone(costs: dict[tuple[int, int], float]) -> dict[tuple[int, int], float]:
+    """Each (bucket, K) entry capped by every entry with as many requests and drafts or more:
+    a step over more tokens does not run faster, so an entry above a larger one is noise
+    (interference lengthens runs; nothing shortens them)."""
+    buckets = sorted({b for b, _ in costs})
+    following = dict(zip(buckets, buckets[1:]))
+    out = dict(costs)
+    for b, k in sorted(costs, reverse=True):  # the larger neighbours are already capped
+        for key in ((b, k + 1), (following.get(b), k)):
+            if key in out:
+                out[b, k] = min(out[b, k], out[key])
+    return out
