@@ -1,7 +1,7 @@
-"""Per-request speculation (issue 45), in-process, every configuration in one run (float32).
+"""Per-request speculation (issue 45), in-process, every configuration in one run.
 
     python benchmark/per_request_spec.py [--quick] [--output-len 32] [--rounds 2]
-        [--json-out FILE]
+        [--dtype float32] [--json-out FILE]
 
 Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per round):
 - mixed@16: 8 held-out code prompts at temperature 0 and 8 random-token prompts at
@@ -61,8 +61,8 @@ def workloads(out_len: int, vocab: int) -> dict[str, tuple[list, list[dict]]]:
     return out
 
 
-def start(name: str) -> Engine:
-    engine = Engine(model_path=SHIPPED_MODEL, dtype="float32", **CONFIGS[name])
+def start(name: str, dtype: str = "float32") -> Engine:
+    engine = Engine(model_path=SHIPPED_MODEL, dtype=dtype, **CONFIGS[name])
     if name == "batch-adaptive":  # one K per step: per-request plans (ragged or split) off
         decoder = engine.tokenizer_manager.scheduler.decoder
         decoder.ragged = decoder.draft_length.ragged = False
@@ -86,10 +86,12 @@ def timed(name: str, engine: Engine, ids: list[list[int]], params: list[dict]) -
     return {"tok_s": tokens / seconds, "drafts_per_step": drafts / verify if verify else 0.0}
 
 
-def run_all(names: list[str], out_len: int, rounds: int, only: list[str]) -> dict:
+def run_all(
+    names: list[str], out_len: int, rounds: int, only: list[str], dtype: str = "float32"
+) -> dict:
     """Every engine started (and warmed) first; then each round runs each workload on every
     configuration back to back (the machine's drift hits all alike); the best round kept."""
-    engines = {name: start(name) for name in names}
+    engines = {name: start(name, dtype) for name in names}
     try:
         tm = next(iter(engines.values())).tokenizer_manager
         loads = {
@@ -152,6 +154,7 @@ def paired(res: dict[str, dict[str, dict]], config: str, wl: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--dtype", default="float32", help="the engines' dtype (bfloat16: AMX)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--workloads", nargs="*", default=[])
@@ -161,7 +164,7 @@ def main() -> None:
     if args.quick:
         args.output_len, args.rounds, args.workloads = 16, 2, ["mixed@16"]
     before = machine_info()
-    res = run_all(args.configs, args.output_len, args.rounds, args.workloads)
+    res = run_all(args.configs, args.output_len, args.rounds, args.workloads, args.dtype)
     report(res)
     info = {"before": before, "after": machine_info()}
     print(json.dumps(info))
