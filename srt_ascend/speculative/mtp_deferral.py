@@ -4,7 +4,8 @@ beside none that draft): each request keeps the target hidden of its skipped pos
 (`catch_up`), or without drafting as it finishes or leaves, so the prefix cache takes its
 slots with their MTP KV written. And the KV-only part of every MTP pass (`_write_kv`): a
 position whose MTP output no draft reads gets only its MTP KV. `DeferralMixin` is a part of
-MTPWorker: it reads the worker's handles and later layers and calls its `draft_extend`."""
+MTPWorker: it reads the worker's handles and later layers and calls its `draft_extend` and
+`_extend_batch`."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import itertools
 import torch
 
 from srt_ascend.decoding.base import StepRequest
-from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.speculative.spec_state import SpecState, state_of
 from srt_ascend.utils import to_device
 
@@ -44,19 +44,14 @@ class DeferralMixin:
         only = [n - 1 if d else n for n, d in zip(lens, draft_rows)]  # KV-only positions
         at = [i for i, m in enumerate(only) if m]
         if at:
-            offsets = [0, *itertools.accumulate(lens)]
-            fb = self.h.build_forward_batch(
-                ForwardMode.DRAFT_EXTEND,
-                [t for i in at for t in next_tokens[i][: only[i]]],
-                [reqs[i].req_pool_idx for i in at],
-                [starts[i] + only[i] for i in at],
+            fb = self._extend_batch(
+                [reqs[i] for i in at],
+                [starts[i] for i in at],
                 [only[i] for i in at],
-                torch.cat(
-                    [self.h.req_to_token[reqs[i].req_pool_idx, starts[i] : starts[i] + only[i]]
-                     for i in at]
-                ),
-            )  # fmt: skip
+                [next_tokens[i][: only[i]] for i in at],
+            )()
             if sum(only) < hidden.shape[0]:
+                offsets = [0, *itertools.accumulate(lens)]
                 rows = [offsets[i] + j for i in at for j in range(only[i])]
                 hidden = hidden.index_select(0, to_device(rows, hidden.device))
             for layer in [0, *self.later_layers]:

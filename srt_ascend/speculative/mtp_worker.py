@@ -244,19 +244,26 @@ class MTPWorker(DeferralMixin):
                 picked, reqs, starts, lens, hidden, next_tokens
             )
             lens, draft_rows = [1] * len(reqs), [True] * len(reqs)
+        build = self._extend_batch(reqs, starts, lens, next_tokens)
+        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
+        picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
+        out, logits = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds), last)
+        self._draft_first(picked, out[last], logits)
+
+    def _extend_batch(
+        self, reqs, starts: list[int], lens: list[int], next_tokens: list[list[int]]
+    ) -> Callable[[], ForwardBatch]:
+        """A builder of the DRAFT_EXTEND batch over positions starts[i] .. starts[i] +
+        lens[i] - 1 of each request, its inputs the token after each position."""
         ids = [t for toks in next_tokens for t in toks]
         rows = [r.req_pool_idx for r in reqs]
         seq = [s + n for s, n in zip(starts, lens)]
         loc = torch.cat(
             [self.h.req_to_token[r.req_pool_idx, s : s + n] for r, s, n in zip(reqs, starts, lens)]
         )
-        build = lambda: self.h.build_forward_batch(  # noqa: E731
+        return lambda: self.h.build_forward_batch(
             ForwardMode.DRAFT_EXTEND, ids, rows, seq, lens, loc
         )
-        ends = [sum(lens[: i + 1]) - 1 for i in range(len(lens))]
-        picked, last = self._drafting(reqs, ends, draft_rows, hidden.device)
-        out, logits = self.mtp_pass(build, hidden, self.prefill_kind, max(self.extend_kinds), last)
-        self._draft_first(picked, out[last], logits)
 
     @torch.inference_mode()
     def draft_after_verify(
