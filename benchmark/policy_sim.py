@@ -72,9 +72,9 @@ def simulate(config: str, batch: int, kinds: list[str], labelled: bool, args, se
     steps, out_len = args.steps, args.output_len
     policy = policy_for(config, cost_table(args.draft_step, args.row))
     table = policy.costs
-    reqs = []  # [kind, acceptance estimate, tokens left]
 
     def new(i: int) -> list:
+        """A request: [kind, acceptance estimate, tokens left]."""
         kind = kinds[i % len(kinds)]
         return [kind, policy.initial_estimate(KINDS[kind][1] if labelled else ""), out_len]
 
@@ -84,10 +84,8 @@ def simulate(config: str, batch: int, kinds: list[str], labelled: bool, args, se
         estimates = [r[1] for r in reqs]
         plan = policy.plan(estimates, True, config == "per-request")
         k = max(plan)
-        if k and config == "per-request" and any(n != k for n in plan):
-            seconds = table.profiled(table.bucket(batch), k, sum(n + 1 for n in plan))
-        else:
-            seconds = table.profile[table.bucket(batch), k]
+        rows = sum(n + 1 for n in plan) if config == "per-request" else None  # ragged verify
+        seconds = table.profiled(table.bucket(batch), k, rows)
         accepted = []
         for r, n in zip(reqs, plan):
             a = 0

@@ -135,9 +135,11 @@ class AcceptanceStats:
             self.drafted[j] += 1
             self.accepted[j] += j < accepted
 
-    def rates(self) -> list[float]:
-        """Conditional acceptance per position (PRIOR_ACCEPT where none was examined)."""
-        return [a / d if d else PRIOR_ACCEPT for a, d in zip(self.accepted, self.drafted)]
+    def rates(self, unseen: Sequence[float] | None = None) -> list[float]:
+        """Conditional acceptance per position; where none was examined, `unseen`'s rate
+        at that position (PRIOR_ACCEPT when None)."""
+        unseen = unseen or [PRIOR_ACCEPT] * len(self.drafted)
+        return [a / d if d else u for a, d, u in zip(self.accepted, self.drafted, unseen)]
 
 
 class Estimate(list):
@@ -231,12 +233,11 @@ class DraftLength(ABC):
     def initial_estimate(self, kind: str = "") -> Estimate:
         """A new request's estimate: the recent acceptance of requests of its `kind` where
         some were verified, else the server-wide acceptance."""
+        server = self.acceptance.rates()
         recent = self.kinds.get(kind)
         if recent is None or not any(recent.drafted):
-            return Estimate(self.acceptance.rates(), kind)
-        server = self.acceptance.rates()  # positions its kind never reached: the server's
-        rates = zip(recent.accepted, recent.drafted, server)
-        return Estimate([a / d if d else s for a, d, s in rates], kind)
+            return Estimate(server, kind)
+        return Estimate(recent.rates(server), kind)  # where its kind never reached: the server's
 
     def _kind(self, kind: str) -> AcceptanceStats:
         if kind not in self.kinds:
