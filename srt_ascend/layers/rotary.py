@@ -102,10 +102,19 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [*P]; q_pe [*P, H, dim]; k_pe [*P, dim]. Returns rotated (q_pe, k_pe)."""
-        cos = self.cos_cache[positions].to(q_pe.dtype)  # [*P, dim/2]
-        sin = self.sin_cache[positions].to(q_pe.dtype)
-        rot = _rotate_interleaved if self.interleave else _rotate_half
+        cos, sin, rot = self._at(positions, q_pe.dtype)
         return rot(q_pe, cos.unsqueeze(-2), sin.unsqueeze(-2)), rot(k_pe, cos, sin)
+
+    def rotate_k(self, positions: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:
+        """`forward`'s rotated k_pe alone (the same ops, the same bits)."""
+        cos, sin, rot = self._at(positions, k_pe.dtype)
+        return rot(k_pe, cos, sin)
+
+    def _at(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [*P, dim/2] at these positions, and the rotation of this layout."""
+        cos = self.cos_cache[positions].to(dtype)
+        sin = self.sin_cache[positions].to(dtype)
+        return cos, sin, _rotate_interleaved if self.interleave else _rotate_half
 
 
 def _rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -96,23 +96,31 @@ class MLAAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, positions: torch.Tensor):
         """x [*P, hidden] -> q_nope [*P,H,nope], q_pe [*P,H,rope], c_kv [*P,R], k_pe [*P,rope]."""
+        q, c_kv, k_pe = self._latents(x, with_q=True)
+        q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
+        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
+        return q_nope, q_pe, c_kv, k_pe
+
+    def _latents(self, x: torch.Tensor, with_q: bool):
+        """x [*P, hidden] -> q [*P, H * qk] (None unless `with_q`: q_b_proj is skipped, not
+        the stacked q_a / kv_a linear, whose bits must not change), normed c_kv [*P, R], k_pe
+        before its rotation [*P, rope]."""
+        q = None
         if self.qkv_a is not None and self.qkv_a.intact():
             q_a, kv_a = self.qkv_a.linear(x).split(
                 [self.q_lora_rank, self.kv_lora_rank + self.qk_rope_head_dim], dim=-1
             )
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            if with_q:
+                q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             kv_a = self.kv_a_proj_with_mqa(x)
-            if self.q_lora_rank is None:
+            if with_q and self.q_lora_rank is None:
                 q = self.q_proj(x)
-            else:
+            elif with_q:
                 q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q = q.view(*x.shape[:-1], self.num_heads, self.qk_head_dim)
-        q_nope, q_pe = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-        c_kv = self.kv_a_layernorm(c_kv)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe, k_pe)
-        return q_nope, q_pe, c_kv, k_pe
+        return q, self.kv_a_layernorm(c_kv), k_pe
 
     def _w_kc_vc(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj split per head into contiguous batched-matmul operands (SGLang's w_kc /
@@ -156,9 +164,10 @@ class MLAAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, forward_batch: ForwardBatch
     ) -> None:
         """Only the KV `forward` writes at these positions: the latents of x [T, hidden],
-        by the same ops (so the same bits), without attention. A position's KV depends on its
-        own input only."""
-        _, _, c_kv, k_pe = self._project(x, positions)
+        by the same ops (so the same bits), without the queries or attention. A position's
+        KV depends on its own input only."""
+        _, c_kv, k_pe = self._latents(x, with_q=False)
+        k_pe = self.rotary_emb.rotate_k(positions, k_pe)
         pool = forward_batch.token_to_kv_pool
         pool.set_mla_kv_buffer(self.layer_id, forward_batch.out_cache_loc, c_kv, k_pe)
 

@@ -55,6 +55,8 @@ round counts one step towards EXPLORE_EVERY.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -223,6 +225,8 @@ class DraftLength(ABC):
         with these estimates (updated in place) that accepted `accepted` drafts each, out of
         `limits` (each request's own k_r; None: k)."""
         self.chosen[k] += 1
+        if not k:  # no request drafted (every k_r <= k): nothing examined, nothing moves
+            return
         for i, (estimate, n) in enumerate(zip(estimates, accepted)):
             k_r = k if limits is None else limits[i]
             self.acceptance.record(k_r, n)
@@ -339,14 +343,14 @@ class AdaptiveDraftLength(DraftLength):
         n, costs = len(estimates), self.costs
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
+        runs = [list(itertools.accumulate(e[: self.max_k], operator.mul)) for e in estimates]
         for k in costs.ks[1:]:
-            gains = []
-            for r, e in enumerate(estimates):
-                run = 1.0
-                for j in range(k):
-                    run *= e[j]
-                    gains.append((-run, j, r))
-            gains.sort()
+            # every draft of this K at the price of one (the least a plan with drafts pays:
+            # prices grow with rows) cannot beat `best`: then no plan of this K can
+            most = n + sum(sum(run[:k]) for run in runs)
+            if most / costs.ragged_costs(bucket, k, n, 1)[1] <= best:
+                continue
+            gains = sorted((-run[j], j, r) for r, run in enumerate(runs) for j in range(k))
             priced = costs.ragged_costs(bucket, k, n)
             tokens, take = float(n), 0
             for m, (gain, _, _) in enumerate(gains, 1):

@@ -5,6 +5,7 @@ them by what served steps measure (`CostTable`). The rule they serve is draft_le
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections import deque
@@ -39,9 +40,14 @@ class CostTable:
         """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
         that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
         self.rows = rows
-        # W at every row count up to the profiled most (a list: the planner reads it per row)
+        # W at every row count up to the profiled most (a list: the planner reads it per row),
+        # never less for more rows (as `profile_rows` gives it: the planner relies on it)
         self.row_seconds = (
-            None if rows is None else [interpolate(rows, n) for n in range(max(rows) + 1)]
+            None
+            if rows is None
+            else list(
+                itertools.accumulate((interpolate(rows, n) for n in range(max(rows) + 1)), max)
+            )
         )
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
@@ -76,14 +82,16 @@ class CostTable:
         table = self.row_seconds
         return table[min(rows, len(table) - 1)]
 
-    def ragged_costs(self, bucket: int, k: int, batch: int) -> list[float]:
+    def ragged_costs(self, bucket: int, k: int, batch: int, most: int | None = None) -> list[float]:
         """`cost` of a step of K = k over `batch` requests verifying batch + m rows, for m in
-        0 .. batch x k: its profile (`profiled`) x S(b, K)."""
+        0 .. `most` (batch x k when None): its profile (`profiled`) x S(b, K); never less
+        for more rows."""
+        most = batch * k if most is None else most
         full = self.profile[bucket, k]
         scale = self.cost(bucket, k) / full
         base, floor = full - self._w(bucket * (k + 1)), full / 10
-        table = self.row_seconds[batch : batch * (k + 1) + 1]  # W at batch + m rows
-        table += [self.row_seconds[-1]] * (batch * k + 1 - len(table))  # flat past the end
+        table = self.row_seconds[batch : batch + most + 1]  # W at batch + m rows
+        table += [self.row_seconds[-1]] * (most + 1 - len(table))  # flat past the end
         return [scale * max(base + w, floor) for w in table]
 
     def measured(self, bucket: int, k: int) -> bool:

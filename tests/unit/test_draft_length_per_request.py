@@ -104,3 +104,55 @@ def test_ragged_exploration_gives_a_zero_one_draft():
     seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([3, 1] * 8) == 1
     assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
+
+
+def exhaustive_plan(policy: AdaptiveDraftLength, estimates) -> list[int]:
+    """The ragged plan by scanning every prefix of every K's ranking (no pruning): the
+    reference `_ragged_lengths` must equal, exploration aside."""
+    n, costs = len(estimates), policy.costs
+    bucket = costs.bucket(n)
+    best, plan = policy.margin * n / costs.cost(bucket, 0), [0] * n
+    for k in costs.ks[1:]:
+        gains = []
+        for r, e in enumerate(estimates):
+            run = 1.0
+            for j in range(k):
+                run *= e[j]
+                gains.append((-run, j, r))
+        gains.sort()
+        priced = costs.ragged_costs(bucket, k, n)
+        tokens, take = float(n), 0
+        for m, (gain, _, _) in enumerate(gains, 1):
+            tokens -= gain
+            if tokens / priced[m] > best:
+                best, take = tokens / priced[m], m
+        if take:
+            plan = [0] * n
+            for _, _, r in gains[:take]:
+                plan[r] += 1
+    return plan
+
+
+def test_ragged_plans_skip_only_ks_that_cannot_win():
+    """`_ragged_lengths` skips a K whose every draft at the price of one cannot beat the best
+    plan so far: its plans equal the exhaustive scan's, over random acceptance (low, high,
+    mixed), row prices and served scales, the row profile given out of order included."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(300):
+        per_row = rng.choice([0.001, 0.01, 0.05, 0.2, 1.0])
+        policy = ragged_costed(per_row)
+        if trial % 3 == 0:  # a noisy row profile: never less for more rows once tabled
+            noisy = {n: n * per_row * rng.uniform(0.5, 1.5) for n in (1, 2, 4, 8, 16, 32, 64)}
+            policy.costs = CostTable(BUCKETS, 3, policy.costs.profile, noisy)
+            table = policy.costs.row_seconds
+            assert all(a <= b for a, b in zip(table, table[1:]))
+        for k in range(4):
+            if rng.random() < 0.5:
+                policy.costs.observe(8, k, rng.uniform(0.5, 3.0) * policy.costs.cost(8, k))
+        n = rng.choice([1, 3, 8, 16, 40])
+        top = rng.choice([0.05, 0.5, 1.0])
+        estimates = [[rng.uniform(0, top) for _ in range(3)] for _ in range(n)]
+        policy.plans = 1  # not an exploring plan
+        assert policy._ragged_lengths(estimates) == exhaustive_plan(policy, estimates), trial
