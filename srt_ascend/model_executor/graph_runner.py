@@ -172,6 +172,15 @@ class GraphKind:
         per replay, and the batch keeps spare request slots (DESIGN section 8)."""
         return self.backend.uses_host_lengths
 
+    @property
+    def holds_ragged(self) -> bool:
+        """Whether its graphs replay batches whose requests bring fewer query tokens than
+        `tokens_per_req` (a ragged verify's, `_bucket`): a backend taking host lengths pads
+        them per replay, and single-token rows fill whole requests' rows. Otherwise (one
+        multi-token row per request on a device-length backend: the Triton multi-query
+        verify) such a batch runs eagerly."""
+        return self.host_lengths or self.q_per_row == 1
+
 
 class _Buffers:
     """Static inputs shared by every graph (sized for the largest bucket of any kind)."""

@@ -204,13 +204,19 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         # attention: every group must run the same forwards)
         self.split_zeros = not args.enable_dp_attention
         # the verify builds only each request's 1 + k_r rows (verify.Ragged): requests with
-        # k_r = 0 ride in the drafting step as one row each instead of a plain step apart
-        self.ragged = strategy.ragged
+        # k_r = 0 ride in the drafting step as one row each instead of a plain step apart.
+        # Not where graphs run the verify and its graphs cannot hold those rows
+        # (GraphKind.holds_ragged): a ragged verify would then run eagerly, several times
+        # the replay it saves rows of on a device, where the split's two forwards replay
+        graphs = args.graphs_enabled(runner.platform)
+        self.ragged = strategy.ragged and (
+            not graphs or all(v.kind.holds_ragged for v in self.verifies.values())
+        )
         self.draft_length.ragged = self.ragged
         if self.ragged:
             self.split_zeros = False
         # the MTP pass after a ragged verify over its rows only, where it runs eagerly
-        self.worker.ragged_pass = self.ragged and not args.graphs_enabled(runner.platform)
+        self.worker.ragged_pass = self.ragged and not graphs
 
     def graph_kinds(self) -> list[GraphKind]:
         return list(self._kinds)

@@ -20,6 +20,7 @@ from srt_ascend.platforms.device_worker import HostCopy
 from srt_ascend.sampling.penalty_state import has_penalties
 from srt_ascend.sampling.sample_step import sample_tokens
 from srt_ascend.speculative.acceptance import AcceptResult
+from srt_ascend.speculative.mtp_round_graph import SampledRound
 from srt_ascend.speculative.mtp_worker import (
     Counts,
     FirstDrafts,
@@ -29,6 +30,7 @@ from srt_ascend.speculative.mtp_worker import (
     lower,
     state_of,
 )
+from srt_ascend.speculative.verify import Ragged
 from srt_ascend.utils import to_device
 
 
@@ -58,6 +60,27 @@ class LaunchedRound(LaunchedStep):
     k: int = 0
     limits: list[int] | None = None  # each request's k_r (None: k for every one)
     launched_at: float = 0.0  # perf_counter at launch (the round's cost for draft_length)
+
+
+@dataclass
+class _RoundInputs:
+    """What `launch` prepared on the host for a round's device work (`_run_round`)."""
+
+    batch: list[StepRequest]
+    k: int
+    prev: LaunchedRound | None  # the round in flight it follows (None: none)
+    index: torch.Tensor  # [B] their req_to_token rows, on the device
+    rows: list[int]  # the same rows on the host
+    bounds: list[int]  # the lowest position each request may start at
+    generated: list[int]  # tokens generated before the round (with prev: before prev)
+    limited: torch.Tensor | None  # [B] drafts each row may accept (None: K)
+    ragged: Ragged | None  # the ragged verify's rows (None: 1 + K per request)
+    whole: bool = False  # the round replays as one graph
+    sampled: SampledRound | None = None  # the sampled round graph's block
+    picked: torch.Tensor | None = None  # with prev: prev's rows in this order (None: the same)
+    first: FirstDrafts | None = None  # without prev: d_1, from the requests' states
+    begin: torch.Tensor | None = None  # without prev: [B] the starts, on the device
+    last: torch.Tensor | None = None  # without prev: [B, 1] the last committed tokens
 
 
 class OverlappedRoundsMixin:
@@ -99,13 +122,13 @@ class OverlappedRoundsMixin:
         accept lengths leave open). Per-request lengths (`_plan`) ride along as the
         acceptance rule's limits, and as a ragged verify's rows where the strategy builds
         them from device lengths (expand); else a batch mixing k_r = 0 with drafting
-        requests is not launched (`step` runs it, ragged)."""
+        requests is not launched (`step` runs it: ragged, or the zeros apart)."""
         plan = self._plan(reqs, count=False)
         k = self._batch_k(plan)
         ragged = self._ragged(plan, k, on_device=True)
-        if k and 0 in plan and ragged is None:  # FIA: `step` verifies them ragged
+        if k and 0 in plan and ragged is None:  # FIA: `step` runs them
             return None
-        k1, device = k + 1, self.runner.device
+        device = self.runner.device
         reserved = self._reserve(reqs, prev, k)
         if reserved is None:
             return None
@@ -116,55 +139,62 @@ class OverlappedRoundsMixin:
         for r, e in zip(reqs, ends):
             r.kv_len = e
         rows = [r.req_pool_idx for r in reqs]  # a request released meanwhile has none
-        index = to_device(rows, device)
         # exact without prev; with prev in flight, the count before it (its predecessor is
         # committed): this round's is that + prev's accept length + 1, a range (`Counts`)
         generated = [len(r.output_ids) for r in reqs]
-        batch, table = list(reqs), self.h.req_to_token
         limited = self._limits(plan, k)  # None when every row drafts k
-        limits = None if limited is None else plan
-        fit = self._round_fits(batch, k, generated) if k else None  # one graph for the round
-        whole, sampled = fit is not None, None
+        fit = self._round_fits(reqs, k, generated) if k else None  # one graph for the round
+        round_in = _RoundInputs(
+            list(reqs), k, prev, to_device(rows, device), rows, bounds, generated, limited, ragged
+        )
+        round_in.whole = fit is not None
         if fit:  # the sampled variant: its uniforms drawn here, for each count it may have
             low, span = (generated, 1) if prev is None else ([g + 1 for g in generated], prev.k + 1)
-            sampled = self._sampled_round(batch, k, low, span)
+            round_in.sampled = self._sampled_round(round_in.batch, k, low, span)
         if prev is None:
-            last = to_device([[r.last_id] for r in reqs], device)
-            begin = to_device(known, device)
-            initial = self.worker.first_of(reqs) if k else None
-        else:
-            picked = None if order == list(range(len(prev.reqs))) else to_device(order, device)
-
-        @torch.inference_mode()
-        def run() -> RoundOut:
-            if prev is None:
-                first, start, tail, counts = initial, begin, last, generated
-            else:
-                out: RoundOut = prev.result.result()
-                first, start, tail, counts = _after(out, picked, generated, prev.k, k)
-            at = Starts(start, bounds)
-            if whole:  # its slots are gathered inside the graph
-                inputs = sampled  # with d_1's distributions and counts past the lowest
-                if sampled is not None:
-                    extra = None if prev is None else counts.extra
-                    inputs = sampled._replace(first_probs=first.probs, extra=extra)
-                res, nxt = self._graph_round(batch, k, index, at, tail, first, limited, inputs)
-                return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
-            loc = table[index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
-            if not k:
-                return self._plain_round(batch, loc[:, 0], at, tail, counts, rows)
-            res, logits, hidden = self._verify(
-                batch, k, loc, at, tail, first, counts, rows, limited, ragged
-            )
-            verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
-            nxt = self.worker.draft_after_verify(
-                batch, at, loc, hidden, res, counts, None, rows, ragged
-            )
-            return RoundOut(res, logits, nxt, start, verdict=verdict)
-
-        future = self.h.worker.submit(run)
-        self._latest = LaunchedRound(batch, list(known), future, k, limits, time.perf_counter())
+            round_in.last = to_device([[r.last_id] for r in reqs], device)
+            round_in.begin = to_device(known, device)
+            round_in.first = self.worker.first_of(reqs) if k else None
+        elif order != list(range(len(prev.reqs))):
+            round_in.picked = to_device(order, device)
+        future = self.h.worker.submit(lambda: self._run_round(round_in))
+        limits = None if limited is None else plan
+        self._latest = LaunchedRound(
+            round_in.batch, list(known), future, k, limits, time.perf_counter()
+        )
         return self._latest
+
+    @torch.inference_mode()
+    def _run_round(self, r: _RoundInputs) -> RoundOut:
+        """A launched round's device work, on the device worker: its inputs from prev's
+        results (or from the host, without prev), then the whole-round graph, the plain step
+        (K = 0), or the draft steps, the verify and the MTP pass."""
+        k, k1, device = r.k, r.k + 1, self.runner.device
+        if r.prev is None:
+            first, start, tail, counts = r.first, r.begin, r.last, r.generated
+        else:
+            out: RoundOut = r.prev.result.result()
+            first, start, tail, counts = _after(out, r.picked, r.generated, r.prev.k, k)
+        at = Starts(start, r.bounds)
+        if r.whole:  # its slots are gathered inside the graph
+            inputs = r.sampled  # with d_1's distributions and counts past the lowest
+            if inputs is not None:
+                extra = None if r.prev is None else counts.extra
+                inputs = inputs._replace(first_probs=first.probs, extra=extra)
+            res, nxt = self._graph_round(r.batch, k, r.index, at, tail, first, r.limited, inputs)
+            return RoundOut(res, None, nxt, start, verdict=self._copy_verdict(res))
+        table = self.h.req_to_token
+        loc = table[r.index.view(-1, 1), start.view(-1, 1) + torch.arange(k1, device=device)]
+        if not k:
+            return self._plain_round(r.batch, loc[:, 0], at, tail, counts, r.rows)
+        res, logits, hidden = self._verify(
+            r.batch, k, loc, at, tail, first, counts, r.rows, r.limited, r.ragged
+        )
+        verdict = self._copy_verdict(res)  # before the MTP pass: the read waits for less
+        nxt = self.worker.draft_after_verify(
+            r.batch, at, loc, hidden, res, counts, None, r.rows, r.ragged
+        )
+        return RoundOut(res, logits, nxt, start, verdict=verdict)
 
     def _reserve(self, reqs: list[StepRequest], prev: LaunchedStep | None, k: int):
         """The round's KV positions, its slots allocated (`try_alloc_running`), or None where

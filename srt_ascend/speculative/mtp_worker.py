@@ -289,39 +289,25 @@ class MTPWorker(DeferralMixin):
         value of it, and d_1 is drawn as after the commit (`_draft_ahead`); the batch has no
         penalties nor grammar, whose state the commit advances. None: it is committed, and
         d_1 follows the requests' host state. Returns the drafted d_1 (every row's) with
-        `generated`, else None; each drafting request's SpecState keeps its own.
-
-        After a ragged verify (`ragged`) with exact host starts, and where the pass runs
-        eagerly (`ragged_pass`), the pass covers each request's 1 + k_r verified positions
-        only (the rows past k_r are never accepted); else its hidden rows are spread back to
-        1 + K per request (row k_r repeated) for the fixed-shape pass."""
-        k1 = loc.shape[1]
-        batch = len(reqs)
-        next_tokens = verdict.emitted.clamp(min=0).reshape(-1)  # [B*(K+1)]
-        loc = loc.reshape(-1)
-        per = [k1] * batch
-        seq, bounds = lengths(starts, k1)
-        first = torch.arange(0, batch * k1, k1, device=loc.device)
-        if ragged is not None and self.ragged_pass and not isinstance(starts, Starts):
-            per = [n + 1 for n in ragged.limits]
-            next_tokens, loc, first = ragged.take(next_tokens), ragged.take(loc), ragged.first
-            seq = [s + n for s, n in zip(starts, per)]
-        elif ragged is not None:
-            hidden = ragged.spread(hidden)
+        `generated`, else None; each drafting request's SpecState keeps its own. After a
+        ragged verify (`ragged`) the pass's rows are `_pass_rows`'."""
+        batch, k1 = len(reqs), loc.shape[1]
+        next_tokens = verdict.emitted.clamp(min=0)  # [B, K+1]
+        per, seq, bounds, next_tokens, slots, hidden, first = self._pass_rows(
+            starts, ragged, next_tokens, loc, hidden
+        )
         build = lambda: self.h.build_forward_batch(  # noqa: E731
             ForwardMode.DRAFT_EXTEND,
             next_tokens,
             rows or [r.req_pool_idx for r in reqs],
             seq,
             per,
-            loc,
+            slots,
             None,
             bounds,
         )
         ends = first + verdict.accept_len
-        chosen = (
-            list(range(batch)) if draft_rows is None else [i for i in range(batch) if draft_rows[i]]
-        )
+        chosen = [i for i in range(batch) if draft_rows is None or draft_rows[i]]
         if len(chosen) < batch:
             ends = ends.index_select(0, to_device(chosen, loc.device))
         out, logits = self.mtp_pass(build, hidden, self.extend_kinds[k1 - 1], k1 - 1, ends)
@@ -334,6 +320,25 @@ class MTPWorker(DeferralMixin):
         first = FirstDrafts(tokens, probs, out[ends])
         self.keep_first(picked, *first)
         return first
+
+    def _pass_rows(self, starts, ragged: Ragged | None, tokens, loc, hidden):
+        """The MTP pass's rows after a verify over `loc` [B, K+1]: (positions per request,
+        sequence lengths, their host bounds, next tokens, slots, target hidden, each
+        request's first row). Every request's 1 + K positions (a fixed shape a graph can
+        replay; after a ragged verify its hidden rows spread back, row k_r repeated), or after
+        a ragged verify with exact host starts, where the pass runs eagerly (`ragged_pass`),
+        its 1 + k_r verified positions only (the rows past k_r are never accepted)."""
+        batch, k1 = loc.shape
+        seq, bounds = lengths(starts, k1)
+        tokens, loc = tokens.reshape(-1), loc.reshape(-1)
+        if ragged is not None and self.ragged_pass and not isinstance(starts, Starts):
+            per = [n + 1 for n in ragged.limits]
+            seq = [s + n for s, n in zip(starts, per)]
+            return per, seq, bounds, ragged.take(tokens), ragged.take(loc), hidden, ragged.first
+        if ragged is not None:
+            hidden = ragged.spread(hidden)
+        first = torch.arange(0, batch * k1, k1, device=loc.device)
+        return [k1] * batch, seq, bounds, tokens, loc, hidden, first
 
     @staticmethod
     def _drafting(reqs, last_rows: list[int], draft_rows: list[bool], device):
@@ -411,16 +416,17 @@ class MTPWorker(DeferralMixin):
             outs.append(out)
             tokens.append(token)
             probs.append(p)
-        drafts = torch.stack(tokens, dim=1)  # [B, K]
+        return self._stacked(tokens, probs)
+
+    def _stacked(self, tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Drafts:
+        """The chain's drafts [B, K] and their distributions [B, K, V]: None when every draft
+        was greedy, else one-hot at the greedy ones."""
+        drafts = torch.stack(tokens, dim=1)
         if all(p is None for p in probs):
             return Drafts(drafts, None)
         vocab = self.h.vocab_size
-        return Drafts(
-            drafts,
-            torch.stack(
-                [one_hot_probs(t, vocab) if p is None else p for t, p in zip(tokens, probs)], 1
-            ),
-        )
+        one_hot = [one_hot_probs(t, vocab) if p is None else p for t, p in zip(tokens, probs)]
+        return Drafts(drafts, torch.stack(one_hot, 1))
 
     def first_of(self, reqs: list[StepRequest]) -> FirstDrafts:
         """The requests' d_1 as their states keep them, stacked; the distributions are None

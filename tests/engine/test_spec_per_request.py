@@ -20,6 +20,7 @@ from lossless import GREEDY, PROMPTS, assert_same_greedy
 from test_spec_distribution import ALPHA, PROMPT, SAMPLE, SAMPLES, _p_value, exact  # noqa: F401
 
 from srt_ascend import Engine
+from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.speculative.acceptance import rejection_sample
 
 K = 3
@@ -108,6 +109,47 @@ def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
         ), "KV slots leaked"
     finally:
         engine.shutdown()
+
+
+def test_verify_graphs_without_ragged_rows_run_the_split(model_path, baseline):
+    """A multi-query verify through a backend that reads the lengths on the device (the
+    batch-invariant one here, as --enable-deterministic-inference chooses; the Triton one on
+    CUDA) replays one row of 1 + K query tokens
+    per request: its graphs hold no ragged batch (`GraphKind.holds_ragged`), which would run
+    eagerly. Under graphs such a server plans no ragged verify: the zeros run apart as the
+    plain step, the others verify 1 + K rows under their limits, and no verify runs eagerly.
+    Greedy tokens equal the baseline's."""
+    args = {
+        **SPEC,
+        "speculative_verify": "fia",
+        "enable_deterministic_inference": True,
+        "enable_cpu_graph": True,
+        "cuda_graph_bs": (1, 2, 4, 8),
+        "max_running_requests": 8,
+        "context_length": 512,
+    }
+    engine = Engine(model_path=model_path, **args)
+    eager = []
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        assert not decoder.ragged and decoder.split_zeros
+        runner, forward_eager = decoder.runner, decoder.runner.forward_eager
+
+        def spy(fb, *a, **kw):
+            eager.append(fb.forward_mode)
+            return forward_eager(fb, *a, **kw)
+
+        runner.forward_eager = spy
+        params = [_params(i) for i in range(8)]
+        outs = engine.generate(PROMPTS[:8], params, return_logprob=True)
+        state = engine.get_internal_state()
+    finally:
+        engine.shutdown()
+    assert_same_greedy("fia-device-lengths-graphs", outs, baseline[:8])
+    _check_counts(outs, adaptive=False)
+    assert state["spec_ragged_steps"] == 0
+    assert ForwardMode.TARGET_VERIFY not in eager, eager
+    assert any(n for k, n in state["graph_replays"].items() if k.startswith("verify"))
 
 
 def _unragged_paths(engine, baseline) -> None:
