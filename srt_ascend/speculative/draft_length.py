@@ -99,7 +99,11 @@ PRIOR_ACCEPT = 0.9
 # measured in this bucket, only borrowed): a K = 0 that serving inflated, or drafts that the
 # profile understated, are corrected by the next measurement (at most 1/32 of the steps,
 # each at most 20% slower once measured). A larger K is never run only to measure it: from
-# K = 0 that would first catch up every deferred position (up to 64 per request).
+# K = 0 that would first catch up every deferred position (up to 64 per request). The ragged
+# per-request planner explores the plain step the same way (`_ragged_lengths`). Measured on 2
+# CPU cores: a plain step served at 1.2x its profile and K = 3 at 1.4x, so a plain step priced
+# with the drafting steps' scale looked 17% dearer than it was, and four requests drafted
+# (0.87x of MTP off) where a tie was all the profile showed.
 EXPLORE_EVERY = 32
 EXPLORE_WITHIN = 0.8
 EXPLORE_UNMEASURED = 0.5
@@ -281,7 +285,7 @@ class AdaptiveDraftLength(DraftLength):
         self.buckets = buckets
         self.costs: CostTable | None = None  # from `calibrate`, before the first step
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
-        self.plans = 0  # steps planned per request (`lengths`)
+        self.plans = 0  # steps run (`advance`): the per-request planners explore by it
         self.margin = SPEC_MARGIN
 
     def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
@@ -316,7 +320,11 @@ class AdaptiveDraftLength(DraftLength):
         return best
 
     def advance(self, batch: int) -> None:
+        """Counts a step that runs: in its bucket (`peek`'s exploration) and among the plans
+        (the per-request planners'), also for an overlapped round, which plans uncounted and
+        advances once it launches."""
         self.steps[self.costs.bucket(batch)] += 1
+        self.plans += 1
 
     def plan(self, estimates, count, per_request):
         """With a ragged verify, the per-request plan decides the step (no batch K first)."""
@@ -324,12 +332,9 @@ class AdaptiveDraftLength(DraftLength):
             return super().plan(estimates, count, per_request)
         if count:
             self.advance(len(estimates))
-            self.plans += 1
         return self._ragged_lengths(estimates)
 
     def lengths(self, estimates, k, count):
-        if count:
-            self.plans += 1
         return self._split_lengths(estimates, k)
 
     def _ragged_lengths(self, estimates: Sequence[list[float]]) -> list[int]:
@@ -339,7 +344,11 @@ class AdaptiveDraftLength(DraftLength):
         with the most expected tokens per second (`CostTable.ragged_cost` of its rows) is
         taken when it promises SPEC_MARGIN times the plain step's (else every k_r = 0).
         Every EXPLORE_EVERY-th plan gives each request at 0 one draft (one more row), so
-        its acceptance keeps being measured."""
+        its acceptance keeps being measured; half-way between those, a plan with drafts runs
+        the plain step instead where that is close (EXPLORE_WITHIN / EXPLORE_UNMEASURED of
+        its tokens per second, as `peek` explores), so the plain step's served cost is
+        measured, not borrowed from the drafting steps' (whose served steps add more host
+        work to their profile: borrowed, it overstates the plain step's cost)."""
         n, costs = len(estimates), self.costs
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
@@ -363,6 +372,10 @@ class AdaptiveDraftLength(DraftLength):
                     plan[r] += 1
         if any(plan) and self.plans % EXPLORE_EVERY == 0:
             plan = [max(1, c) for c in plan]
+        elif any(plan) and self.plans % EXPLORE_EVERY == EXPLORE_EVERY // 2:
+            within = EXPLORE_WITHIN if costs.measured(bucket, 0) else EXPLORE_UNMEASURED
+            if n / costs.cost(bucket, 0) >= within * best:
+                plan = [0] * n
         return plan
 
     def _split_lengths(self, estimates: Sequence[list[float]], k: int) -> list[int]:

@@ -48,8 +48,8 @@ def test_alike_requests_draft_together_and_exploration_sets_none_apart():
     k = policy.choose(same)
     assert k == 3 and policy.lengths(same, k, count=True) == [3] * 8
     mixed = [HIGH, LOW] * 8
-    k = policy.choose(mixed)
-    seen = [policy.lengths(mixed, k, count=True) for _ in range(EXPLORE_EVERY)]
+    k = policy.peek(mixed)
+    seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([3] * 16) == 1  # the explored plan: everyone drafts, nobody apart
     assert sum(0 in plan for plan in seen) == EXPLORE_EVERY - 1
     assert policy.lengths(mixed, k, count=False) == policy.lengths(mixed, k, count=False)
@@ -98,12 +98,20 @@ def test_ragged_lengths_give_each_request_its_own_drafts():
     assert plan[1:] == [3, 3, 3] and 1 <= plan[0] <= 2
 
 
-def test_ragged_exploration_gives_a_zero_one_draft():
+def test_ragged_exploration_gives_a_zero_one_draft_and_measures_the_plain_step():
+    """Every EXPLORE_EVERY plans: one gives the requests at 0 a draft, and one runs the plain
+    step while its cost in the bucket is only borrowed and it is close (6.2 tokens per unit
+    against the plan's 8: within EXPLORE_UNMEASURED); measured and below EXPLORE_WITHIN of
+    the plan, it is not run."""
     policy = ragged_costed(0.1)
     mixed = [HIGH, LOW] * 8
     seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([3, 1] * 8) == 1
-    assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
+    assert seen.count([0] * 16) == 1
+    assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 2
+    policy.costs.observe(16, 0, policy.costs.profile[16, 0])  # measured: as profiled
+    seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
+    assert seen.count([0] * 16) == 0 and seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
 
 
 def exhaustive_plan(policy: AdaptiveDraftLength, estimates) -> list[int]:
@@ -156,3 +164,17 @@ def test_ragged_plans_skip_only_ks_that_cannot_win():
         estimates = [[rng.uniform(0, top) for _ in range(3)] for _ in range(n)]
         policy.plans = 1  # not an exploring plan
         assert policy._ragged_lengths(estimates) == exhaustive_plan(policy, estimates), trial
+
+
+def test_overlapped_rounds_cycle_through_exploration():
+    """An overlapped round plans uncounted (`count=False`) and `advance`s once it launches:
+    its plans still cycle, one zeros-draft plan and one plain step per EXPLORE_EVERY rounds,
+    never the same exploring plan round after round."""
+    policy = ragged_costed(0.1)
+    mixed = [HIGH, LOW] * 8
+    seen = []
+    for _ in range(2 * EXPLORE_EVERY):
+        seen.append(policy.plan(mixed, count=False, per_request=True))
+        policy.advance(len(mixed))
+    assert seen.count([3, 1] * 8) == 2 and seen.count([0] * 16) == 2
+    assert seen.count([3, 0] * 8) == 2 * EXPLORE_EVERY - 4
