@@ -9,7 +9,8 @@ Workloads (ignore_eos, `output-len` tokens each, one `Engine.generate` call per 
 - code@1 / code@4 / code@16 / code@64: held-out code prompts only, greedy;
 - random@1 / random@4 / random@16 / random@64: random-token prompts only, temperature 1.
 Configurations (one engine each, all started first and warmed on every workload; each round
-runs a workload on every configuration back to back, the best of `rounds` kept): MTP off;
+runs a workload on every configuration back to back, starting at another configuration each
+round, the best of `rounds` kept): MTP off;
 fixed K = 1, 2, 3; batch-adaptive (up to 3 drafts, one K per step: `--speculative-adaptive`
 with the decoder's per-request plans, ragged or split, switched off); per-request adaptive
 (`--speculative-adaptive`); asked (K = 3 server; the code requests ask 3 drafts, the random
@@ -91,6 +92,10 @@ def run_all(
 ) -> dict:
     """Every engine started (and warmed) first; then each round runs each workload on every
     configuration back to back (the machine's drift hits all alike); the best round kept."""
+    # a spare engine, started first and never timed: in one process the engine started first
+    # ran 10-20% slower than later ones at 1 to 4 requests on this VM (three identical MTP-off
+    # engines: 93-108 against 109-128 tok/s), which favoured every configuration over the first
+    spare = start("off", dtype)
     engines = {name: start(name, dtype) for name in names}
     try:
         tm = next(iter(engines.values())).tokenizer_manager
@@ -104,8 +109,13 @@ def run_all(
                 timed(name, engine, ids, params)
         res: dict[str, dict[str, dict]] = {name: {} for name in names}
         for r in range(rounds):
+            # each round starts at another configuration (evenly spaced over the rounds): on
+            # this VM the first engine after a switch ran up to 20% slower at 1 to 4 requests
+            shift = r * len(names) // rounds
+            order = names[shift:] + names[:shift]
             for wl, (ids, params) in loads.items():
-                for name, engine in engines.items():
+                for name in order:
+                    engine = engines[name]
                     got = timed(name, engine, ids, params)
                     best = res[name].get(wl)
                     runs = [] if best is None else best["rounds"]
@@ -115,7 +125,7 @@ def run_all(
                     print(f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s", flush=True)
         return res
     finally:
-        for engine in engines.values():
+        for engine in [spare, *engines.values()]:
             engine.shutdown()
 
 
