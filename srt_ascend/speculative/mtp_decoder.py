@@ -407,8 +407,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
             last = to_device([[r.last_id] for r in reqs], device)
             ragged = self._ragged(limits, k)
+            plan = None if limited is None else limits
             res, logits, hidden = self._verify(
-                reqs, k, loc, starts, last, None, generated, rows, limited, ragged
+                reqs, k, loc, starts, last, None, generated, rows, limited, ragged, plan
             )
             ahead = self._drafts_ahead(reqs)
             if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
@@ -488,12 +489,13 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         rows: list[int],  # their req_to_token rows
         limits: torch.Tensor | None = None,  # [B] drafts each row may accept (None: K)
         ragged: Ragged | None = None,  # verify only each request's 1 + k_r rows
+        plan: list[int] | None = None,  # k_r each, host starts: draft step j over k_r > j
     ) -> tuple[AcceptResult, torch.Tensor, torch.Tensor]:
         """Draft steps 2..K, the verify forward and the acceptance rule, on the device:
         (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D], or
         with `ragged` its kept rows [R, D]). The rule reads row j > k_r as row k_r (never
         past its limit)."""
-        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated)
+        drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated, plan)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
         fb = verify.build(

@@ -30,8 +30,9 @@ class StartMixin:
     def _padding_rows(self, n: int) -> None:
         """The row-proportional forwards of a ragged step over `n` verify rows (as requests
         of 1 + K rows and one of the rest; request row 0, PROFILE_CONTEXT tokens, KV into
-        the padding slot 0): the verify forward of the largest K and its logits, and the MTP
-        pass over those rows where it is ragged."""
+        the padding slot 0): the draft steps over the requests drafting past each one
+        (`MTPWorker.draft_chain` with limits), the verify forward of the largest K and its
+        logits, and the MTP pass over those rows where it is ragged."""
         runner, verify = self.runner, self.verifies[max(self.verifies)]
         k1 = verify.k + 1
         context = min(PROFILE_CONTEXT, self.h.req_to_token.shape[1] - k1)
@@ -39,6 +40,10 @@ class StartMixin:
         limits = [verify.k] * full + ([rest - 1] if rest else [])
         bs = len(limits)
         loc = torch.zeros(bs, k1, dtype=torch.int64, device=runner.device)
+        for j in range(1, verify.k):
+            drafting = sum(m > j for m in limits)
+            if drafting:
+                self._padding_draft_step(drafting, j, context, loc)
         ragged = Ragged.of(limits, verify.k, runner.device)
         fb = verify.build(loc, [0] * bs, [context] * bs, loc, None, ragged)
         hidden, _ = runner.forward_logits(fb, verify.kind)
@@ -50,6 +55,19 @@ class StartMixin:
             )  # fmt: skip
             ends = ragged.first + to_device(limits, runner.device)
             self.worker.mtp_pass(build, hidden, None, verify.k, ends)
+
+    def _padding_draft_step(self, bs: int, j: int, context: int, loc: torch.Tensor) -> None:
+        """Draft step j (`MTPWorker.draft_chain`) over `bs` padding requests, its KV into the
+        padding slot 0 (`loc`: zeros, at least [bs, j + 1])."""
+        runner, kind = self.runner, self.step_kinds[j]
+        n = kind.tokens_per_req
+        ids = loc[:bs, :n].reshape(-1)
+        fb = runner.build_forward_batch(kind.mode, ids, [0] * bs, [context + j] * bs, [n] * bs, ids)
+        steps = torch.zeros(
+            bs * n, runner.config.hidden_size, dtype=runner.dtype, device=ids.device
+        )
+        last = torch.arange(n - 1, bs * n, n, device=runner.device)
+        runner.forward_mtp_logits(fb, steps, j, kind, last)
 
     def _capture_rounds(self) -> MTPRoundGraphs | None:
         """One graph per (K, bucket) running the whole round for all-greedy batches
@@ -111,13 +129,7 @@ class StartMixin:
             self.rounds.run(k, zeros, zeros + context, [context] * bs, zeros, zeros, hidden, None)
             return
         for j in range(1, k):
-            kind = self.step_kinds[j]
-            n = kind.tokens_per_req
-            ids = loc[:, :n].reshape(-1)
-            fb = runner.build_forward_batch(kind.mode, ids, rows, [context + j] * bs, [n] * bs, ids)
-            steps = hidden.new_zeros(bs * n, hidden.shape[-1])
-            last = torch.arange(n - 1, bs * n, n, device=runner.device)
-            runner.forward_mtp_logits(fb, steps, j, kind, last)
+            self._padding_draft_step(bs, j, context, loc)
         verify = self.verifies[k]
         out, _ = runner.forward_logits(verify.build(loc, rows, [context] * bs, loc), verify.kind)
         flat = loc.reshape(-1)

@@ -372,6 +372,7 @@ class MTPWorker(DeferralMixin):
         starts: list[int] | Starts | None = None,
         rows: list[int] | None = None,
         generated: list[int] | Counts | None = None,
+        limits: list[int] | None = None,
     ) -> Drafts:
         """d_1 from each request's state, then draft steps 2..K: MTP layer l_j (j = 1..K-1,
         `layer_for_step`) over (the chain's outputs, its drafts) at positions L-1 .. L-2+j
@@ -386,7 +387,9 @@ class MTPWorker(DeferralMixin):
         None: from the committed lengths); `rows`: their req_to_token rows (None: the
         requests' own; an overlapped round takes them at launch, as a request released
         meanwhile has none); `generated`: the tokens each generated before the round, which
-        its seeded draft streams follow (None: the committed ones)."""
+        its seeded draft streams follow (None: the committed ones); `limits`: each request's
+        k_r, with host starts: step j then runs over the requests with k_r > j only (the
+        others' drafts past k_r, never examined, repeat their last one)."""
         k = loc.shape[1] - 1
         first = self.first_of(reqs) if first is None else first
         tokens = [first.tokens]  # [B] per draft position
@@ -395,28 +398,65 @@ class MTPWorker(DeferralMixin):
         rows = rows or [r.req_pool_idx for r in reqs]
         begin = starts if starts is not None else [r.seq_len - 1 for r in reqs]
         for j in range(1, k):
-            kind = self.step_kinds[j]
-            n = kind.tokens_per_req  # positions L-1-n+j .. L-2+j
-            seq, bounds = lengths(begin, j)  # KV positions 0 .. L-2+j
-            fb = self.h.build_forward_batch(
-                ForwardMode.DECODE if n == 1 else ForwardMode.DRAFT_EXTEND,
-                torch.stack(tokens[j - n :], dim=1).reshape(-1),
-                rows,
-                seq,
-                [n] * len(reqs),
-                loc[:, j - n : j].reshape(-1),
-                None,
-                bounds,
-            )
-            hidden = torch.stack(outs[j - n :], dim=1).reshape(-1, outs[0].shape[-1])
-            last = torch.arange(n - 1, len(reqs) * n, n, device=loc.device)  # each one's last
-            out, logits = self.h.forward_logits(fb, hidden, j, kind, last)
-            out = out.view(len(reqs), n, -1)[:, -1]
-            token, p = self._draft_step(reqs, logits, torch.stack(tokens, dim=1), generated)
+            keep = None if limits is None else [i for i, m in enumerate(limits) if m > j]
+            if keep == []:  # nobody reads d_{j+1} .. d_K
+                tokens += [tokens[-1]] * (k - j)
+                probs += [None] * (k - j)
+                break
+            if keep is None or len(keep) == len(reqs):
+                out, token, p = self._chain_step(j, reqs, tokens, outs, rows, begin, loc, generated)
+            else:
+                out, token, p = self._chain_step_of(
+                    keep, j, reqs, tokens, outs, rows, begin, loc, generated
+                )
             outs.append(out)
             tokens.append(token)
             probs.append(p)
         return self._stacked(tokens, probs)
+
+    def _chain_step(self, j, reqs, tokens, outs, rows, begin, loc, generated):
+        """Draft step j over these requests (`draft_chain`): (the outputs drafting d_{j+1}
+        [B, D], d_{j+1} [B], its distribution [B, V] or None)."""
+        kind = self.step_kinds[j]
+        n = kind.tokens_per_req  # positions L-1-n+j .. L-2+j
+        seq, bounds = lengths(begin, j)  # KV positions 0 .. L-2+j
+        fb = self.h.build_forward_batch(
+            ForwardMode.DECODE if n == 1 else ForwardMode.DRAFT_EXTEND,
+            torch.stack(tokens[j - n :], dim=1).reshape(-1),
+            rows,
+            seq,
+            [n] * len(reqs),
+            loc[:, j - n : j].reshape(-1),
+            None,
+            bounds,
+        )
+        hidden = torch.stack(outs[j - n :], dim=1).reshape(-1, outs[0].shape[-1])
+        last = torch.arange(n - 1, len(reqs) * n, n, device=loc.device)  # each one's last
+        out, logits = self.h.forward_logits(fb, hidden, j, kind, last)
+        out = out.view(len(reqs), n, -1)[:, -1]
+        token, p = self._draft_step(reqs, logits, torch.stack(tokens, dim=1), generated)
+        return out, token, p
+
+    def _chain_step_of(self, keep, j, reqs, tokens, outs, rows, begin, loc, generated):
+        """`_chain_step` over the requests `keep` (indices; host starts) only, laid out over
+        the batch again: the others repeat their last draft and output (one-hot where the
+        step's drafts have distributions)."""
+        at = to_device(keep, loc.device)
+        pick = lambda t: t.index_select(0, at)  # noqa: E731
+        out, token, p = self._chain_step(
+            j,
+            [reqs[i] for i in keep],
+            [pick(t) for t in tokens],
+            [pick(o) for o in outs],
+            [rows[i] for i in keep],
+            [begin[i] for i in keep],
+            pick(loc),
+            None if generated is None else [generated[i] for i in keep],
+        )
+        token = tokens[-1].index_copy(0, at, token)
+        if p is not None:
+            p = one_hot_probs(token, self.h.vocab_size).index_copy(0, at, p)
+        return outs[-1].index_copy(0, at, out), token, p
 
     def _stacked(self, tokens: list[torch.Tensor], probs: list[torch.Tensor | None]) -> Drafts:
         """The chain's drafts [B, K] and their distributions [B, K, V]: None when every draft

@@ -123,13 +123,16 @@ def _record(monkeypatch) -> list[tuple[Any, int, list[int]]]:
     records: list[tuple[Any, int, list[int]]] = []
     chain = MTPWorker.draft_chain
 
-    def recorded(self, reqs, loc, first=None, starts=None, rows=None, generated=None):
-        out = chain(self, reqs, loc, first, starts, rows, generated)
+    def recorded(self, reqs, loc, first=None, starts=None, rows=None, generated=None, limits=None):
+        out = chain(self, reqs, loc, first, starts, rows, generated, limits)
         if isinstance(starts, Starts):
             begin = starts.device.tolist()
         else:
             begin = [r.seq_len - 1 for r in reqs] if starts is None else list(starts)
-        records.extend(zip(reqs, begin, out.tokens.tolist()))
+        drafts = out.tokens.tolist()
+        if limits is not None:  # the drafts past k_r are placeholders, never examined
+            drafts = [d[: max(1, n)] for d, n in zip(drafts, limits)]
+        records.extend(zip(reqs, begin, drafts))
         return out
 
     monkeypatch.setattr(MTPWorker, "draft_chain", recorded)

@@ -6,7 +6,8 @@ to the server (K = 3) is token-identical, request by request, to eager decoding 
 speculation (the session `baseline`), on both verify paths: expand's ragged rows (each request
 verifies 1 + k_r rows) with graphs on and chunked prefill, eager with overlapped rounds and
 per-request adaptive lengths (the MTP pass ragged too), and again with every request's 1 + K
-rows and with the zeros run apart; fia (1 + k_r query tokens per request in serial steps,
+rows and with the zeros run apart; the draft steps over the requests drafting further only
+(serial steps); fia (1 + k_r query tokens per request in serial steps,
 1 + K in overlapped rounds) with overlap and adaptive lengths; with logprobs, `n > 1` and a
 grammar. Sampled: requests of mixed lengths follow the target distribution (the
 chi-square check and stated power of test_spec_distribution: 800 samples detect a 0.058
@@ -22,6 +23,7 @@ from test_spec_distribution import ALPHA, PROMPT, SAMPLE, SAMPLES, _p_value, exa
 from srt_ascend import Engine
 from srt_ascend.model_executor.forward_batch import ForwardMode
 from srt_ascend.speculative.acceptance import rejection_sample
+from srt_ascend.speculative.mtp_worker import MTPWorker
 
 K = 3
 ASKED = [None, 0, 1, 2, 3]  # prompt i asks ASKED[i % 5]
@@ -70,12 +72,21 @@ def _check_counts(outs: list[dict], adaptive: bool) -> None:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name):
+def test_mixed_lengths_identical_to_mtp_off(model_path, baseline, name, monkeypatch):
+    subsets = []  # (requests, batch) of the draft steps over the requests drafting further
+    chain_step_of = MTPWorker._chain_step_of
+
+    def spy(self, keep, j, reqs, *rest):
+        subsets.append((len(keep), len(reqs)))
+        return chain_step_of(self, keep, j, reqs, *rest)
+
+    monkeypatch.setattr(MTPWorker, "_chain_step_of", spy)
     engine = Engine(model_path=model_path, **CONFIGS[name])
     try:
         params = [_params(i) for i in range(len(PROMPTS))]
         outs = engine.generate(PROMPTS, params, return_logprob=True)
         assert_same_greedy(name, outs, baseline)
+        assert subsets and all(0 < a < b for a, b in subsets), subsets
         _check_counts(outs, CONFIGS[name].get("speculative_adaptive", False))
         assert sum(o["meta_info"]["spec_accepted_tokens"] for o in outs) > 0
         assert engine.get_internal_state()["spec_ragged_steps"] > 0  # 1 + k_r rows each
