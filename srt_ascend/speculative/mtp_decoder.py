@@ -407,7 +407,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
             last = to_device([[r.last_id] for r in reqs], device)
             ragged = self._ragged(limits, k)
-            plan = None if limited is None else limits
+            # draft steps over the requests drafting further; not under DP attention, where
+            # every group runs every draft step (its forwards pair up with the others')
+            plan = None if limited is None or self.runner.tp.dp_size > 1 else limits
             res, logits, hidden = self._verify(
                 reqs, k, loc, starts, last, None, generated, rows, limited, ragged, plan
             )
