@@ -407,11 +407,8 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             loc = to_device(loc, device).view(len(reqs), k1)  # one copy, three uses
             last = to_device([[r.last_id] for r in reqs], device)
             ragged = self._ragged(limits, k)
-            # draft steps over the requests drafting further; not under DP attention, where
-            # every group runs every draft step (its forwards pair up with the others')
-            plan = None if limited is None or self.runner.tp.dp_size > 1 else limits
             res, logits, hidden = self._verify(
-                reqs, k, loc, starts, last, None, generated, rows, limited, ragged, plan
+                reqs, k, loc, starts, last, None, generated, rows, limited, ragged, limits
             )
             ahead = self._drafts_ahead(reqs)
             if ahead:  # the MTP pass and the next d_1 from the device verdict, before the read
@@ -497,6 +494,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         (the verdict, the logits it read [B, K+1, V], the target hidden [B*(K+1), D], or
         with `ragged` its kept rows [R, D]). The rule reads row j > k_r as row k_r (never
         past its limit)."""
+        # draft steps over the requests drafting further; not under DP attention, where
+        # every group runs every draft step (its forwards pair up with the others')
+        plan = None if self.runner.tp.dp_size > 1 else plan
         drafts = self.worker.draft_chain(reqs, loc, first, starts, rows, generated, plan)
         verify = self.verifies[k]
         seq, bounds = lengths(starts, 1)
