@@ -63,9 +63,7 @@ class StartMixin:
         n = kind.tokens_per_req
         ids = loc[:bs, :n].reshape(-1)
         fb = runner.build_forward_batch(kind.mode, ids, [0] * bs, [context + j] * bs, [n] * bs, ids)
-        steps = torch.zeros(
-            bs * n, runner.config.hidden_size, dtype=runner.dtype, device=ids.device
-        )
+        steps = loc.new_zeros(bs * n, runner.config.hidden_size, dtype=runner.dtype)
         last = torch.arange(n - 1, bs * n, n, device=runner.device)
         runner.forward_mtp_logits(fb, steps, j, kind, last)
 
