@@ -17,7 +17,9 @@ with the decoder's per-request plans, ragged or split, switched off); per-reques
 ones 0, through `sampling_params.speculative_num_steps`). Printed: output tokens per second
 and ratios against every other configuration, side by side; per workload, adaptive over the
 best fixed K (MTP off included) of the best rounds, and the median over rounds of the same
-ratio within each round (`paired`, what drift moves least on a shared machine).
+ratio within each round (`paired`, what drift moves least on a shared machine); for the
+adaptive configurations, each K's tokens and seconds per step against what the policy expected
+(`spec_plan_fit` in /server_info), and each round's drafts per verify step.
 """
 
 from __future__ import annotations
@@ -122,7 +124,15 @@ def run_all(
                     if best is None or got["tok_s"] > best["tok_s"]:
                         res[name][wl] = got
                     res[name][wl]["rounds"] = [*runs, got["tok_s"]]
-                    print(f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s", flush=True)
+                    print(
+                        f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s"
+                        f" ({got['drafts_per_step']:.2f} drafts per step)",
+                        flush=True,
+                    )
+        for name, engine in engines.items():  # the adaptive policies' predictions, as held
+            fit = engine.get_internal_state().get("spec_plan_fit")
+            if fit:
+                res[name]["plan_fit"] = fit
         return res
     finally:
         for engine in [spare, *engines.values()]:
@@ -130,6 +140,13 @@ def run_all(
 
 
 def report(res: dict[str, dict[str, dict]]) -> None:
+    for c, r in res.items():
+        for k, f in r.get("plan_fit", {}).items():
+            print(
+                f"{c} K = {k}: {f['steps']} steps, tokens per step {f['tokens']:.2f} (expected"
+                f" {f['expected_tokens']:.2f}), ms per timed step {1e3 * f['seconds']:.2f}"
+                f" (priced {1e3 * f['priced_seconds']:.2f})"
+            )
     mixed = {c: r["mixed@16"]["tok_s"] for c, r in res.items() if "mixed@16" in r}
     if mixed:
         print("\nmixed@16 (tok/s, and per-request / asked over each config):")

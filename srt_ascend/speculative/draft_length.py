@@ -60,6 +60,7 @@ import operator
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from srt_ascend.registry import Registry
 from srt_ascend.speculative.step_costs import CostTable, profile_costs, profile_rows
@@ -287,6 +288,8 @@ class AdaptiveDraftLength(DraftLength):
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
         self.plans = 0  # steps run (`advance`): the per-request planners explore by it
         self.margin = SPEC_MARGIN
+        # per K: how its steps held to what the policy expected (`record`, `stats`)
+        self.fit: dict[int, PlanFit] = {}
 
     def calibrate(self, run_step_forwards, synchronize, run_rows=None) -> None:
         profile = profile_costs(self.buckets, self.max_k, run_step_forwards, synchronize)
@@ -411,10 +414,50 @@ class AdaptiveDraftLength(DraftLength):
         return self._best(self._rates(self.costs.bucket(batch), estimates)) == 0
 
     def record(self, estimates, k, accepted, seconds, limits=None):
+        rows = None if limits is None else sum(n + 1 for n in limits)
+        # against the estimates and costs the step was planned with (before they move)
+        fit = self.fit.setdefault(k, PlanFit())
+        fit.steps += 1
+        own = [k] * len(estimates) if limits is None else limits
+        fit.expected += sum(expected_tokens(e, k_r) for e, k_r in zip(estimates, own))
+        fit.tokens += len(estimates) + sum(accepted)
+        if seconds is not None:
+            fit.timed += 1
+            fit.priced += self.costs.priced(len(estimates), k, rows)
+            fit.seconds += seconds
         super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
-            rows = None if limits is None else sum(n + 1 for n in limits)
             self.costs.observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
-        return {**super().stats(), "spec_step_cost_seconds": self.costs.snapshot()}
+        return {
+            **super().stats(),
+            "spec_step_cost_seconds": self.costs.snapshot(),
+            "spec_plan_fit": {str(k): self.fit[k].summary() for k in sorted(self.fit)},
+        }
+
+
+@dataclass
+class PlanFit:
+    """How a K's steps held to the policy's expectations since start: tokens emitted against
+    the tokens its estimates expected (every step), seconds served against the seconds its
+    cost table priced (the timed steps), as means per step. On a device this says whether a
+    choice that missed came from the acceptance estimates or from the costs."""
+
+    steps: int = 0
+    expected: float = 0.0
+    tokens: float = 0.0
+    timed: int = 0
+    priced: float = 0.0
+    seconds: float = 0.0
+
+    def summary(self) -> dict[str, float]:
+        per_step, per_timed = max(self.steps, 1), max(self.timed, 1)
+        return {
+            "steps": self.steps,
+            "expected_tokens": self.expected / per_step,
+            "tokens": self.tokens / per_step,
+            "timed_steps": self.timed,
+            "priced_seconds": self.priced / per_timed,
+            "seconds": self.seconds / per_timed,
+        }

@@ -94,6 +94,12 @@ class CostTable:
         table += [self.row_seconds[-1]] * (most + 1 - len(table))  # flat past the end
         return [scale * max(base + w, floor) for w in table]
 
+    def priced(self, batch: int, k: int, rows: int | None = None) -> float:
+        """What the policy expects a step of K = k over `batch` requests verifying `rows`
+        rows (None: batch x (1 + k)) to take: `profiled` x S(b, K), as `ragged_costs`."""
+        bucket = self.bucket(batch)
+        return self.profiled(bucket, k, rows) * max(self._scale(bucket, k), 0.5)
+
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
 

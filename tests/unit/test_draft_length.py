@@ -327,3 +327,39 @@ def test_peek_gives_the_next_choice_without_counting_a_step() -> None:
     assert close.choose([[0.9]]) == 0
     assert close.peek([[0.9]]) == 1
     assert FixedDraftLength(2, BUCKETS).peek([[0.9]]) == 2
+
+
+def test_plan_fit_compares_each_k_with_what_the_policy_expected() -> None:
+    """`spec_plan_fit`: per K, the tokens its steps emitted against the tokens the estimates
+    they were planned with expected (before the step moved them), and the timed steps'
+    seconds against the cost table's price at the time (before the step's own timing)."""
+    policy = profiled(2)
+    rows = {n: 0.01 * n for n in (1, 2, 4, 8, 16, 32, 64)}  # a verify row costs 0.01
+    policy.costs = CostTable(BUCKETS, 2, profile(2), rows)
+    estimates = [Estimate([0.5, 0.5]), Estimate([1.0, 0.5])]
+    priced = policy.costs.priced(2, 2)
+    assert priced == policy.costs.cost(2, 2) == step_seconds(2, 2)  # nothing measured yet
+    policy.record(estimates, 2, [0, 2], 3 * priced)  # expected 1.75 + 2.5, emitted 1 + 3
+    policy.record(estimates, 0, [0, 0], None)  # untimed (after a prefill)
+    # a ragged step: the second request drafted 1 (3 rows, not 6), priced at its rows and
+    # at the scale the first step measured (3x); expected 1 + (1 + 1.0): the first request
+    # drafted none, the second's first position was accepted (still 1.0)
+    ragged = policy.costs.priced(2, 2, rows=3)
+    assert ragged == pytest.approx((step_seconds(2, 2) - 0.06 + 0.03) * 3)
+    policy.record(estimates, 2, [0, 1], ragged / 2, limits=[0, 1])
+    expected = 3.0
+    fit = policy.stats()["spec_plan_fit"]
+    assert fit["0"] == {
+        "steps": 1,
+        "expected_tokens": 2.0,
+        "tokens": 2.0,
+        "timed_steps": 0,
+        "priced_seconds": 0.0,
+        "seconds": 0.0,
+    }
+    two = fit["2"]
+    assert two["steps"] == two["timed_steps"] == 2
+    assert two["expected_tokens"] == pytest.approx((1.75 + 2.5 + expected) / 2)
+    assert two["tokens"] == pytest.approx((4 + 3) / 2)
+    assert two["priced_seconds"] == pytest.approx((priced + ragged) / 2)
+    assert two["seconds"] == pytest.approx((3 * priced + ragged / 2) / 2)
