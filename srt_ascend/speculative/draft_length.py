@@ -41,7 +41,8 @@ fewest tokens from drafts may run apart as a plain step beside one step of j dra
 rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARGIN times the
 chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
 left at 0, so that their acceptance keeps being measured. A
-request's own `speculative_num_steps` wins over both choices (MTPDecoder._plan).
+request's own `speculative_num_steps` wins over both choices, as the server's K does for a
+seeded sampled request (MTPDecoder.own_length: its seed then repeats its tokens).
 Estimates a_r (`Estimate`) start from the recent acceptance per position of requests of r's
 kind (greedy or sampled; the server-wide acceptance before any) and move with each of r's
 verify steps, fast while they rest on few outcomes (PRIOR_WEIGHT, ESTIMATE_DECAY). Under

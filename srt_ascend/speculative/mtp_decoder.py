@@ -38,7 +38,8 @@ overlap an adaptive round's K is chosen at its launch, from the estimates of the
 read (one round stale); rounds of any K follow each other overlapped, except a round with
 drafts after a K = 0 step (its catch-up reads committed tokens), which runs `step`.
 
-Per request: each request drafts its own k_r (`_plan`: its `speculative_num_steps`, else the
+Per request: each request drafts its own k_r (`_plan`: its `speculative_num_steps`, or the
+server's K for a seeded sampled request under --speculative-adaptive, `own_length`; else the
 policy's choice, per request under --speculative-adaptive). A step drafts K = the smallest
 registered K holding the longest k_r, and the acceptance rule stops row r at k_r, as a
 K = k_r step over the same drafts and uniforms would (lossless per request, seeded draws
@@ -143,6 +144,8 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         # graph kinds for every K a step may run (the configured K's keep their plain names).
         # Requests asking fewer drafts (`speculative_num_steps`) ride a step of the smallest
         # K that holds them (`_batch_k`): fixed K adds no kinds (nor their captures/compiles)
+        # seeded sampled requests run the server's K (`own_length`) where the policy chooses
+        self.pin_seeded, self.num_steps = args.speculative_adaptive, k
         ks = range(k + 1) if args.speculative_adaptive else [k]
         suffix = {j: "" if j == k else f"_k{j}" for j in ks}
         self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
@@ -345,14 +348,27 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             ran += self._drafted_step(drafting, k, limits, loc)
         return ran
 
+    def own_length(self, req: StepRequest) -> int | None:
+        """The drafts a request runs every step whatever the policy chooses: its own
+        `speculative_num_steps`; under --speculative-adaptive, --speculative-num-steps for a
+        seeded sampled request that asked none (its draws follow its drafts, so a seed
+        repeats its tokens only where each step ran the same k_r: fixed, they do whatever
+        its neighbours, as the same seed on a fixed-K server); else None (the policy's)."""
+        params = req.sampling_params
+        if params.speculative_num_steps is not None:
+            return params.speculative_num_steps
+        if self.pin_seeded and params.seed is not None and not params.is_greedy:
+            return self.num_steps
+        return None
+
     def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
-        """Each request's drafts this step, k_r in 0..num_steps: its own
-        `speculative_num_steps` when it asked, else what `draft_length` chooses for the
+        """Each request's drafts this step, k_r in 0..num_steps: its own (`own_length`)
+        when it has one, else what `draft_length` chooses for the
         requests that did not ask (`DraftLength.plan`): one K, or per request under
         --speculative-adaptive with a ragged verify (not where whole-round graphs run the
         batch: `_whole_rounds`) or the split (`count`: the step runs, the policy counts it;
         else a peek)."""
-        asked = [r.sampling_params.speculative_num_steps for r in reqs]
+        asked = [self.own_length(r) for r in reqs]
         free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked

@@ -133,7 +133,7 @@ class OverlappedRoundsMixin:
         if reserved is None:
             return None
         known, bounds, ends, order = reserved
-        free = sum(r.sampling_params.speculative_num_steps is None for r in reqs)
+        free = sum(self.own_length(r) is None for r in reqs)
         if free:  # the round runs: the policy counts it once (as `_plan` peeked)
             self.draft_length.advance(free)
         for r, e in zip(reqs, ends):

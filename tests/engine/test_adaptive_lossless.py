@@ -2,7 +2,8 @@
 speculation off whatever K each step runs. A scripted policy walks the steps through a fixed
 sequence of K (0 included: a plain decode step whose MTP pass waits for the next step with
 drafts, which runs the deferred passes first), and prefills alternately run or defer their
-MTP pass over the prompt, with
+MTP pass over the prompt (seeded sampled requests run the server's K and repeat their
+tokens whatever the walk), with
 either verify layout, eagerly and through the per-K graph kinds; the real policy and block
 verification run the same prompts. Block verification runs only for batches with a sampled
 row, so there the greedy prompts share their batches with seeded sampled requests: the greedy
@@ -92,6 +93,8 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
             prompts, params = prompts + PROMPTS[: len(SAMPLED)], params + SAMPLED
         outs = engine.generate(prompts, params, return_logprob=True)[:N_PROMPTS]
         state = engine.get_internal_state()
+        if name == "walk-expand":
+            _seeded_repeat(engine)
     finally:
         engine.shutdown()
     assert_same_greedy(name, outs, baseline[:N_PROMPTS])
@@ -106,6 +109,23 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
     assert sum(state["spec_accepted_per_position"]) > 0
     if name == "block-expand":
         assert calls[0] > 0, "block verification never ran"
+
+
+def _seeded_repeat(engine) -> None:
+    """A seeded sampled request that asks no length runs the server's K at every step while
+    the policy walks its K (its draws follow its drafts), so it repeats its tokens alone and
+    among greedy neighbours; one asking its own length runs that."""
+    seeded = [dict(p) for p in SAMPLED[:4]]
+    seeded[3]["speculative_num_steps"] = 1
+    prompts = PROMPTS[:4] + PROMPTS[4:8]
+    outs = engine.generate(prompts, seeded + [GREEDY] * 4)[:4]
+    for i, (prompt, params, out) in enumerate(zip(PROMPTS, seeded, outs)):
+        alone = engine.generate(prompt, params)
+        assert alone["output_ids"] == out["output_ids"], i
+        meta = out["meta_info"]
+        k_r = params.get("speculative_num_steps", 3)
+        assert meta["spec_verify_ct"] > 0
+        assert meta["spec_draft_tokens"] == k_r * meta["spec_verify_ct"]
 
 
 def test_a_burst_is_planned_from_its_first_prefill(model_path):

@@ -671,9 +671,27 @@ ADAPTIVE_SCENARIOS = {
     name: SCENARIOS[name]
     for name in ("greedy", "logprobs", "stop_string", "abort_in_flight", "late_join")
 }
-ADAPTIVE_SCENARIOS["seeded"] = plain_rounds(seeded)
+
+
+def unpinned(scenario):
+    """`scenario` with seeded sampled requests left to the policy (here the scripted walk)
+    instead of pinned to the server's K (`MTPDecoder.own_length`): the walk then takes them
+    through K = 0 rounds, as requests asking 0 drafts beside drafting ones go through them."""
+
+    def run(engine: Engine):
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.pin_seeded = False
+        try:
+            return scenario(engine)
+        finally:
+            decoder.pin_seeded = True
+
+    return run
+
+
+ADAPTIVE_SCENARIOS["seeded"] = unpinned(plain_rounds(seeded))
 ADAPTIVE_SCENARIOS["finished_in_plain_round"] = finished_in_plain_round
-ADAPTIVE_SCENARIOS["seeded_plain_after_drafts"] = seeded_plain_after_drafts
+ADAPTIVE_SCENARIOS["seeded_plain_after_drafts"] = unpinned(seeded_plain_after_drafts)
 ADAPTIVE_SCENARIOS["aborted_in_plain_rounds"] = aborted_in_plain_rounds
 
 
