@@ -17,7 +17,9 @@ The costs come from a profile taken before serving (`profile_costs`): the step's
 timed per bucket and K over a padding batch, P(b, K). Serving scales it by what it measures:
 C(b, K) = P(b, K) x S(b, K), where S(b, K) is the lower median of the last COST_WINDOW
 (wall time / P(b, K)) of the steps that ran K in bucket b; an entry not run yet borrows the
-scale of the bucket's other K (or the nearest bucket's). The profile gets the shape (how a
+scale of the bucket's other K (or the nearest bucket's). Batches with a sampled request keep
+scales of their own (`table`: their verify samples), borrowing the greedy ones' until they
+have any. The profile gets the shape (how a
 step grows with its tokens), serving the level: served steps run slower than the profile's
 tight loop by about the same factor for every K, since the serving threads beside the step
 take the GIL and the cores between its operations, and a step with drafts has several times a
@@ -286,6 +288,7 @@ class AdaptiveDraftLength(DraftLength):
         super().__init__(max_k, buckets)
         self.buckets = buckets
         self.costs: CostTable | None = None  # from `calibrate`, before the first step
+        self._sampled_costs: CostTable | None = None  # `table`'s, for sampled batches
         self.steps: Counter[int] = Counter()  # steps chosen per bucket
         self.plans = 0  # steps run (`advance`): the per-request planners explore by it
         self.margin = SPEC_MARGIN
@@ -299,11 +302,25 @@ class AdaptiveDraftLength(DraftLength):
             rows = profile_rows(max(self.buckets) * (self.max_k + 1), run_rows, synchronize)
         self.costs = CostTable(self.buckets, self.max_k, profile, rows)
 
+    def table(self, estimates: Sequence[list[float]]) -> CostTable:
+        """The cost table of a step over these requests: `costs` for greedy batches, its
+        `sibling` for a batch with a sampled request (whose verify computes the draft and
+        target probabilities and samples: on 2 CPU cores in bf16, random-token requests at
+        temperature 1 ran their K = 1-2 steps 8% over the scale the greedy code requests
+        before them had measured, and a margin of 1.08 then drafted at 0.80x of MTP off).
+        The requests' kinds are those of their estimates (`Estimate.kind`)."""
+        if not any(getattr(e, "kind", "") == "sampled" for e in estimates):
+            return self.costs
+        if self._sampled_costs is None or self._sampled_costs.fallback is not self.costs:
+            self._sampled_costs = self.costs.sibling()
+        return self._sampled_costs
+
     def _rates(self, bucket: int, estimates: Sequence[list[float]]) -> dict[int, float]:
         """Expected tokens per second of each K for these requests in `bucket`."""
+        costs = self.table(estimates)
         return {
-            k: sum(expected_tokens(e, k) for e in estimates) / self.costs.cost(bucket, k)
-            for k in self.costs.ks
+            k: sum(expected_tokens(e, k) for e in estimates) / costs.cost(bucket, k)
+            for k in costs.ks
         }
 
     def _best(self, rates: dict[int, float]) -> int:
@@ -317,7 +334,7 @@ class AdaptiveDraftLength(DraftLength):
         if (self.steps[bucket] + 1) % EXPLORE_EVERY == 0:  # the runner-up, if a contender
             second = max(range(best), key=rates.__getitem__, default=None)
             if second is not None:
-                measured = self.costs.measured(bucket, second)
+                measured = self.table(estimates).measured(bucket, second)
                 within = EXPLORE_WITHIN if measured else EXPLORE_UNMEASURED
                 if rates[second] >= within * rates[best]:
                     return second
@@ -353,7 +370,7 @@ class AdaptiveDraftLength(DraftLength):
         its tokens per second, as `peek` explores), so the plain step's served cost is
         measured, not borrowed from the drafting steps' (whose served steps add more host
         work to their profile: borrowed, it overstates the plain step's cost)."""
-        n, costs = len(estimates), self.costs
+        n, costs = len(estimates), self.table(estimates)
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
         runs = [list(itertools.accumulate(e[: self.max_k], operator.mul)) for e in estimates]
@@ -388,7 +405,7 @@ class AdaptiveDraftLength(DraftLength):
         of steps promises SPEC_MARGIN times the tokens per second of the chosen K step over
         all; the best (m >= 1, j >= 1). Every EXPLORE_EVERY-th such plan drafts j for every
         request instead, so the acceptance of requests set apart keeps being measured."""
-        n, costs = len(estimates), self.costs
+        n, costs = len(estimates), self.table(estimates)
         if n < 2:
             return [k] * n
         order = sorted(range(n), key=lambda r: expected_tokens(estimates[r], self.max_k))
@@ -424,16 +441,17 @@ class AdaptiveDraftLength(DraftLength):
         fit.tokens += len(estimates) + sum(accepted)
         if seconds is not None:
             fit.timed += 1
-            fit.priced += self.costs.priced(len(estimates), k, rows)
+            fit.priced += self.table(estimates).priced(len(estimates), k, rows)
             fit.seconds += seconds
         super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
-            self.costs.observe(len(estimates), k, seconds, rows)
+            self.table(estimates).observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
         return {
             **super().stats(),
             "spec_step_cost_seconds": self.costs.snapshot(),
+            "spec_step_cost_seconds_sampled": self.table([Estimate([], "sampled")]).snapshot(),
             "spec_plan_fit": {str(k): self.fit[k].summary() for k in sorted(self.fit)},
         }
 

@@ -36,10 +36,12 @@ class CostTable:
         max_k: int,
         profile: dict[tuple[int, int], float],
         rows: dict[int, float] | None = None,
+        fallback: CostTable | None = None,
     ) -> None:
         """`rows`: the row-proportional part of a step by rows (`profile_rows`), for steps
-        that verify fewer than B(1+K) rows (a ragged verify); None: no such steps."""
-        self.rows = rows
+        that verify fewer than B(1+K) rows (a ragged verify); None: no such steps.
+        `fallback`: the table whose scales this one borrows before it measured any (`sibling`)."""
+        self.rows, self.fallback = rows, fallback
         # W at every row count up to the profiled most (a list: the planner reads it per row),
         # never less for more rows (as `profile_rows` gives it: the planner relies on it)
         self.row_seconds = (
@@ -57,6 +59,11 @@ class CostTable:
         self.profile = profile
         self.recent: dict[tuple[int, int], deque[float]] = {}  # wall time / profile per step
         self.scale: dict[tuple[int, int], float] = {}  # the lower median of `recent`
+
+    def sibling(self) -> CostTable:
+        """A table over the same profile for steps of another kind (batches with a sampled
+        request), which measures its own scales and borrows this one's until it has any."""
+        return CostTable(self.buckets, self.ks[-1], self.profile, self.rows, fallback=self)
 
     def bucket(self, batch: int) -> int:
         return next((b for b in self.buckets if b >= batch), self.buckets[-1])
@@ -106,7 +113,7 @@ class CostTable:
     def cost(self, bucket: int, k: int) -> float:
         """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
         bucket's measured K, else the nearest measured bucket's, for this K if it has it),
-        1 before any step ran; never below half the profile."""
+        before any step ran the `fallback`'s, else 1; never below half the profile."""
         return self.profile[bucket, k] * max(self._scale(bucket, k), 0.5)
 
     def _scale(self, bucket: int, k: int) -> float:
@@ -116,7 +123,7 @@ class CostTable:
             return statistics.median_low(mine)
         near = min({b for b, _ in self.scale}, key=lambda b: abs(b - bucket), default=None)
         if near is None:
-            return 1.0
+            return 1.0 if self.fallback is None else self.fallback._scale(bucket, k)
         if (near, k) in self.scale:
             return self.scale[near, k]
         return statistics.median_low(self._measured_scales(near))

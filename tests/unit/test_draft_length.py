@@ -363,3 +363,37 @@ def test_plan_fit_compares_each_k_with_what_the_policy_expected() -> None:
     assert two["tokens"] == pytest.approx((4 + 3) / 2)
     assert two["priced_seconds"] == pytest.approx((priced + ragged) / 2)
     assert two["seconds"] == pytest.approx((3 * priced + ragged / 2) / 2)
+
+
+def test_sampled_batches_keep_their_own_cost_scales() -> None:
+    """A batch with a sampled request prices its steps by the scales sampled batches
+    measured (their verify samples), greedy batches by theirs; a sampled table that
+    measured nothing yet borrows the greedy one's."""
+    policy = profiled(2)
+    greedy = [Estimate([0.9, 0.9], "greedy")] * 4
+    mixed = [Estimate([0.9, 0.9], "sampled")] + greedy[1:]
+    assert policy.table(greedy) is policy.costs and policy.table(mixed) is not policy.costs
+    assert policy.table([[0.9, 0.9]] * 4) is policy.costs  # plain lists: no kind
+    policy.record(greedy, 2, [2] * 4, 1.5 * step_seconds(4, 2))
+    # nothing sampled measured: the greedy scale (1.5) for every entry
+    assert policy.table(mixed).cost(4, 2) == pytest.approx(1.5 * step_seconds(4, 2))
+    assert policy.table(mixed).cost(4, 0) == pytest.approx(1.5 * step_seconds(4, 0))
+    policy.record(mixed, 2, [2] * 4, 3.0 * step_seconds(4, 2))
+    assert policy.table(mixed).cost(4, 2) == pytest.approx(3.0 * step_seconds(4, 2))
+    assert policy.table(greedy).cost(4, 2) == pytest.approx(1.5 * step_seconds(4, 2))
+    assert policy.table(mixed) is policy.table(mixed)  # kept, until the costs are replaced
+    stats = policy.stats()
+    assert stats["spec_step_cost_seconds_sampled"]["4"]["2"] == pytest.approx(
+        3.0 * step_seconds(4, 2)
+    )
+    assert stats["spec_step_cost_seconds"]["4"]["2"] == pytest.approx(1.5 * step_seconds(4, 2))
+    policy.costs = CostTable(BUCKETS, 2, profile(2))
+    assert policy.table(mixed).fallback is policy.costs
+    assert policy.table(mixed).cost(4, 2) == pytest.approx(step_seconds(4, 2))
+    # the choice follows the table: drafts that pay for greedy batches need not for sampled
+    assert policy.choose(greedy) == 2
+    for _ in range(COST_WINDOW):  # sampled: drafts at 4x their profile, the plain step at 1x
+        policy.record(mixed, 2, [2] * 4, 4.0 * step_seconds(4, 2))
+        policy.record(mixed, 1, [1] * 4, 4.0 * step_seconds(4, 1))
+        policy.record(mixed, 0, [0] * 4, step_seconds(4, 0))
+    assert policy.peek(mixed) == 0 and policy.peek(greedy) == 2
