@@ -311,6 +311,11 @@ class AdaptiveDraftLength(DraftLength):
         The requests' kinds are those of their estimates (`Estimate.kind`)."""
         if not any(getattr(e, "kind", "") == "sampled" for e in estimates):
             return self.costs
+        return self._sampled_table()
+
+    def _sampled_table(self) -> CostTable:
+        """The sampled batches' table, a `sibling` of the current `costs` (made anew when
+        `costs` is replaced)."""
         if self._sampled_costs is None or self._sampled_costs.fallback is not self.costs:
             self._sampled_costs = self.costs.sibling()
         return self._sampled_costs
@@ -433,6 +438,7 @@ class AdaptiveDraftLength(DraftLength):
 
     def record(self, estimates, k, accepted, seconds, limits=None):
         rows = None if limits is None else sum(n + 1 for n in limits)
+        costs = self.table(estimates)
         # against the estimates and costs the step was planned with (before they move)
         fit = self.fit.setdefault(k, PlanFit())
         fit.steps += 1
@@ -441,17 +447,17 @@ class AdaptiveDraftLength(DraftLength):
         fit.tokens += len(estimates) + sum(accepted)
         if seconds is not None:
             fit.timed += 1
-            fit.priced += self.table(estimates).priced(len(estimates), k, rows)
+            fit.priced += costs.priced(len(estimates), k, rows)
             fit.seconds += seconds
         super().record(estimates, k, accepted, seconds, limits)
         if seconds is not None:
-            self.table(estimates).observe(len(estimates), k, seconds, rows)
+            costs.observe(len(estimates), k, seconds, rows)
 
     def stats(self) -> dict:
         return {
             **super().stats(),
             "spec_step_cost_seconds": self.costs.snapshot(),
-            "spec_step_cost_seconds_sampled": self.table([Estimate([], "sampled")]).snapshot(),
+            "spec_step_cost_seconds_sampled": self._sampled_table().snapshot(),
             "spec_plan_fit": {str(k): self.fit[k].summary() for k in sorted(self.fit)},
         }
 

@@ -94,8 +94,7 @@ class CostTable:
         0 .. `most` (batch x k when None): its profile (`profiled`) x S(b, K); never less
         for more rows."""
         most = batch * k if most is None else most
-        full = self.profile[bucket, k]
-        scale = self.cost(bucket, k) / full
+        full, scale = self.profile[bucket, k], self._factor(bucket, k)
         base, floor = full - self._w(bucket * (k + 1)), full / 10
         table = self.row_seconds[batch : batch + most + 1]  # W at batch + m rows
         table += [self.row_seconds[-1]] * (most + 1 - len(table))  # flat past the end
@@ -105,7 +104,7 @@ class CostTable:
         """What the policy expects a step of K = k over `batch` requests verifying `rows`
         rows (None: batch x (1 + k)) to take: `profiled` x S(b, K), as `ragged_costs`."""
         bucket = self.bucket(batch)
-        return self.profiled(bucket, k, rows) * max(self._scale(bucket, k), 0.5)
+        return self.profiled(bucket, k, rows) * self._factor(bucket, k)
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
@@ -114,7 +113,11 @@ class CostTable:
         """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
         bucket's measured K, else the nearest measured bucket's, for this K if it has it),
         before any step ran the `fallback`'s, else 1; never below half the profile."""
-        return self.profile[bucket, k] * max(self._scale(bucket, k), 0.5)
+        return self.profile[bucket, k] * self._factor(bucket, k)
+
+    def _factor(self, bucket: int, k: int) -> float:
+        """S(b, K) as the costs apply it: never below half the profile."""
+        return max(self._scale(bucket, k), 0.5)
 
     def _scale(self, bucket: int, k: int) -> float:
         if (bucket, k) in self.scale:
