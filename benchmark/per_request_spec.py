@@ -78,15 +78,25 @@ def timed(name: str, engine: Engine, ids: list[list[int]], params: list[dict]) -
     """One timed `generate` of the workload; every request must end by its length."""
     if name == "asked":  # code (greedy) requests ask 3 drafts, random ones 0
         params = [{**p, "speculative_num_steps": 3 if not p["temperature"] else 0} for p in params]
+    before = engine.get_internal_state()
     t0 = time.perf_counter()
     outs = engine.generate(input_ids=ids, sampling_params=params)
     seconds = time.perf_counter() - t0
+    after = engine.get_internal_state()
     reasons = {o["meta_info"]["finish_reason"]["type"] for o in outs}
     assert reasons == {"length"}, (name, reasons)
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     drafts = sum(o["meta_info"].get("spec_draft_tokens", 0) for o in outs)
     verify = sum(o["meta_info"].get("spec_verify_ct", 0) for o in outs)
-    return {"tok_s": tokens / seconds, "drafts_per_step": drafts / verify if verify else 0.0}
+    catch_ups = {  # steps that first ran the passes K = 0 steps deferred: drafting restarts
+        key: after.get(f"spec_catch_up_{key}", 0) - before.get(f"spec_catch_up_{key}", 0)
+        for key in ("passes", "positions", "seconds")
+    }
+    return {
+        "tok_s": tokens / seconds,
+        "drafts_per_step": drafts / verify if verify else 0.0,
+        "catch_ups": catch_ups,
+    }
 
 
 def run_all(
@@ -126,7 +136,10 @@ def run_all(
                     res[name][wl]["rounds"] = [*runs, got["tok_s"]]
                     print(
                         f"  round {r} {name:15s} {wl:9s} {got['tok_s']:8.1f} tok/s"
-                        f" ({got['drafts_per_step']:.2f} drafts per step)",
+                        f" ({got['drafts_per_step']:.2f} drafts per step,"
+                        f" {got['catch_ups']['passes']} catch-ups over"
+                        f" {got['catch_ups']['positions']} positions,"
+                        f" {1e3 * got['catch_ups']['seconds']:.0f} ms)",
                         flush=True,
                     )
         for name, engine in engines.items():  # the adaptive policies' predictions, as held

@@ -44,7 +44,9 @@ rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARG
 chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
 left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices, as the server's K does for a
-seeded sampled request (MTPDecoder.own_length: its seed then repeats its tokens).
+seeded sampled request (MTPDecoder.own_length: its seed then repeats its tokens). In serial
+steps a request's estimate expects nothing from drafts past its last token (`capped`,
+MTPDecoder._drafts_left), so no plan pays rows for them.
 Estimates a_r (`Estimate`) start from the recent acceptance per position of requests of r's
 kind (greedy or sampled; the server-wide acceptance before any) and move with each of r's
 verify steps, fast while they rest on few outcomes (PRIOR_WEIGHT, ESTIMATE_DECAY). Under
@@ -163,6 +165,18 @@ class Estimate(list):
         self.kind = kind
         self.hits = [PRIOR_WEIGHT * a for a in prior]
         self.seen = [PRIOR_WEIGHT] * len(prior)
+
+
+def capped(estimate: list[float], most: int) -> list[float]:
+    """The estimate a plan reads for a request that can use at most `most` drafts (its tokens
+    left, less the one every step emits): drafts past `most` expect no token (a step commits
+    none past max_new_tokens), so no plan pays rows for them. `estimate` itself when it is
+    not capped; else a copy (the request's own estimate learns from its steps as before)."""
+    most = max(most, 0)
+    if most >= len(estimate):
+        return estimate
+    rest = [0.0] * (len(estimate) - most)
+    return Estimate([*estimate[:most], *rest], getattr(estimate, "kind", ""))
 
 
 def update_estimate(estimate: list[float], k: int, accepted: int) -> None:

@@ -71,7 +71,7 @@ from srt_ascend.sampling.sample_step import greedy_without_logprobs
 from srt_ascend.sampling.static_sampling import needs_filter, plain_sampling
 from srt_ascend.server_args import ServerArgs
 from srt_ascend.speculative.acceptance import ACCEPT_METHODS, AcceptResult
-from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS
+from srt_ascend.speculative.draft_length import DRAFT_LENGTHS, SETTLE_STEPS, capped
 from srt_ascend.speculative.mtp_round_graph import MTPRoundGraphs, SampledRound
 from srt_ascend.speculative.mtp_rounds import LaunchedRound, OverlappedRoundsMixin
 from srt_ascend.speculative.mtp_start import StartMixin
@@ -146,6 +146,7 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         # K that holds them (`_batch_k`): fixed K adds no kinds (nor their captures/compiles)
         # seeded sampled requests run the server's K (`own_length`) where the policy chooses
         self.pin_seeded, self.num_steps = args.speculative_adaptive, k
+        self.adaptive = args.speculative_adaptive
         ks = range(k + 1) if args.speculative_adaptive else [k]
         suffix = {j: "" if j == k else f"_k{j}" for j in ks}
         self.draft_length = DRAFT_LENGTHS.get("adaptive" if args.speculative_adaptive else "fixed")(
@@ -188,6 +189,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.num_ragged = 0  # verify forwards over fewer than B(1+K) rows (verify.Ragged)
         self.verify_rows = 0  # rows the verify forwards built (expand: sum(1 + k_r))
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
+        self.catch_ups = 0  # steps with drafts that first ran deferred passes (`_catch_up`)
+        self.caught_up_positions = 0
+        self.catch_up_seconds = 0.0
         self.sends_prefills = args.disaggregation_mode == "prefill"
         self._choose_layout(args, strategy)
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
@@ -233,6 +237,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             "spec_accepted_tokens": self.num_accepted,
             "spec_ragged_steps": self.num_ragged,
             "spec_verify_rows": self.verify_rows,
+            "spec_catch_up_passes": self.catch_ups,
+            "spec_catch_up_positions": self.caught_up_positions,
+            "spec_catch_up_seconds": self.catch_up_seconds,
             "spec_accepted_per_position": list(acceptance.accepted),
             "spec_drafted_per_position": list(acceptance.drafted),
             "spec_acceptance_per_position": [
@@ -369,12 +376,26 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         batch: `_whole_rounds`) or the split (`count`: the step runs, the policy counts it;
         else a peek)."""
         asked = [self.own_length(r) for r in reqs]
-        free = [self._estimate(r) for r, a in zip(reqs, asked) if a is None]
+        free = [r for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked
+        most = [self._drafts_left(r, count) for r in free]
+        estimates = [capped(self._estimate(r), m) for r, m in zip(free, most)]
         per_request = self.split_zeros or (self.ragged and not self._whole_rounds(reqs))
-        own = iter(self.draft_length.plan(free, count, per_request))
+        plan = self.draft_length.plan(estimates, count, per_request)
+        own = (min(k, m) for k, m in zip(plan, most))
         return [next(own) if a is None else a for a in asked]
+
+    def _drafts_left(self, req: StepRequest, count: bool) -> int:
+        """The most drafts a request that asked none may run: in a serial step under
+        adaptive lengths its tokens left less the one every step emits (drafts past its
+        last token commit nothing: its estimate expects none there, `capped`, and an
+        exploring plan's draft there is dropped); the server's K else (an overlapped
+        round's counts lag the round in flight, and a request at 0 would keep an FIA round
+        from launching)."""
+        if not (self.adaptive and count):
+            return self.num_steps
+        return max(req.sampling_params.max_new_tokens - len(req.output_ids) - 1, 0)
 
     def _whole_rounds(self, reqs: list[StepRequest]) -> bool:
         """Whether the batch's rounds run as one graph (`_round_fits`, at the largest K):
@@ -401,9 +422,7 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         allocated; request i accepts at most limits[i] of them."""
         started = time.perf_counter()
         k1, device = k + 1, self.runner.device
-        caught_up = time.perf_counter()
-        self.worker.catch_up(reqs)
-        caught_up = time.perf_counter() - caught_up  # a switch's cost, kept out of K's
+        caught_up = self._catch_up(reqs)  # a switch's cost, kept out of K's
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
@@ -454,6 +473,20 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         seconds = self._timed(time.perf_counter() - started - caught_up)
         self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
+
+    def _catch_up(self, reqs: list[StepRequest]) -> float:
+        """The passes K = 0 steps deferred for `reqs`, before their step drafts: their
+        seconds (counted in `stats`, what drafting again after plain steps costs)."""
+        deferred = sum(state_of(r).deferred_len for r in reqs)
+        if not deferred:
+            return 0.0
+        started = time.perf_counter()
+        self.worker.catch_up(reqs)
+        seconds = time.perf_counter() - started
+        self.catch_ups += 1
+        self.caught_up_positions += deferred
+        self.catch_up_seconds += seconds
+        return seconds
 
     def _graph_round(
         self,

@@ -9,17 +9,6 @@ from srt_ascend.server_args import SHIPPED_MODEL
 
 MODEL = os.environ.get("SRT_TEST_MODEL", SHIPPED_MODEL)
 
-PROMPTS = [
-    "def fibonacci(n):\n",
-    "import os\nimport sys\n\n",
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push",
-    "# Copyright",
-    "for i in range(10):\n    print(",
-    "    return self._",
-    'if __name__ == "__main__":\n    ',
-    "from collections import",
-]
-
 
 @pytest.fixture(scope="session")
 def model_path() -> str:

@@ -91,7 +91,10 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
         if name == "block-expand":
             calls = _count_calls(decoder, "accept")
             prompts, params = prompts + PROMPTS[: len(SAMPLED)], params + SAMPLED
-        outs = engine.generate(prompts, params, return_logprob=True)[:N_PROMPTS]
+        if name == "adaptive-fia":  # requests one decode step from their end draft nothing
+            prompts, params = prompts + PROMPTS[:4], params + [{**GREEDY, "max_new_tokens": 2}] * 4
+        outs = engine.generate(prompts, params, return_logprob=True)
+        outs, short = outs[:N_PROMPTS], outs[N_PROMPTS:]
         state = engine.get_internal_state()
         if name == "walk-expand":
             _seeded_repeat(engine)
@@ -103,6 +106,15 @@ def test_greedy_identical_whatever_k_each_step_runs(model_path, baseline, name):
     steps = state["spec_draft_length_steps"]
     if walk is not None:
         assert set(steps) == {str(k) for k in WALK}, steps
+        # steps with drafts after K = 0 ones first ran the deferred passes, counted
+        assert 0 < state["spec_catch_up_passes"] <= state["spec_catch_up_positions"]
+        assert state["spec_catch_up_seconds"] > 0
+    if name == "block-expand":  # fixed K: no K = 0 step to catch up after
+        assert state["spec_catch_up_passes"] == 0
+    if name == "adaptive-fia":  # where drafts pay, but past the last token they commit nothing
+        assert [o["output_ids"] for o in short] == [b["output_ids"][:2] for b in baseline[:4]]
+        assert [o["meta_info"]["spec_draft_tokens"] for o in short] == [0] * 4
+        assert sum(o["meta_info"]["spec_draft_tokens"] for o in outs) > 0
     if "graphs" in name:
         replayed = {kind for kind, n in state["graph_replays"].items() if n > 0}
         assert {"verify_fia", "decode", "verify_fia_k1", "draft_extend_k1"} <= replayed

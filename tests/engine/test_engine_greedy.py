@@ -4,7 +4,7 @@ whatever the batching, chunking, caching and memory pressure (float32)."""
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 

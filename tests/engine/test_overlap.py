@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 from srt_ascend.speculative.draft_length import FixedDraftLength

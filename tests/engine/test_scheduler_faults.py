@@ -6,7 +6,7 @@ ends with an abort finish and the scheduler keeps serving."""
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 from srt_ascend.model_executor.forward_batch import ForwardMode

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 

@@ -5,7 +5,7 @@ verify and draft, MTP off and on."""
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 from srt_ascend.model_executor.forward_batch import ForwardMode

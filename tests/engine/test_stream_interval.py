@@ -5,7 +5,7 @@ the tokens are those of an unstreamed run."""
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS
+from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
 

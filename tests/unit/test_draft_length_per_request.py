@@ -11,7 +11,9 @@ from test_draft_length import BUCKETS
 from srt_ascend.speculative.draft_length import (
     EXPLORE_EVERY,
     AdaptiveDraftLength,
+    Estimate,
     FixedDraftLength,
+    capped,
 )
 from srt_ascend.speculative.step_costs import CostTable
 
@@ -178,3 +180,16 @@ def test_overlapped_rounds_cycle_through_exploration():
         policy.advance(len(mixed))
     assert seen.count([3, 1] * 8) == 2 and seen.count([0] * 16) == 2
     assert seen.count([3, 0] * 8) == 2 * EXPLORE_EVERY - 4
+
+
+def test_drafts_past_a_requests_last_token_expect_nothing():
+    """`capped`: a request with m drafts left expects no token from drafts past m, so the
+    ragged plan gives it at most m rows of drafts; its own estimate is left as it was."""
+    own = Estimate([0.9, 0.8, 0.7], "sampled")
+    assert capped(own, 3) is own and capped(own, 5) is own
+    two = capped(own, 2)
+    assert two == [0.9, 0.8, 0.0] and two.kind == "sampled" and own == [0.9, 0.8, 0.7]
+    assert capped(own, 0) == [0.0] * 3 and capped(own, -1) == [0.0] * 3
+    policy = ragged_costed(0.1)
+    plan = policy.plan([capped(HIGH, 1), capped(HIGH, 0), HIGH], count=True, per_request=True)
+    assert plan == [1, 0, 3]
