@@ -89,7 +89,11 @@ KIND_DECAY = 0.998
 # Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
 # costs beyond its steps is not in the costs (the passes that catch up deferred positions, the
 # MTP pass over prompts, which delays first tokens, requests that no longer finish together and
-# so prefill their successors one by one instead of in one batch). On 2 CPU cores at four
+# so prefill their successors one by one instead of in one batch, and a batch that finishes
+# together waiting for its slowest request). Counted (`spec_catch_up_*`), the catch-ups cost
+# 3-19 ms per switch on 2 CPU cores, against 300-700 ms per benchmark round: a hold margin
+# (1.15 to start drafting, 1.05 to go on) gained 7-10% on code in bf16 and lost up to 8% on
+# random tokens and in float32. On 2 CPU cores at four
 # requests K = 3 and K = 0 tied in-process (4.65 vs 4.6 ms per token) while K = 2 and 3 served
 # at 0.77-0.91x of MTP off; 5% let a noisy profile flip that tie towards drafting. A margin
 # from the start profile's own noise (1 + 3x its runs' median spread: 1.05-1.09 there) drafted

@@ -189,9 +189,6 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         self.num_ragged = 0  # verify forwards over fewer than B(1+K) rows (verify.Ragged)
         self.verify_rows = 0  # rows the verify forwards built (expand: sum(1 + k_r))
         self.since_prefill = 0  # decode steps since the last prefill (SETTLE_STEPS)
-        self.catch_ups = 0  # steps with drafts that first ran deferred passes (`_catch_up`)
-        self.caught_up_positions = 0
-        self.catch_up_seconds = 0.0
         self.sends_prefills = args.disaggregation_mode == "prefill"
         self._choose_layout(args, strategy)
         self._latest: LaunchedRound | None = None  # the round launched last, until finished
@@ -237,9 +234,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             "spec_accepted_tokens": self.num_accepted,
             "spec_ragged_steps": self.num_ragged,
             "spec_verify_rows": self.verify_rows,
-            "spec_catch_up_passes": self.catch_ups,
-            "spec_catch_up_positions": self.caught_up_positions,
-            "spec_catch_up_seconds": self.catch_up_seconds,
+            "spec_catch_up_passes": self.worker.catch_ups,
+            "spec_catch_up_positions": self.worker.caught_up_positions,
+            "spec_catch_up_seconds": self.worker.catch_up_seconds,
             "spec_accepted_per_position": list(acceptance.accepted),
             "spec_drafted_per_position": list(acceptance.drafted),
             "spec_acceptance_per_position": [
@@ -422,7 +419,7 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         allocated; request i accepts at most limits[i] of them."""
         started = time.perf_counter()
         k1, device = k + 1, self.runner.device
-        caught_up = self._catch_up(reqs)  # a switch's cost, kept out of K's
+        caught_up = self.worker.counted_catch_up(reqs)  # a switch's cost, kept out of K's
         starts = [r.kv_len for r in reqs]
         generated = [len(r.output_ids) for r in reqs]
         rows = [r.req_pool_idx for r in reqs]
@@ -473,20 +470,6 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         seconds = self._timed(time.perf_counter() - started - caught_up)
         self.draft_length.record(estimates, k, verdict.accept_len, seconds, limits)
         return reqs
-
-    def _catch_up(self, reqs: list[StepRequest]) -> float:
-        """The passes K = 0 steps deferred for `reqs`, before their step drafts: their
-        seconds (counted in `stats`, what drafting again after plain steps costs)."""
-        deferred = sum(state_of(r).deferred_len for r in reqs)
-        if not deferred:
-            return 0.0
-        started = time.perf_counter()
-        self.worker.catch_up(reqs)
-        seconds = time.perf_counter() - started
-        self.catch_ups += 1
-        self.caught_up_positions += deferred
-        self.catch_up_seconds += seconds
-        return seconds
 
     def _graph_round(
         self,

@@ -10,6 +10,7 @@ MTPWorker: it reads the worker's handles and later layers and calls its `draft_e
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -37,6 +38,12 @@ def _drop_deferred(state: SpecState, n: int) -> None:
 
 
 class DeferralMixin:
+    # steps with drafts that first ran deferred passes (`counted_catch_up`), their positions
+    # and host seconds
+    catch_ups = 0
+    caught_up_positions = 0
+    catch_up_seconds = 0.0
+
     def _write_kv(self, reqs, starts, lens, hidden, next_tokens, draft_rows) -> list[int]:
         """`draft_extend`'s KV-only part: every MTP layer's KV at each request's positions
         but a drafting request's last (`write_kv`: the ops and bits of the layer's forward).
@@ -122,6 +129,20 @@ class DeferralMixin:
             s.token = s.probs = s.hidden = None  # d_1 is drafted from the latest position
             if s.deferred_len > MAX_DEFERRED and not r.finished:
                 _drop_deferred(s, s.deferred_len - MAX_DEFERRED)
+
+    def counted_catch_up(self, reqs: list[StepRequest]) -> float:
+        """`catch_up` before a step drafts, counted: its host seconds (on a device, its
+        launches), what drafting again after plain steps costs."""
+        deferred = sum(state_of(r).deferred_len for r in reqs)
+        if not deferred:
+            return 0.0
+        started = time.perf_counter()
+        self.catch_up(reqs)
+        seconds = time.perf_counter() - started
+        self.catch_ups += 1
+        self.caught_up_positions += deferred
+        self.catch_up_seconds += seconds
+        return seconds
 
     @torch.inference_mode()
     def catch_up(self, reqs: list[StepRequest], draft: bool = True) -> None:
