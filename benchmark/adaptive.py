@@ -3,9 +3,11 @@
     python benchmark/adaptive.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k1 ...] [--max-concurrency 1 4 16] [--num-prompts 32]
         [--output-len 64] [--output-len-spread 0.5] [--repeats 1]
+        [--dataset heldout|random-ids] [--input-len 128]
         [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving] [--skip-accept]
 
-Part 1 (`sglang.bench_serving`, held-out text, servers as in benchmark/serving.py): MTP off,
+Part 1 (`sglang.bench_serving`, held-out text or `--dataset random-ids`, servers as in
+benchmark/serving.py): MTP off,
 fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency
 (the names with `-serial`: the same with `--disable-overlap-schedule`);
 the adaptive server's chosen-K histogram and acceptance per position come from /server_info.
@@ -123,6 +125,14 @@ def main() -> None:
         "decoded in lockstep finish together and their successors prefill in one batch)",
     )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--dataset",
+        choices=["heldout", "random-ids"],
+        default="heldout",
+        help="part 1's prompts: held-out text, or random token ids (where drafts are rarely "
+        "accepted) of --input-len tokens",
+    )
+    p.add_argument("--input-len", type=int, default=128, help="random-ids prompt length")
     p.add_argument("--accept-prompts", type=int, default=16)
     p.add_argument("--extra-server-args", default="")
     p.add_argument("--skip-serving", action="store_true", help="only part 2")
@@ -130,7 +140,6 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG: TPOT per concurrency and config")
     a = p.parse_args()
-    a.dataset, a.input_len = "heldout", 0  # serving.dataset_args reads these
     serving = [] if a.skip_serving else serving_rows(a)
     if serving:
         print_table(serving)

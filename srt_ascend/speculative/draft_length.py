@@ -27,7 +27,9 @@ plain step's operations. (One host-work term added to every K, the earlier model
 on a K = 0 step at one request because K = 3 steps had run 15 ms over their profile: K = 3
 then looked twice as fast per token as K = 0 and ran at 0.94x of MTP off, at four requests
 0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it has fewer drafts
-and is a contender, so a K = 0 that never runs where drafts do still gets measured; the
+and is a contender, so a K = 0 that never runs where drafts do still gets measured, and where
+K = 0 is the best, every EXPLORE_EVERY x b-th step of bucket b the longest contender with drafts,
+so that acceptance keeps being measured; the
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
 tokens beside them). The profile is noisy on a shared CPU, so each entry is the fastest of
 several interleaved runs and no entry may cost more than a step over more tokens (`monotone`).
@@ -84,7 +86,13 @@ PRIOR_WEIGHT = 4.0
 ESTIMATE_DECAY = 0.9
 # The prior of a new request: the acceptance per position of the recent requests of its kind
 # (greedy or sampled: a temperature changes acceptance most), each outcome discounting the
-# earlier ones by KIND_DECAY (about the last 500 outcomes per position)
+# earlier ones by KIND_DECAY (about the last 500 outcomes per position), beside PRIOR_WEIGHT
+# outcomes at PRIOR_ACCEPT (as the server-wide rate, the prior where a kind has none). Without
+# them, a served lone request (bf16, 2 CPU cores, held-out code) whose first two steps
+# of K = 3 accepted 1 and 2 drafts left its kind at [1.0, 0.5, 0.0]; every later request
+# started there, planned K = 0 (2.5 tokens for K = 3's price) and, drafting nothing, never moved
+# it: 751 of 753 steps at K = 0, also later at 16 requests, where fixed K = 2 served 1.35x of
+# MTP off (benchmark/README "Per-request speculation, session 26").
 KIND_DECAY = 0.998
 # Drafts must promise this much more than K = 0 (expected tokens per second): what speculation
 # costs beyond its steps is not in the costs (the passes that catch up deferred positions, the
@@ -108,12 +116,21 @@ PRIOR_ACCEPT = 0.9
 # EXPLORE_WITHIN of the best's tokens per second (EXPLORE_UNMEASURED when its cost was never
 # measured in this bucket, only borrowed): a K = 0 that serving inflated, or drafts that the
 # profile understated, are corrected by the next measurement (at most 1/32 of the steps,
-# each at most 20% slower once measured). A larger K is never run only to measure it: from
-# K = 0 that would first catch up every deferred position (up to 64 per request). The ragged
-# per-request planner explores the plain step the same way (`_ragged_lengths`). Measured on 2
-# CPU cores: a plain step served at 1.2x its profile and K = 3 at 1.4x, so a plain step priced
-# with the drafting steps' scale looked 17% dearer than it was, and four requests drafted
-# (0.87x of MTP off) where a tie was all the profile showed.
+# each at most 20% slower once measured). Where K = 0 is the best, every EXPLORE_EVERY x b-th
+# step of bucket b (about as many request-steps apart whatever the batch: b requests are
+# measured at once) runs the largest K promising EXPLORE_WITHIN of K = 0's tokens per second
+# (`_explore_up`; none where no K does: random tokens, compute-bound buckets): at K = 0 no
+# estimate moves, and requests stop drafting on bad outcomes, not on good ones, so the last
+# outcomes a kind records before all go quiet leave it low for good. Served lone code requests
+# (bf16, 2 CPU cores) settled at [0.86, 0.25, 0.0] per position after 7 steps with drafts,
+# where fixed K = 3 accepts [0.86, 0.80, 0.71]. The first step with drafts after K = 0 catches
+# up the deferred positions (3-19 ms per switch on 2 CPU cores, `spec_catch_up_*`); at 64
+# requests in bf16 a K = 3 step and its catch-up cost about 5 plain steps, and exploring every
+# 32nd step there served code@64 (32 tokens each) at 0.68x of MTP off. The ragged
+# per-request planner explores the same way (`_ragged_lengths`). Measured on 2 CPU cores: a
+# plain step served at 1.2x its profile and K = 3 at 1.4x, so a plain step priced with the
+# drafting steps' scale looked 17% dearer than it was, and four requests drafted (0.87x of MTP
+# off) where a tie was all the profile showed.
 EXPLORE_EVERY = 32
 EXPLORE_WITHIN = 0.8
 EXPLORE_UNMEASURED = 0.5
@@ -151,11 +168,15 @@ class AcceptanceStats:
             self.drafted[j] += 1
             self.accepted[j] += j < accepted
 
-    def rates(self, unseen: Sequence[float] | None = None) -> list[float]:
-        """Conditional acceptance per position; where none was examined, `unseen`'s rate
-        at that position (PRIOR_ACCEPT when None)."""
+    def rates(self, unseen: Sequence[float] | None = None, weight: float = 0.0) -> list[float]:
+        """Conditional acceptance per position, counting `weight` outcomes at PRIOR_ACCEPT
+        beside those recorded; where none was examined, `unseen`'s rate at that position
+        (PRIOR_ACCEPT when None)."""
         unseen = unseen or [PRIOR_ACCEPT] * len(self.drafted)
-        return [a / d if d else u for a, d, u in zip(self.accepted, self.drafted, unseen)]
+        return [
+            (a + weight * PRIOR_ACCEPT) / (d + weight) if d else u
+            for a, d, u in zip(self.accepted, self.drafted, unseen)
+        ]
 
 
 class Estimate(list):
@@ -262,12 +283,14 @@ class DraftLength(ABC):
 
     def initial_estimate(self, kind: str = "") -> Estimate:
         """A new request's estimate: the recent acceptance of requests of its `kind` where
-        some were verified, else the server-wide acceptance."""
-        server = self.acceptance.rates()
+        some were verified (the server's where its kind never reached), else the server-wide
+        acceptance; each with PRIOR_WEIGHT outcomes at PRIOR_ACCEPT beside its own (see
+        KIND_DECAY)."""
+        server = self.acceptance.rates(weight=PRIOR_WEIGHT)
         recent = self.kinds.get(kind)
         if recent is None or not any(recent.drafted):
             return Estimate(server, kind)
-        return Estimate(recent.rates(server), kind)  # where its kind never reached: the server's
+        return Estimate(recent.rates(server, PRIOR_WEIGHT), kind)
 
     def _kind(self, kind: str) -> AcceptanceStats:
         if kind not in self.kinds:
@@ -354,14 +377,22 @@ class AdaptiveDraftLength(DraftLength):
         bucket = self.costs.bucket(len(estimates))
         rates = self._rates(bucket, estimates)
         best = self._best(rates)
-        if (self.steps[bucket] + 1) % EXPLORE_EVERY == 0:  # the runner-up, if a contender
+        step = self.steps[bucket] + 1
+        if step % EXPLORE_EVERY == 0:  # the runner-up, if a contender
             second = max(range(best), key=rates.__getitem__, default=None)
-            if second is not None:
-                measured = self.table(estimates).measured(bucket, second)
-                within = EXPLORE_WITHIN if measured else EXPLORE_UNMEASURED
-                if rates[second] >= within * rates[best]:
-                    return second
+            if second is None:
+                return self._explore_up(rates) if step % (EXPLORE_EVERY * bucket) == 0 else 0
+            measured = self.table(estimates).measured(bucket, second)
+            within = EXPLORE_WITHIN if measured else EXPLORE_UNMEASURED
+            if rates[second] >= within * rates[best]:
+                return second
         return best
+
+    @staticmethod
+    def _explore_up(rates: dict[int, float]) -> int:
+        """Where K = 0 is the best: the largest K promising EXPLORE_WITHIN of its tokens per
+        second (it examines the most draft positions), else 0."""
+        return max((k for k in rates if k and rates[k] >= EXPLORE_WITHIN * rates[0]), default=0)
 
     def advance(self, batch: int) -> None:
         """Counts a step that runs: in its bucket (`peek`'s exploration) and among the plans
@@ -388,11 +419,13 @@ class AdaptiveDraftLength(DraftLength):
         with the most expected tokens per second (`CostTable.ragged_cost` of its rows) is
         taken when it promises SPEC_MARGIN times the plain step's (else every k_r = 0).
         Every EXPLORE_EVERY-th plan gives each request at 0 one draft (one more row), so
-        its acceptance keeps being measured; half-way between those, a plan with drafts runs
-        the plain step instead where that is close (EXPLORE_WITHIN / EXPLORE_UNMEASURED of
-        its tokens per second, as `peek` explores), so the plain step's served cost is
-        measured, not borrowed from the drafting steps' (whose served steps add more host
-        work to their profile: borrowed, it overstates the plain step's cost)."""
+        its acceptance keeps being measured (where no request drafts, every EXPLORE_EVERY x
+        b-th plan in bucket b gives every request the longest contender K, `_explore_up`);
+        half-way between those, a plan with drafts runs the plain step instead where that is
+        close (EXPLORE_WITHIN / EXPLORE_UNMEASURED of its tokens per second, as `peek`
+        explores), so the plain step's served cost is measured, not borrowed from the
+        drafting steps' (whose served steps add more host work to their profile: borrowed,
+        it overstates the plain step's cost)."""
         n, costs = len(estimates), self.table(estimates)
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
@@ -416,6 +449,8 @@ class AdaptiveDraftLength(DraftLength):
                     plan[r] += 1
         if any(plan) and self.plans % EXPLORE_EVERY == 0:
             plan = [max(1, c) for c in plan]
+        elif not any(plan) and self.plans % (EXPLORE_EVERY * bucket) == 0:  # the longest contender
+            plan = [self._explore_up(self._rates(bucket, estimates))] * n
         elif any(plan) and self.plans % EXPLORE_EVERY == EXPLORE_EVERY // 2:
             within = EXPLORE_WITHIN if costs.measured(bucket, 0) else EXPLORE_UNMEASURED
             if n / costs.cost(bucket, 0) >= within * best:

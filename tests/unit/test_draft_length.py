@@ -5,6 +5,8 @@ flags."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from srt_ascend.metrics import ServerMetrics
@@ -186,17 +188,40 @@ def test_estimates_move_fast_while_new_and_slower_once_established() -> None:
 
 def test_a_new_request_starts_from_its_kinds_recent_acceptance() -> None:
     policy = FixedDraftLength(2, BUCKETS)
-    assert policy.initial_estimate("greedy") == [draft_length.PRIOR_ACCEPT] * 2  # none yet
+    prior, w = draft_length.PRIOR_ACCEPT, PRIOR_WEIGHT
+    assert policy.initial_estimate("greedy") == [prior] * 2  # none yet
     for _ in range(50):
         code, chat = policy.initial_estimate("greedy"), policy.initial_estimate("sampled")
         policy.record([code, chat], 2, [2, 0], None)
-    assert policy.initial_estimate("greedy") == pytest.approx([1.0, 1.0])
-    # the sampled requests never reached position 2: the server-wide rate there (all greedy)
-    assert policy.initial_estimate("sampled") == pytest.approx([0.0, 1.0])
-    assert policy.initial_estimate("") == pytest.approx([0.5, 1.0])  # server-wide
+    # the server's rates beside PRIOR_WEIGHT outcomes at PRIOR_ACCEPT: 50 of 100 first drafts
+    # accepted, 50 of 50 second ones (only the greedy requests reached them)
+    server = [(50 + w * prior) / (100 + w), (50 + w * prior) / (50 + w)]
+    assert policy.initial_estimate("") == pytest.approx(server)
+    # each kind's decayed counts (n outcomes) beside PRIOR_WEIGHT at PRIOR_ACCEPT
+    n = sum(draft_length.KIND_DECAY**i for i in range(50))
+    greedy = [(n + w * prior) / (n + w)] * 2
+    assert policy.initial_estimate("greedy") == pytest.approx(greedy)
+    assert min(greedy) > 0.99
+    # the sampled requests never reached position 2: the server-wide rate there
+    sampled = [w * prior / (n + w), server[1]]
+    assert policy.initial_estimate("sampled") == pytest.approx(sampled)
+    assert sampled[0] < 0.07
     for _ in range(5000):  # the kind's rate follows its recent requests
         policy.record([policy.initial_estimate("sampled")], 2, [2], None)
     assert policy.initial_estimate("sampled")[0] > 0.99
+
+
+def test_a_kinds_first_outcomes_do_not_settle_its_prior() -> None:
+    """Served: a lone request's first two steps of K = 3 (1 and 2 drafts accepted) left the
+    greedy kind at [1.0, 0.5, 0.0] without the PRIOR_WEIGHT outcomes beside them; every later
+    request then started there and planned no drafts."""
+    policy = FixedDraftLength(3, BUCKETS)
+    est = policy.initial_estimate("greedy")
+    policy.record([est], 3, [1], None)
+    policy.record([est], 3, [2], None)
+    start = policy.initial_estimate("greedy")
+    assert 0.9 < start[0] < 1.0 and 0.6 < start[1] < 0.8 and 0.6 < start[2] < 0.8
+    assert expected_tokens(start, 3) > 3.0  # 2.5 from [1.0, 0.5, 0.0]
 
 
 @pytest.mark.parametrize(
@@ -272,6 +297,25 @@ def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
     close = profiled(1, lambda b, k: (1.0, 1.9 / 1.2)[k])  # K = 1: 1.2x K = 0's rate
     picks = [close.choose([[0.9]]) for _ in range(2 * EXPLORE_EVERY)]
     assert picks.count(0) == 2 and picks[EXPLORE_EVERY - 1] == 0
+
+
+def test_where_no_draft_pays_the_longest_contender_runs_now_and_then() -> None:
+    """K = 0 the best (by the margin): every EXPLORE_EVERY x b-th step of bucket b runs the
+    largest K within EXPLORE_WITHIN of K = 0's tokens per second, so that the estimates, which
+    no K = 0 step moves, are measured again (none where no K is within reach:
+    test_a_compute_bound_bucket_never_drafts_and_its_prefills_defer)."""
+    policy = profiled(3)  # bucket 1: K = 0, 1, 2, 3 cost 1, 1.25, 1.5, 1.75
+    low_first = [[0.2, 0.9, 0.9]]  # 0.96, 0.92, 0.88 of K = 0's rate: K = 0 by the margin
+    ran = [policy.choose(low_first) for _ in range(2 * EXPLORE_EVERY)]
+    assert ran[EXPLORE_EVERY - 1] == ran[-1] == 3 and ran.count(3) == 2
+    assert set(ran) == {0, 3}
+    hopeless = profiled(3)
+    ran = [hopeless.choose([[0.05, 0.05, 0.05]]) for _ in range(2 * EXPLORE_EVERY)]
+    assert ran.count(1) == 2 and set(ran) == {0, 1}  # K = 1: 0.84 of K = 0's rate; K = 2: 0.70
+    # two requests: as many request-steps apart, every 2 x EXPLORE_EVERY-th step of bucket 2
+    pair = profiled(3)
+    ran = [pair.choose(low_first * 2) for _ in range(4 * EXPLORE_EVERY)]
+    assert ran.count(3) == 2 and ran[2 * EXPLORE_EVERY - 1] == 3, ran
 
 
 def test_fixed_policy_always_runs_k_and_keeps_the_counters() -> None:
@@ -397,3 +441,42 @@ def test_sampled_batches_keep_their_own_cost_scales() -> None:
         policy.record(mixed, 1, [1] * 4, 4.0 * step_seconds(4, 1))
         policy.record(mixed, 0, [0] * 4, step_seconds(4, 0))
     assert policy.peek(mixed) == 0 and policy.peek(greedy) == 2
+
+
+def test_lone_requests_leave_their_kind_measured_for_a_busier_batch() -> None:
+    """The served case in miniature: lone greedy requests (true acceptance 0.86 / 0.80 / 0.71
+    per position, as held-out code on the shipped checkpoint) where no K pays by the margin,
+    then four at a time, where K = 3 pays 1.4x. The first lone request's first steps accept 1
+    and 2 drafts (as served). The batch of four must draft: its requests start from the kind's
+    acceptance, which K = 0 steps never move (before the kind's prior weight and the
+    exploration from K = 0, the lone requests ran 1278 K = 0 steps, 1 with drafts, and the
+    batch drafted in 5 of 40 steps)."""
+    costs = {1: (1.0, 1.8, 2.4, 2.9), 4: (1.6, 2.6, 3.0, 3.4)}
+    policy = profiled(3, lambda b, k: costs[1 if b < 4 else 4][k])
+    rng, truth = random.Random(0), (0.86, 0.80, 0.71)
+    scripted = [1, 2]
+
+    def outcome(k: int) -> int:
+        if scripted:
+            return min(scripted.pop(0), k)
+        n = 0
+        while n < k and rng.random() < truth[n]:
+            n += 1
+        return n
+
+    for _ in range(20):  # lone requests, 64 tokens each
+        est, made = policy.initial_estimate("greedy"), 0
+        while made < 64:
+            k = policy.choose([est])
+            accepted = outcome(k)
+            policy.record([est], k, [accepted], None)
+            made += 1 + accepted
+    lone = dict(policy.chosen)
+    batch = [policy.initial_estimate("greedy") for _ in range(4)]
+    ran = []
+    for _ in range(40):
+        k = policy.choose(batch)
+        accepted = [outcome(k) for _ in batch]
+        policy.record(batch, k, accepted, None)
+        ran.append(k)
+    assert sum(k > 0 for k in ran) >= 0.9 * len(ran), (lone, ran)

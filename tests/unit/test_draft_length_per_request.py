@@ -116,6 +116,19 @@ def test_ragged_exploration_gives_a_zero_one_draft_and_measures_the_plain_step()
     assert seen.count([0] * 16) == 0 and seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
 
 
+def test_ragged_plans_with_no_drafts_explore_the_longest_contender():
+    """Where no plan with drafts pays by the margin (0.3 per position: K = 1 promises 1.01x of
+    the plain step), a plan now and then drafts the largest K within EXPLORE_WITHIN of
+    the plain step's tokens per second for every request (K = 2: 0.88x; K = 3: 0.76x), once
+    per EXPLORE_EVERY x 4 plans of four requests (as many request-steps as a lone request's)."""
+    policy = ragged_costed(0.1)
+    estimates = [[0.3] * 3] * 4
+    plans = 8 * EXPLORE_EVERY
+    seen = [policy.plan(estimates, count=True, per_request=True) for _ in range(plans)]
+    assert seen.count([2] * 4) == 2 and seen.count([0] * 4) == plans - 2
+    assert seen[4 * EXPLORE_EVERY - 1] == [2] * 4
+
+
 def exhaustive_plan(policy: AdaptiveDraftLength, estimates) -> list[int]:
     """The ragged plan by scanning every prefix of every K's ranking (no pruning): the
     reference `_ragged_lengths` must equal, exploration aside."""
