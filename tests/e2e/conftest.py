@@ -15,6 +15,7 @@ import subprocess
 import sys
 
 import pytest
+from disagg_pairs import MTP, Pair, _pairs
 from e2e_servers import (  # noqa: F401 - re-exported for the fixtures below
     E2E_MODEL,
     READY_MESSAGE,
@@ -170,3 +171,31 @@ def free_port_fixture():
 @pytest.fixture(scope="session")
 def e2e_model() -> str:
     return E2E_MODEL
+
+
+# ---- prefill-decode pairs (test_disaggregation*.py: each module starts its own) ------------
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> dict[str, Pair]:
+    """MTP off on both servers; MTP K=2 on both, the decode server verifying with fia (one
+    row of 1+K queries; the colocated server's MTP default is expand, and a prefill server
+    never verifies)."""
+    specs = [((), ()), (MTP, ("--speculative-verify", "fia"))]
+    with _pairs(tmp_path_factory.mktemp("pd"), specs) as (plain, mtp):
+        yield {"plain": plain, "mtp": mtp}
+
+
+@pytest.fixture(scope="module")
+def plain_pair(pairs) -> Pair:
+    return pairs["plain"]
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(pairs) -> Pair:
+    return pairs["mtp"]
+
+
+@pytest.fixture(params=["plain", "mtp"])
+def pair(request) -> Pair:
+    return request.getfixturevalue(f"{request.param}_pair")
