@@ -129,8 +129,8 @@ def main() -> None:
         "--dataset",
         choices=["heldout", "random-ids"],
         default="heldout",
-        help="part 1's prompts: held-out text, or random token ids (where drafts are rarely "
-        "accepted) of --input-len tokens",
+        help="part 1's prompts: held-out text, or random token ids of --input-len tokens "
+        "(decoded greedily the model repeats itself: drafts are accepted about as on code)",
     )
     p.add_argument("--input-len", type=int, default=128, help="random-ids prompt length")
     p.add_argument("--accept-prompts", type=int, default=16)
