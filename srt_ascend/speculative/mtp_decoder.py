@@ -563,9 +563,9 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
         """K = 0: the plain decoder's step (one token per request through the decode kind,
         sampled, with its logprobs, as without MTP), and the MTP pass over it deferred."""
         starts = [r.kv_len for r in reqs]
-        hidden = self.decode_and_commit(reqs, loc, self.plain_kind)
-        for r in reqs:
+        for r in reqs:  # before the commit, which sends a finishing request's counts
             self._count(r, 0, 0)
+        hidden = self.decode_and_commit(reqs, loc, self.plain_kind)
         self.worker.defer(reqs, starts, [1] * len(reqs), hidden)
         estimates = [self._estimate(r) for r in reqs]
         seconds = self._timed(time.perf_counter() - started)

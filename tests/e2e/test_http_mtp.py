@@ -208,5 +208,7 @@ def test_per_request_draft_length_is_checked_and_reported(server, mtp_server):
         assert meta["spec_draft_length"] == k
         assert 0 <= meta["spec_accepted_tokens"] <= meta["spec_draft_tokens"]
     assert outs[0]["meta_info"]["spec_accepted_tokens"] == 0
+    # every plain step counted, the one that finished the request too
+    assert outs[0]["meta_info"]["spec_verify_ct"] == outs[0]["meta_info"]["completion_tokens"] - 1
     assert mtp_server.metric("sglang:spec_request_draft_length_count") == before + 3
     assert mtp_server.metric("sglang:spec_request_accept_length_count") == before + 3

@@ -57,9 +57,12 @@ def _params(i: int) -> dict:
 
 def _check_counts(outs: list[dict], adaptive: bool) -> None:
     """Each request drafted exactly the length it asked per step (the server's K, or at most
-    it when adaptive, when it asked none), and accepted at most that."""
+    it when adaptive, when it asked none), and accepted at most that; every decode step was
+    counted (each emits its accepted drafts and one token more, the last step perhaps fewer)."""
     for i, o in enumerate(outs):
         meta = o["meta_info"]
+        steps, decoded = meta["spec_verify_ct"], meta["completion_tokens"] - 1
+        assert steps <= decoded <= steps + meta["spec_accepted_tokens"], (i, meta)
         asked = ASKED[i % len(ASKED)]
         k_r = K if asked is None else asked
         drafted = meta["spec_draft_tokens"]
