@@ -10,7 +10,8 @@ Part 1 (`sglang.bench_serving`, held-out text or `--dataset random-ids`, servers
 benchmark/serving.py): MTP off,
 fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency
 (the names with `-serial`: the same with `--disable-overlap-schedule`);
-the adaptive server's chosen-K histogram and acceptance per position come from /server_info.
+the adaptive server's chosen-K histogram, step costs, catch-up passes (count, positions,
+seconds), plan fit and acceptance per position come from /server_info (cumulative).
 Part 2 (in-process Engine, held-out text, seeded sampling): mean accept length of token-wise
 rejection sampling vs block verification (`--speculative-accept-method block`) at
 temperature 0.7 and 1.0 for K = 2 and 3.
@@ -40,7 +41,8 @@ SERIAL = ["--disable-overlap-schedule"]
 CONFIGS.update({f"{name}-serial": [*args, *SERIAL] for name, args in list(CONFIGS.items())})
 
 
-def serving_rows(a) -> list[dict]:
+def serving_runs(a) -> list[dict]:
+    """One row per (repeat, config, concurrency), with the adaptive server's state."""
     runs = []
     for rep in range(a.repeats):  # round-robin: this VM's speed drifts over minutes
         for name in a.configs:
@@ -57,6 +59,15 @@ def serving_rows(a) -> list[dict]:
                             b: {k: round(1e3 * s, 1) for k, s in costs.items()}
                             for b, costs in state["spec_step_cost_seconds"].items()
                         }
+                        # the catch-ups (one per switch from K = 0 to drafts), each K's fit
+                        # to what the policy expected, acceptance per position
+                        row["catch_up"] = {
+                            key.removeprefix("spec_catch_up_"): state[key]
+                            for key in state
+                            if key.startswith("spec_catch_up_")
+                        }
+                        row["plan_fit"] = state.get("spec_plan_fit")
+                        row["acceptance"] = state.get("spec_acceptance_per_position")
                     print(json.dumps(row), flush=True)
                     runs.append(row)
             finally:
@@ -64,7 +75,7 @@ def serving_rows(a) -> list[dict]:
                 proc.wait(timeout=30)
     if getattr(a, "_heldout_file", None):
         os.unlink(a._heldout_file)
-    return aggregate(runs)
+    return runs
 
 
 def accept_rows(a) -> list[dict]:
@@ -140,7 +151,8 @@ def main() -> None:
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG: TPOT per concurrency and config")
     a = p.parse_args()
-    serving = [] if a.skip_serving else serving_rows(a)
+    runs = [] if a.skip_serving else serving_runs(a)
+    serving = aggregate(runs) if runs else []
     if serving:
         print_table(serving)
     accept = [] if a.skip_accept else accept_rows(a)
@@ -148,7 +160,7 @@ def main() -> None:
         print_accept_table(accept)
     if a.json_out:
         with open(a.json_out, "w") as f:
-            json.dump({"serving": serving, "accept": accept}, f, indent=1)
+            json.dump({"serving": serving, "runs": runs, "accept": accept}, f, indent=1)
     if a.plot and serving:
         plot(serving, a.plot)
 

@@ -46,9 +46,10 @@ rest, when that pair of steps (each costed at its own bucket) promises SPEC_MARG
 chosen K's tokens per second. Either way every EXPLORE_EVERY-th plan drafts for the requests
 left at 0, so that their acceptance keeps being measured. A
 request's own `speculative_num_steps` wins over both choices, as the server's K does for a
-seeded sampled request (MTPDecoder.own_length: its seed then repeats its tokens). In serial
-steps a request's estimate expects nothing from drafts past its last token (`capped`,
-MTPDecoder._drafts_left), so no plan pays rows for them.
+seeded sampled request (MTPDecoder.own_length: its seed then repeats its tokens). A
+request's estimate expects nothing from drafts past its last token (`capped`,
+MTPDecoder._drafts_left: in serial steps, and in overlapped rounds with ragged rows, where
+the round in flight counts as one token), so no plan pays rows for them.
 Estimates a_r (`Estimate`) start from the recent acceptance per position of requests of r's
 kind (greedy or sampled; the server-wide acceptance before any) and move with each of r's
 verify steps, fast while they rest on few outcomes (PRIOR_WEIGHT, ESTIMATE_DECAY). Under

@@ -63,7 +63,7 @@ import time
 
 import torch
 
-from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, StepRequest
+from srt_ascend.decoding.base import DECODERS, Decoder, DecoderHandles, LaunchedStep, StepRequest
 from srt_ascend.model_executor.forward_batch import ForwardMode, pack_to_device
 from srt_ascend.model_executor.graph_runner import GraphKind, graph_buckets
 from srt_ascend.sampling.penalty_state import has_penalties
@@ -217,6 +217,10 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             not graphs or all(v.kind.holds_ragged for v in self.verifies.values())
         )
         self.draft_length.ragged = self.ragged
+        # overlapped rounds run ragged rows (requests at 0 among drafting ones: `launch`)
+        self._ragged_rounds = self.ragged and all(
+            v.ragged_on_device for v in self.verifies.values()
+        )
         if self.ragged:
             self.split_zeros = False
         # the MTP pass after a ragged verify over its rows only, where it runs eagerly
@@ -365,34 +369,41 @@ class MTPDecoder(StartMixin, OverlappedRoundsMixin, VerdictMixin, Decoder):
             return self.num_steps
         return None
 
-    def _plan(self, reqs: list[StepRequest], count: bool) -> list[int]:
+    def _plan(
+        self, reqs: list[StepRequest], count: bool, prev: LaunchedStep | None = None
+    ) -> list[int]:
         """Each request's drafts this step, k_r in 0..num_steps: its own (`own_length`)
         when it has one, else what `draft_length` chooses for the
         requests that did not ask (`DraftLength.plan`): one K, or per request under
         --speculative-adaptive with a ragged verify (not where whole-round graphs run the
         batch: `_whole_rounds`) or the split (`count`: the step runs, the policy counts it;
-        else a peek)."""
+        else a peek, for an overlapped round launched after `prev`, the round in flight)."""
         asked = [self.own_length(r) for r in reqs]
         free = [r for r, a in zip(reqs, asked) if a is None]
         if not free:
             return asked
-        most = [self._drafts_left(r, count) for r in free]
+        most = [self._drafts_left(r, count, prev) for r in free]
         estimates = [capped(self._estimate(r), m) for r, m in zip(free, most)]
         per_request = self.split_zeros or (self.ragged and not self._whole_rounds(reqs))
         plan = self.draft_length.plan(estimates, count, per_request)
         own = (min(k, m) for k, m in zip(plan, most))
         return [next(own) if a is None else a for a in asked]
 
-    def _drafts_left(self, req: StepRequest, count: bool) -> int:
-        """The most drafts a request that asked none may run: in a serial step under
-        adaptive lengths its tokens left less the one every step emits (drafts past its
-        last token commit nothing: its estimate expects none there, `capped`, and an
-        exploring plan's draft there is dropped); the server's K else (an overlapped
-        round's counts lag the round in flight, and a request at 0 would keep an FIA round
-        from launching)."""
-        if not (self.adaptive and count):
+    def _drafts_left(self, req: StepRequest, count: bool, prev: LaunchedStep | None) -> int:
+        """The most drafts a request that asked none may run under adaptive lengths: its
+        tokens left less the one every step emits (drafts past its last token commit
+        nothing: its estimate expects none there, `capped`, and an exploring plan's draft
+        there is dropped). In an overlapped round (not `count`) its committed tokens lag
+        `prev`, the round in flight, which commits at least one more where it holds the
+        request: that one is taken off too, so the cap never drops a draft that could
+        commit. Only where ragged rows run the round (a request at 0 beside drafting ones
+        would keep an FIA round from launching); the server's K else."""
+        if not self.adaptive or not (count or self._ragged_rounds):
             return self.num_steps
-        return max(req.sampling_params.max_new_tokens - len(req.output_ids) - 1, 0)
+        left = req.sampling_params.max_new_tokens - len(req.output_ids) - 1
+        if not count and prev is not None and id(req) in prev.index:
+            left -= 1
+        return max(left, 0)
 
     def _whole_rounds(self, reqs: list[StepRequest]) -> bool:
         """Whether the batch's rounds run as one graph (`_round_fits`, at the largest K):

@@ -123,7 +123,7 @@ class OverlappedRoundsMixin:
         acceptance rule's limits, and as a ragged verify's rows where the strategy builds
         them from device lengths (expand); else a batch mixing k_r = 0 with drafting
         requests is not launched (`step` runs it: ragged, or the zeros apart)."""
-        plan = self._plan(reqs, count=False)
+        plan = self._plan(reqs, count=False, prev=prev)
         k = self._batch_k(plan)
         ragged = self._ragged(plan, k, on_device=True)
         if k and 0 in plan and ragged is None:  # FIA: `step` runs them

@@ -13,7 +13,9 @@ import dataclasses
 import pytest
 import torch
 from engine_prompts import PROMPTS
+from lossless import PROMPTS as LOSSLESS_PROMPTS
 from overlap_scenarios import (
+    COMMON,
     GREEDY,
     MTP,
     ON,
@@ -416,3 +418,43 @@ def test_request_aborted_in_plain_rounds_caches_its_mtp_kv(adaptive):
     ((kv_aborted, kv_finished), _), problem, n_on, _ = adaptive[0]["aborted_in_plain_rounds"]
     assert problem is None and n_on > 0
     assert torch.allclose(kv_aborted, kv_finished, atol=1e-5, rtol=0)
+
+
+def test_overlapped_rounds_draft_nothing_that_could_not_commit(model_path, baseline):
+    """Under adaptive lengths an overlapped round (expand: ragged rows on the device) drafts
+    for a request no more than could still commit: its tokens left less the one every step
+    emits, less one more where the round in flight holds it (which commits at least one).
+    Here the policy asks K = 2 every round; requests of 2 to 16 tokens reach their last
+    tokens in overlapped rounds. Their tokens equal decoding's without MTP. (Before, only
+    serial steps were capped: an overlapped round verified drafts past the last token.)"""
+    lengths = [2, 3, 4, 5, 7, 16, 16, 16]
+    engine = Engine(model_path=model_path, **COMMON, **ADAPTIVE, speculative_verify="expand")
+    try:
+        decoder = engine.tokenizer_manager.scheduler.decoder
+        decoder.draft_length = WalkDraftLength(2, (2,))
+        launch, seen = decoder.launch, []  # (drafts, drafts that could still commit) per row
+
+        def noting(reqs, prev):
+            could = [
+                r.sampling_params.max_new_tokens
+                - len(r.output_ids)
+                - 1
+                - (prev is not None and id(r) in prev.index)
+                for r in reqs
+            ]
+            out = launch(reqs, prev)
+            if out is not None:
+                limits = out.limits or [out.k] * len(reqs)
+                seen.extend(zip(limits, could))
+            return out
+
+        decoder.launch = noting
+        params = [{**GREEDY, "max_new_tokens": n} for n in lengths]
+        outs = engine.generate(LOSSLESS_PROMPTS[: len(lengths)], params)
+    finally:
+        engine.shutdown()
+    for i, (o, n) in enumerate(zip(outs, lengths)):
+        assert o["output_ids"] == baseline[i]["output_ids"][:n], i
+    assert all(k <= max(c, 0) for k, c in seen), seen
+    assert any(k < 2 for k, _ in seen), seen  # capped rows ran in overlapped rounds
+    assert any(k == 2 for k, _ in seen), seen
