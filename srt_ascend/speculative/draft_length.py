@@ -63,12 +63,12 @@ round counts one step towards EXPLORE_EVERY.
 
 from __future__ import annotations
 
-import itertools
-import operator
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from srt_ascend.registry import Registry
 from srt_ascend.speculative.step_costs import CostTable, profile_costs, profile_rows
@@ -430,24 +430,25 @@ class AdaptiveDraftLength(DraftLength):
         n, costs = len(estimates), self.table(estimates)
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
-        runs = [list(itertools.accumulate(e[: self.max_k], operator.mul)) for e in estimates]
+        # runs[r, j]: prod_{i<=j} a_r[i], request r's draft j's expected tokens (in arrays:
+        # at 64 requests the scan in Python lists cost 0.6 ms a step on 2 CPU cores)
+        runs = np.cumprod(np.array([e[: self.max_k] for e in estimates], float), axis=1)
         for k in costs.ks[1:]:
             # every draft of this K at the price of one (the least a plan with drafts pays:
             # prices grow with rows) cannot beat `best`: then no plan of this K can
-            most = n + sum(sum(run[:k]) for run in runs)
+            most = n + float(runs[:, :k].sum())
             if most / costs.ragged_costs(bucket, k, n, 1)[1] <= best:
                 continue
-            gains = sorted((-run[j], j, r) for r, run in enumerate(runs) for j in range(k))
-            priced = costs.ragged_costs(bucket, k, n)
-            tokens, take = float(n), 0
-            for m, (gain, _, _) in enumerate(gains, 1):
-                tokens -= gain
-                if tokens / priced[m] > best:
-                    best, take = tokens / priced[m], m
-            if take:
-                plan = [0] * n
-                for _, _, r in gains[:take]:
-                    plan[r] += 1
+            # the drafts ranked by their expected tokens, ties by position, then request
+            # (index j x n + r, a stable sort); each prefix's tokens summed in that order
+            gains = runs[:, :k].T.ravel()
+            order = np.argsort(-gains, kind="stable")
+            tokens = np.cumsum(np.concatenate(([float(n)], gains[order])))[1:]
+            per_second = tokens / costs.ragged_prices(bucket, k, n)[1:]
+            m = int(np.argmax(per_second))  # the first of the most
+            if per_second[m] > best:
+                best = float(per_second[m])
+                plan = np.bincount(order[: m + 1] % n, minlength=n).tolist()
         if any(plan) and self.plans % EXPLORE_EVERY == 0:
             plan = [max(1, c) for c in plan]
         elif not any(plan) and self.plans % (EXPLORE_EVERY * bucket) == 0:  # the longest contender

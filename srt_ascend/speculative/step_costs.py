@@ -11,6 +11,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
+import numpy as np
 from tqdm import tqdm
 
 COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
@@ -51,6 +52,7 @@ class CostTable:
                 itertools.accumulate((interpolate(rows, n) for n in range(max(rows) + 1)), max)
             )
         )
+        self.row_array = None if rows is None else np.asarray(self.row_seconds)
         self.buckets = sorted(buckets)
         self.ks = list(range(max_k + 1))
         missing = [(b, k) for b in self.buckets for k in self.ks if (b, k) not in profile]
@@ -93,12 +95,17 @@ class CostTable:
         """`cost` of a step of K = k over `batch` requests verifying batch + m rows, for m in
         0 .. `most` (batch x k when None): its profile (`profiled`) x S(b, K); never less
         for more rows."""
+        return self.ragged_prices(bucket, k, batch, most).tolist()
+
+    def ragged_prices(self, bucket: int, k: int, batch: int, most: int | None = None) -> np.ndarray:
+        """`ragged_costs` as an array (float64, the same values): the planner's scan."""
         most = batch * k if most is None else most
         full, scale = self.profile[bucket, k], self._factor(bucket, k)
         base, floor = full - self._w(bucket * (k + 1)), full / 10
-        table = self.row_seconds[batch : batch + most + 1]  # W at batch + m rows
-        table += [self.row_seconds[-1]] * (most + 1 - len(table))  # flat past the end
-        return [scale * max(base + w, floor) for w in table]
+        table = self.row_array[batch : batch + most + 1]  # W at batch + m rows
+        if len(table) < most + 1:  # flat past the end
+            table = np.concatenate([table, np.full(most + 1 - len(table), self.row_array[-1])])
+        return scale * np.maximum(base + table, floor)
 
     def priced(self, batch: int, k: int, rows: int | None = None) -> float:
         """What the policy expects a step of K = k over `batch` requests verifying `rows`

@@ -159,7 +159,8 @@ def exhaustive_plan(policy: AdaptiveDraftLength, estimates) -> list[int]:
 def test_ragged_plans_skip_only_ks_that_cannot_win():
     """`_ragged_lengths` skips a K whose every draft at the price of one cannot beat the best
     plan so far: its plans equal the exhaustive scan's, over random acceptance (low, high,
-    mixed), row prices and served scales, the row profile given out of order included."""
+    mixed, requests sharing estimates: ties broken alike), row prices and served scales, the
+    row profile given out of order included."""
     import random
 
     rng = random.Random(7)
@@ -177,6 +178,8 @@ def test_ragged_plans_skip_only_ks_that_cannot_win():
         n = rng.choice([1, 3, 8, 16, 40])
         top = rng.choice([0.05, 0.5, 1.0])
         estimates = [[rng.uniform(0, top) for _ in range(3)] for _ in range(n)]
+        if trial % 4 == 1:  # ties: requests sharing a few estimates (a kind's prior)
+            estimates = [rng.choice(estimates[:2]) for _ in range(n)]
         policy.plans = 1  # not an exploring plan
         assert policy._ragged_lengths(estimates) == exhaustive_plan(policy, estimates), trial
 
