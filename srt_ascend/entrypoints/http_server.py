@@ -146,7 +146,7 @@ async def generate(request: Request):
     )
     serving.admit(len(obj.prompts) * obj.n)
     items = await obj.items(serving.tm.tokenize_async)
-    reqs = await serving.tm.off_loop(_make_requests, serving, items)
+    reqs = await serving.tm.off_loop(_make_requests, serving, items, obj.stream)
     serving.check_unique_rids(reqs)
     await serving.attach_grammars(reqs)
     # the samples of a prompt share its prefill through the radix cache (a disaggregated
@@ -162,11 +162,14 @@ async def generate(request: Request):
     return ORJSONResponse(outs[0] if obj.is_single else outs)
 
 
-def _make_requests(serving: Serving, items: list[GenerateItem]) -> list[TokenizedGenerateReq]:
+def _make_requests(
+    serving: Serving, items: list[GenerateItem], stream: bool
+) -> list[TokenizedGenerateReq]:
     return [
         serving.make_request(
             it.input_ids,
             it.sampling_params,
+            stream,
             rid=it.rid,
             return_logprob=it.return_logprob,
             logprob_start_len=it.logprob_start_len,

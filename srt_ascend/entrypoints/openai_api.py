@@ -222,6 +222,7 @@ class OpenAIServing:
                     self.serving.make_request(
                         ids,
                         sample,
+                        bool(getattr(obj, "stream", False)),
                         rid=rid,
                         return_logprob=logprobs is not None,
                         logprob_start_len=0 if prompt_logprobs else None,

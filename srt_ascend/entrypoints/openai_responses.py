@@ -222,7 +222,9 @@ class ResponsesServing:
         if obj.max_output_tokens is None:
             sp["max_new_tokens"] = self.serving.tm.max_new_tokens_left(len(ids))
         self.serving.admit(1)
-        req = self.serving.make_request(ids, sp, extra_key=extra_key(obj.cache_salt, None))
+        req = self.serving.make_request(
+            ids, sp, bool(obj.stream), extra_key=extra_key(obj.cache_salt, None)
+        )
         head = _response_head(obj)
         if obj.stream:
             events = self._events(req, head, obj, conversation)

@@ -68,9 +68,13 @@ class Serving:
             param="model",
         )
 
-    def make_request(self, input_ids: list[int], sampling_params: dict, **kw: Any):
-        """TokenizerManager.make_request, always streaming inside the server (so the first
-        token's time is seen); raises RequestError for a bad request or a rid in use."""
+    def make_request(
+        self, input_ids: list[int], sampling_params: dict, stream: bool = True, **kw: Any
+    ):
+        """TokenizerManager.make_request; raises RequestError for a bad request or a rid in
+        use. `stream`: whether the client streams (else the scheduler sends the request's
+        outputs between its first and its last only every FORCE_STREAM_INTERVAL tokens;
+        `run` sees the first tokens' time either way)."""
         rid = kw.get("rid")
         if rid is not None and self.tm.has_request(rid):
             raise RequestError(f"duplicate request id {rid!r}")
@@ -81,7 +85,7 @@ class Serving:
                 "bootstrap_host, bootstrap_port and bootstrap_room (send it through "
                 "sglang-router --pd-disaggregation)"
             )
-        return self.tm.make_request(input_ids, sampling_params, stream=True, **kw)
+        return self.tm.make_request(input_ids, sampling_params, stream=stream, **kw)
 
     def check_prompt_count(self, n: int) -> None:
         """RequestError (HTTP 400) when one request asks for more than

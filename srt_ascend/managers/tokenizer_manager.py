@@ -380,7 +380,8 @@ class TokenizerManager:
 
     async def generate_one(self, req: TokenizedGenerateReq) -> AsyncIterator[dict]:
         """Submits one request (once its grammar, if any, is compiled) and yields response
-        dicts: one per step when streaming, else one at the end. Cancelling the iterator
+        dicts: one per step when streaming, else one at its first tokens (their time is a
+        metric) and one at the end. Cancelling the iterator
         aborts the request; its rid is free again at once (the scheduler knows the
         submission by its own id, `ReqState.submission`)."""
         self.loop = self.loop or asyncio.get_running_loop()
@@ -403,8 +404,9 @@ class TokenizerManager:
         try:
             while True:
                 out: ReqOutput = await state.queue.get()
+                first = bool(out.new_token_ids) and state.first_token_time is None
                 self._absorb(state, out, len(req.input_ids))
-                if state.finished or req.stream:
+                if state.finished or req.stream or first:
                     resp = self._response(state, out, req)
                     if state.finished or out.new_token_ids:
                         yield resp

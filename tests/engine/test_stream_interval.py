@@ -1,6 +1,8 @@
 """--stream-interval N (SGLang's meaning): a streamed request gets its first token at once,
 then outputs every N tokens, and the last output carries the rest with the finish reason;
-the tokens are those of an unstreamed run."""
+the tokens are those of an unstreamed run. An unstreamed request's outputs leave the
+scheduler at its first token, every FORCE_STREAM_INTERVAL (50) tokens and at its finish,
+as SGLang sends them; its response is the same."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
+from srt_ascend.managers.scheduler_decode import FORCE_STREAM_INTERVAL
 
 GREEDY = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
 SPEC = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
@@ -52,3 +55,35 @@ def test_stream_interval_one_streams_every_token(model_path):
         assert lengths == list(range(1, GREEDY["max_new_tokens"] + 1))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("spec", [False, True], ids=["plain", "mtp"])
+def test_unstreamed_requests_leave_the_scheduler_every_50_tokens(model_path, spec):
+    """120 tokens unstreamed: outputs at the first token, whenever 50 or more wait (MTP: a step
+    commits up to 3) and at the finish; the tokens and the response equal a streamed run's
+    last, and the streamed run still sends every token."""
+    kw = SPEC if spec else {}
+    engine = Engine(model_path=model_path, dtype="float32", **kw)
+    try:
+        sched = engine.tokenizer_manager.scheduler
+        emit, sent = sched.emit, {}
+
+        def counting(outputs):
+            for o in outputs:
+                sent.setdefault(o.rid.split("#")[0], []).append(o.completion_tokens)
+            emit(outputs)
+
+        sched.emit = counting
+        long = {**GREEDY, "max_new_tokens": 120}
+        unstreamed = engine.generate(PROMPTS[1], long, rid="quiet")
+        streamed = list(engine.generate(PROMPTS[1], long, rid="loud", stream=True))
+    finally:
+        engine.shutdown()
+    assert unstreamed["output_ids"] == streamed[-1]["output_ids"]
+    assert unstreamed["text"] == streamed[-1]["text"]
+    quiet, loud = sent["quiet"], sent["loud"]
+    assert quiet[0] == 1 and quiet[-1] == 120, quiet
+    gaps = [b - a for a, b in zip(quiet, quiet[1:])]
+    assert all(FORCE_STREAM_INTERVAL <= g <= FORCE_STREAM_INTERVAL + 2 for g in gaps[:-1]), quiet
+    assert 2 <= len(quiet) <= 4 and 1 <= gaps[-1] <= FORCE_STREAM_INTERVAL + 2, quiet
+    assert len(loud) >= (40 if spec else 120), loud  # a streamed request: every step
