@@ -7,6 +7,7 @@ through `_commit` (the decoder's commit callback) and leave as ReqOutputs throug
 
 from __future__ import annotations
 
+import logging
 import os
 
 from srt_ascend.layers.sampler import TokenLogprobs
@@ -20,10 +21,15 @@ from srt_ascend.managers.schedule_batch import FinishReason, Req
 # over many such requests no longer wakes the event loop for each of them (at 62 requests on 2
 # CPU cores, a step's outputs held the GIL about 1.2 ms of its 26).
 def _force_stream_interval() -> int:
+    """SGLANG_FORCE_STREAM_INTERVAL, or 50 (with one warning line) when it is no positive
+    integer."""
     value = os.environ.get("SGLANG_FORCE_STREAM_INTERVAL", "50")
-    if not value.strip().isdigit() or int(value) < 1:
-        raise ValueError(f"SGLANG_FORCE_STREAM_INTERVAL must be a positive integer, got {value!r}")
-    return int(value)
+    if value.strip().isdigit() and int(value) >= 1:
+        return int(value)
+    logging.getLogger(__name__).warning(
+        "SGLANG_FORCE_STREAM_INTERVAL=%r is not a positive integer: using 50", value
+    )
+    return 50
 
 
 FORCE_STREAM_INTERVAL = _force_stream_interval()

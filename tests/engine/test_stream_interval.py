@@ -10,7 +10,7 @@ import pytest
 from engine_prompts import PROMPTS
 
 from srt_ascend import Engine
-from srt_ascend.managers.scheduler_decode import FORCE_STREAM_INTERVAL
+from srt_ascend.managers.scheduler_decode import FORCE_STREAM_INTERVAL, _force_stream_interval
 
 GREEDY = {"max_new_tokens": 14, "temperature": 0, "ignore_eos": True}
 SPEC = {"speculative_algorithm": "MTP", "speculative_num_steps": 2}
@@ -87,3 +87,15 @@ def test_unstreamed_requests_leave_the_scheduler_every_50_tokens(model_path, spe
     assert all(FORCE_STREAM_INTERVAL <= g <= FORCE_STREAM_INTERVAL + 2 for g in gaps[:-1]), quiet
     assert 2 <= len(quiet) <= 4 and 1 <= gaps[-1] <= FORCE_STREAM_INTERVAL + 2, quiet
     assert len(loud) >= (40 if spec else 120), loud  # a streamed request: every step
+
+
+def test_force_stream_interval_reads_sglangs_variable(monkeypatch, caplog):
+    monkeypatch.delenv("SGLANG_FORCE_STREAM_INTERVAL", raising=False)
+    assert _force_stream_interval() == 50
+    monkeypatch.setenv("SGLANG_FORCE_STREAM_INTERVAL", "7")
+    assert _force_stream_interval() == 7
+    for bad in ("0", "-3", "abc", ""):
+        monkeypatch.setenv("SGLANG_FORCE_STREAM_INTERVAL", bad)
+        caplog.clear()
+        assert _force_stream_interval() == 50
+        assert "SGLANG_FORCE_STREAM_INTERVAL" in caplog.text
