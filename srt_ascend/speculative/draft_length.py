@@ -431,7 +431,8 @@ class AdaptiveDraftLength(DraftLength):
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
         # runs[r, j]: prod_{i<=j} a_r[i], request r's draft j's expected tokens (in arrays:
-        # at 64 requests the scan in Python lists cost 0.6 ms a step on 2 CPU cores)
+        # at 62 requests the scan in Python lists took 0.065-0.15 ms on 2 CPU cores, 1.6-1.9x
+        # this)
         runs = np.cumprod(np.array([e[: self.max_k] for e in estimates], float), axis=1)
         for k in costs.ks[1:]:
             # every draft of this K at the price of one (the least a plan with drafts pays:
