@@ -85,7 +85,7 @@ def simulate(config: str, batch: int, kinds: list[str], labelled: bool, args, se
         plan = policy.plan(estimates, True, config == "per-request")
         k = max(plan)
         rows = sum(n + 1 for n in plan) if config == "per-request" else None  # ragged verify
-        seconds = table.profiled(table.bucket(batch), k, rows)
+        seconds = table.profiled(table.bucket(batch), k, rows, batch)
         accepted = []
         for r, n in zip(reqs, plan):
             a = 0

@@ -16,18 +16,21 @@ run K = 0 (`prefers_plain`) defers its MTP pass over the prompt the same way.
 The costs come from a profile taken before serving (`profile_costs`): the step's forwards
 timed per bucket and K over a padding batch, P(b, K). Serving scales it by what it measures:
 C(b, K) = P(b, K) x S(b, K), where S(b, K) is the lower median of the last COST_WINDOW
-(wall time / P(b, K)) of the steps that ran K in bucket b; an entry not run yet borrows the
-scale of the bucket's other K (or the nearest bucket's). Batches with a sampled request keep
-scales of their own (`table`: their verify samples), borrowing the greedy ones' until they
-have any. The profile gets the shape (how a
-step grows with its tokens), serving the level: served steps run slower than the profile's
-tight loop by about the same factor for every K, since the serving threads beside the step
-take the GIL and the cores between its operations, and a step with drafts has several times a
+(wall time / P(b, K)) of the steps that ran K in bucket b, or the latest when lower; an
+entry with drafts not run yet borrows the scale of the bucket's other K (or the nearest
+bucket's), the plain step (K = 0) only the nearest bucket's plain step's (CostTable.cost).
+Batches with a sampled request keep scales of their own (`table`: their verify samples),
+borrowing the greedy ones' until they have any. The profile gets the shape (how a step
+grows with its tokens), serving the level: served steps run slower than the profile's tight
+loop by about the same factor for every K, since the serving threads beside the step take
+the GIL and the cores between its operations, and a step with drafts has several times a
 plain step's operations. (One host-work term added to every K, the earlier model, put 15 ms
 on a K = 0 step at one request because K = 3 steps had run 15 ms over their profile: K = 3
 then looked twice as fast per token as K = 0 and ran at 0.94x of MTP off, at four requests
 0.72x.) Every EXPLORE_EVERY-th step of a bucket runs the runner-up K when it has fewer drafts
-and is a contender, so a K = 0 that never runs where drafts do still gets measured, and where
+and is a contender (K = 0 whatever its price until PLAIN_SAMPLES of its steps are timed in
+the bucket, and at every PLAIN_EVERY-th step), so a K = 0 that never runs where drafts do
+still gets measured, and where
 K = 0 is the best, every EXPLORE_EVERY x b-th step of bucket b the longest contender with drafts,
 so that acceptance keeps being measured; the
 SETTLE_STEPS decode steps after a prefill are not timed (the serving threads answer first
@@ -135,6 +138,15 @@ PRIOR_ACCEPT = 0.9
 EXPLORE_EVERY = 32
 EXPLORE_WITHIN = 0.8
 EXPLORE_UNMEASURED = 0.5
+# Until PLAIN_SAMPLES served plain steps of a bucket are timed, an exploring step runs the
+# plain step there whatever its price (`peek`'s runner-up, the ragged planner's half-way
+# plan): it is the cheapest step there is, and a price it was never measured at can keep it
+# from running for good (CostTable.cost); three, so that one slow step is not its scale.
+# After that, every PLAIN_EVERY-th such step still does, so that a plain step priced in a
+# slow spell is measured again (its latest time then sets its price if lower, COST_WINDOW):
+# at most 1/PLAIN_EVERY of the steps, each losing what drafting gains over it.
+PLAIN_SAMPLES = 3
+PLAIN_EVERY = 4 * EXPLORE_EVERY
 # Decode steps after a prefill that are not timed: the serving threads then answer the first
 # tokens (and the previous requests' last ones) beside the step. When they were timed, a lone
 # request's K = 1 steps, run at its start only, read 22.6 ms against 19 ms for a step of a
@@ -380,6 +392,9 @@ class AdaptiveDraftLength(DraftLength):
         best = self._best(rates)
         step = self.steps[bucket] + 1
         if step % EXPLORE_EVERY == 0:  # the runner-up, if a contender
+            few = self.table(estimates).observations(bucket, 0) < PLAIN_SAMPLES
+            if best and (few or step % PLAIN_EVERY == 0):
+                return 0
             second = max(range(best), key=rates.__getitem__, default=None)
             if second is None:
                 return self._explore_up(rates) if step % (EXPLORE_EVERY * bucket) == 0 else 0
@@ -423,10 +438,10 @@ class AdaptiveDraftLength(DraftLength):
         its acceptance keeps being measured (where no request drafts, every EXPLORE_EVERY x
         b-th plan in bucket b gives every request the longest contender K, `_explore_up`);
         half-way between those, a plan with drafts runs the plain step instead where that is
-        close (EXPLORE_WITHIN / EXPLORE_UNMEASURED of its tokens per second, as `peek`
-        explores), so the plain step's served cost is measured, not borrowed from the
-        drafting steps' (whose served steps add more host work to their profile: borrowed,
-        it overstates the plain step's cost)."""
+        close (EXPLORE_WITHIN of its tokens per second), or rests on fewer than PLAIN_SAMPLES
+        served steps in the bucket, or at every PLAIN_EVERY-th plan, so the plain step's
+        served cost is measured, not taken from another bucket's plain steps or kept from a
+        slow spell."""
         n, costs = len(estimates), self.table(estimates)
         bucket = costs.bucket(n)
         best, plan = self.margin * n / costs.cost(bucket, 0), [0] * n
@@ -455,8 +470,9 @@ class AdaptiveDraftLength(DraftLength):
         elif not any(plan) and self.plans % (EXPLORE_EVERY * bucket) == 0:  # the longest contender
             plan = [self._explore_up(self._rates(bucket, estimates))] * n
         elif any(plan) and self.plans % EXPLORE_EVERY == EXPLORE_EVERY // 2:
-            within = EXPLORE_WITHIN if costs.measured(bucket, 0) else EXPLORE_UNMEASURED
-            if n / costs.cost(bucket, 0) >= within * best:
+            few = costs.observations(bucket, 0) < PLAIN_SAMPLES
+            again = few or self.plans % PLAIN_EVERY == EXPLORE_EVERY // 2
+            if again or n / costs.cost(bucket, 0) >= EXPLORE_WITHIN * best:
                 plan = [0] * n
         return plan
 

@@ -14,7 +14,13 @@ from collections.abc import Callable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-COST_WINDOW = 8  # steps of a (bucket, K) whose scale S(b, K) is the lower median of
+# Steps of a (bucket, K) whose scale S(b, K) rests on: the lower median of their (wall time /
+# profile), or the latest when that is lower. A spike (interference only lengthens a step)
+# moves the median little; a drop is believed at once. An entry priced too high may never run
+# again (the policy prefers another), so its window would keep the slow spell for good: in bf16
+# on 2 CPU cores 62 requests drafted at 0.50x of MTP off after their plain step's window filled
+# in a slow start. Priced too low, an entry runs and is measured again at once.
+COST_WINDOW = 8
 # Timed runs per profiled entry, after one warm-up; the minimum is kept. The entries are timed
 # in interleaved rounds (a burst of interference then spoils one run of several entries, not
 # every run of one), an entry until it has PROFILE_MIN_RUNS runs and PROFILE_ENTRY_SECONDS of
@@ -60,7 +66,7 @@ class CostTable:
             raise ValueError(f"the cost profile lacks {missing}")
         self.profile = profile
         self.recent: dict[tuple[int, int], deque[float]] = {}  # wall time / profile per step
-        self.scale: dict[tuple[int, int], float] = {}  # the lower median of `recent`
+        self.scale: dict[tuple[int, int], float] = {}  # from `recent` (COST_WINDOW)
 
     def sibling(self) -> CostTable:
         """A table over the same profile for steps of another kind (batches with a sampled
@@ -75,17 +81,28 @@ class CostTable:
         its verify ran (None: batch x (1 + k))."""
         key = self.bucket(batch), k
         recent = self.recent.setdefault(key, deque(maxlen=COST_WINDOW))
-        recent.append(seconds / self.profiled(key[0], k, rows))
-        self.scale[key] = statistics.median_low(recent)
+        recent.append(seconds / self.profiled(key[0], k, rows, batch))
+        self.scale[key] = min(statistics.median_low(recent), recent[-1])
 
-    def profiled(self, bucket: int, k: int, rows: int | None = None) -> float:
-        """The profile's seconds of a step of K = k in `bucket` verifying `rows` rows: the
-        full step's, less the row-proportional part of its bucket x (1 + k) rows, plus that
-        of `rows` (never below a tenth of the full step)."""
-        full = self.profile[bucket, k]
+    def profiled(
+        self, bucket: int, k: int, rows: int | None = None, batch: int | None = None
+    ) -> float:
+        """The profile's seconds of a step of K = k in `bucket` over `batch` requests (None:
+        `bucket`) verifying `rows` rows: its fixed part (`_fixed`) plus the row-proportional
+        part of `rows`."""
         if rows is None or self.rows is None or not k:
-            return full
-        return max(full - self._w(bucket * (k + 1)) + self._w(rows), full / 10)
+            return self.profile[bucket, k]
+        return self._fixed(bucket, k, bucket if batch is None else batch) + self._w(rows)
+
+    def _fixed(self, bucket: int, k: int, batch: int) -> float:
+        """A ragged step's seconds but its rows': the full step's less the row-proportional
+        part of its bucket x (1 + k) rows, never below the plain step's less that of its
+        `batch` rows. A step with drafts runs the plain step's forward and more, but the
+        two profiles are timed apart: on 2 CPU cores in bf16 (no AMX) 192 rows profiled at
+        51 ms against 42.5 ms for the whole K = 2 step at 64 requests, which priced drafts
+        for 2 of 62 requests at 12.4 ms against the plain step's 14.5 ms, and they ran."""
+        full, plain = self.profile[bucket, k], self.profile[bucket, 0]
+        return max(full - self._w(bucket * (k + 1)), plain - self._w(batch))
 
     def _w(self, rows: int) -> float:
         table = self.row_seconds
@@ -100,27 +117,36 @@ class CostTable:
     def ragged_prices(self, bucket: int, k: int, batch: int, most: int | None = None) -> np.ndarray:
         """`ragged_costs` as an array (float64, the same values): the planner's scan."""
         most = batch * k if most is None else most
-        full, scale = self.profile[bucket, k], self._factor(bucket, k)
-        base, floor = full - self._w(bucket * (k + 1)), full / 10
         table = self.row_array[batch : batch + most + 1]  # W at batch + m rows
         if len(table) < most + 1:  # flat past the end
             table = np.concatenate([table, np.full(most + 1 - len(table), self.row_array[-1])])
-        return scale * np.maximum(base + table, floor)
+        return self._factor(bucket, k) * (self._fixed(bucket, k, batch) + table)
 
     def priced(self, batch: int, k: int, rows: int | None = None) -> float:
         """What the policy expects a step of K = k over `batch` requests verifying `rows`
         rows (None: batch x (1 + k)) to take: `profiled` x S(b, K), as `ragged_costs`."""
         bucket = self.bucket(batch)
-        return self.profiled(bucket, k, rows) * self._factor(bucket, k)
+        return self.profiled(bucket, k, rows, batch) * self._factor(bucket, k)
 
     def measured(self, bucket: int, k: int) -> bool:
         return (bucket, k) in self.scale
 
     def cost(self, bucket: int, k: int) -> float:
-        """P(b, K) x S(b, K): S measured for this entry, else borrowed (the median of the
-        bucket's measured K, else the nearest measured bucket's, for this K if it has it),
-        before any step ran the `fallback`'s, else 1; never below half the profile."""
+        """P(b, K) x S(b, K): S measured for this entry, else borrowed, before any step ran
+        the `fallback`'s, else 1; never below half the profile. An entry with drafts borrows
+        the median of the bucket's measured K, else the nearest measured bucket's, for this K
+        if it has it. The plain step (K = 0) borrows only plain steps' scales (the nearest
+        bucket's): a drafting step's scale also carries what its own model misses (the
+        serving host work of its several forwards, a ragged verify's rows priced from the row
+        profile), and a plain step that borrowed it looked dearer than it was, and so was not
+        run, and not measured: in bf16 on 2 CPU cores without AMX, 62 requests borrowed the
+        scale of ragged K = 1 steps that served at 2.5x their price, priced K = 0 at 94 ms
+        (it served at 15 ms) and drafted at 0.61x of MTP off."""
         return self.profile[bucket, k] * self._factor(bucket, k)
+
+    def observations(self, bucket: int, k: int) -> int:
+        """The served steps of K = k in `bucket` that its scale rests on (at most COST_WINDOW)."""
+        return len(self.recent.get((bucket, k), ()))
 
     def _factor(self, bucket: int, k: int) -> float:
         """S(b, K) as the costs apply it: never below half the profile."""
@@ -129,6 +155,11 @@ class CostTable:
     def _scale(self, bucket: int, k: int) -> float:
         if (bucket, k) in self.scale:
             return self.scale[bucket, k]
+        if not k:  # plain steps' scales only (`cost`)
+            plain = [b for b, j in self.scale if not j]
+            if not plain:
+                return 1.0 if self.fallback is None else self.fallback._scale(bucket, 0)
+            return self.scale[min(plain, key=lambda b: (abs(b - bucket), b)), 0]
         if mine := self._measured_scales(bucket):
             return statistics.median_low(mine)
         near = min({b for b, _ in self.scale}, key=lambda b: abs(b - bucket), default=None)

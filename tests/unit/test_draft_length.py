@@ -6,6 +6,7 @@ flags."""
 from __future__ import annotations
 
 import random
+from collections import deque
 
 import pytest
 
@@ -17,6 +18,8 @@ from srt_ascend.speculative.draft_length import (
     EXPLORE_EVERY,
     EXPLORE_UNMEASURED,
     EXPLORE_WITHIN,
+    PLAIN_EVERY,
+    PLAIN_SAMPLES,
     PRIOR_WEIGHT,
     SPEC_MARGIN,
     AcceptanceStats,
@@ -122,17 +125,26 @@ def test_costs_are_the_profile_scaled_by_what_serving_measures() -> None:
     assert table.cost(4, 2) == 12.0  # nothing measured: the profile itself
     table.observe(3, 2, 18.0)  # a K = 2 step in bucket 4 runs 1.5x its profile
     assert table.measured(4, 2) and not table.measured(4, 0)
-    # the bucket's other K borrow its scale, other buckets the nearest bucket's
-    assert [table.cost(4, k) for k in range(3)] == [6.0, 12.0, 18.0]
-    assert table.cost(16, 1) == 48.0 and table.cost(1, 0) == 1.5
+    assert table.observations(4, 2) == 1 and table.observations(4, 0) == 0
+    # the bucket's other K with drafts borrow its scale, other buckets the nearest bucket's;
+    # the plain step borrows no drafting step's scale: no plain step measured, its profile
+    assert [table.cost(4, k) for k in range(3)] == [4.0, 12.0, 18.0]
+    assert table.cost(16, 1) == 48.0 and table.cost(1, 0) == 1.0
     table.observe(4, 0, 4.4)  # K = 0 measured: 1.1x, its own scale from now on
     assert table.cost(4, 0) == pytest.approx(4.4) and table.cost(4, 2) == 18.0
     assert table.cost(4, 1) == pytest.approx(8 * 1.1)  # median_low(1.1, 1.5)
+    # the other buckets' plain steps borrow it (the nearest bucket's plain step's)
+    assert table.cost(1, 0) == pytest.approx(1.1) and table.cost(16, 0) == pytest.approx(17.6)
     table.observe(4, 0, 40.0)  # a spike: the lower median of (1.1, 10) keeps 1.1
+    assert table.cost(4, 0) == pytest.approx(4.4)
     table.observe(4, 0, 4.8)  # 1.2x
     assert table.cost(4, 0) == pytest.approx(4.8)  # median_low(1.1, 10, 1.2) = 1.2
     for _ in range(COST_WINDOW):  # K = 0 really got slower: the window forgets the rest
         table.observe(4, 0, 8.0)
+    assert table.cost(4, 0) == 8.0
+    table.observe(4, 0, 6.0)  # a drop is believed at once: the latest, 1.5x, is lower
+    assert table.cost(4, 0) == 6.0
+    table.observe(4, 0, 8.0)  # and the window's lower median holds again after it
     assert table.cost(4, 0) == 8.0
     table.observe(16, 0, 1.0)  # far below its profile: never below half of it
     assert table.cost(16, 0) == 8.0
@@ -261,16 +273,22 @@ def test_policy_learns_from_recorded_steps() -> None:
     assert policy.choose(estimates) == 2
     for _ in range(COST_WINDOW):  # K = 2 steps take twice their profile when served
         policy.record(estimates, 2, [2], 2 * step_seconds(1, 2))
-    assert policy.costs.cost(1, 0) == pytest.approx(2 * step_seconds(1, 0))  # borrowed
-    assert policy.choose(estimates) == 2  # the same factor for every K: still K = 2
+    assert policy.costs.cost(1, 1) == pytest.approx(2 * step_seconds(1, 1))  # borrowed
+    # the plain step borrows no drafting step's scale: at its profile it wins, and runs
+    assert policy.costs.cost(1, 0) == pytest.approx(step_seconds(1, 0))
+    assert policy.choose(estimates) == 0
+    for _ in range(COST_WINDOW):  # served, it too takes twice its profile
+        policy.record(estimates, 0, [0], 2 * step_seconds(1, 0))
+    assert policy.choose(estimates) == 2  # the same factor for every K: K = 2 again
     before = policy.costs.snapshot()
     policy.record(estimates, 2, [2], None)  # a step right after a prefill: not timed
     assert policy.costs.snapshot() == before and policy.chosen[2] == COST_WINDOW + 1
     low = [policy.initial_estimate()]
     for _ in range(20):  # a request whose drafts are always rejected
-        policy.record(low, 1, [0], step_seconds(1, 1))
+        policy.record(low, 1, [0], 2 * step_seconds(1, 1))
     assert low[0][0] < 0.2 and policy.choose(low) == 0
-    assert policy.stats()["spec_draft_length_steps"] == {"1": 20, "2": COST_WINDOW + 1}
+    steps = {"0": COST_WINDOW, "1": 20, "2": COST_WINDOW + 1}
+    assert policy.stats()["spec_draft_length_steps"] == steps
 
 
 def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
@@ -285,14 +303,42 @@ def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
         policy.record(estimates, k, [1] * k, served[k])
         estimates[0][0] = 0.9  # hold the acceptance still
     # K = 1 first (1.9 tokens / 1.5 s); measured at 3 s it loses to K = 0 (1.9 / 3 < 1 / 1),
-    # but the borrowed scale puts K = 0 at 2 s (0.79x of K = 1's rate), so K = 1 still runs
-    # until the bucket's EXPLORE_EVERY-th step measures K = 0, never measured so far (a
-    # contender down to EXPLORE_UNMEASURED); then K = 0 wins, and K = 1 is the runner-up at
-    # 0.63x of its rate: not a contender, never run again
-    assert ran[: EXPLORE_EVERY - 1] == [1] * (EXPLORE_EVERY - 1)
-    assert ran[EXPLORE_EVERY - 1] == 0
-    assert set(ran[EXPLORE_EVERY:]) == {0} and EXPLORE_UNMEASURED < 0.79 < EXPLORE_WITHIN
+    # priced at its profile (a plain step borrows no drafting step's scale): K = 0 runs from
+    # the second step on, and K = 1 is the runner-up at 0.63x of its rate: not a contender,
+    # never run again
+    assert ran == [1] + [0] * (4 * EXPLORE_EVERY - 1)
     assert policy.costs.cost(1, 1) == 3.0 and policy.costs.cost(1, 0) == 1.0
+    # had K = 0 borrowed K = 1's scale (2 s: 0.79x of K = 1's rate) it would not run by its
+    # price; the bucket's EXPLORE_EVERY-th step runs it while it has fewer than
+    # PLAIN_SAMPLES timed steps there, whatever its price
+    stuck = profiled(1, lambda b, k: (1.0, 1.5)[k])
+    stuck.costs.observe(1, 1, 3.0)
+    stuck.costs.scale[1, 0] = 2.0  # as if measured once, in a slow spell
+    stuck.costs.recent[1, 0] = deque([2.0])
+    ran = []
+    for _ in range(4 * EXPLORE_EVERY):
+        k = stuck.choose(estimates)
+        ran.append(k)
+        stuck.record(estimates, k, [1] * k, served[k])
+        estimates[0][0] = 0.9
+    assert ran[: EXPLORE_EVERY - 1] == [1] * (EXPLORE_EVERY - 1)
+    assert ran[EXPLORE_EVERY - 1] == 0  # the second sample, 1 s, the latest and lower
+    assert set(ran[EXPLORE_EVERY:]) == {0} and EXPLORE_UNMEASURED < 0.79 < EXPLORE_WITHIN
+    # measured on PLAIN_SAMPLES steps or more, all in a slow spell (2.5 s: 0.63x of K = 1's
+    # rate, no contender): every PLAIN_EVERY-th step of the bucket runs it all the same, and
+    # its latest time, lower, is its price from then on
+    slow = profiled(1, lambda b, k: (1.0, 1.5)[k])
+    for _ in range(PLAIN_SAMPLES):
+        slow.costs.observe(1, 0, 2.5)
+    slow.costs.observe(1, 1, 3.0)
+    ran = []
+    for _ in range(PLAIN_EVERY + EXPLORE_EVERY):
+        k = slow.choose(estimates)
+        ran.append(k)
+        slow.record(estimates, k, [1] * k, served[k])
+        estimates[0][0] = 0.9
+    assert ran[: PLAIN_EVERY - 1] == [1] * (PLAIN_EVERY - 1)
+    assert set(ran[PLAIN_EVERY - 1 :]) == {0} and slow.costs.cost(1, 0) == 1.0
     # a smaller runner-up within reach of the best runs once every EXPLORE_EVERY steps
     close = profiled(1, lambda b, k: (1.0, 1.9 / 1.2)[k])  # K = 1: 1.2x K = 0's rate
     picks = [close.choose([[0.9]]) for _ in range(2 * EXPLORE_EVERY)]
@@ -419,9 +465,12 @@ def test_sampled_batches_keep_their_own_cost_scales() -> None:
     assert policy.table(greedy) is policy.costs and policy.table(mixed) is not policy.costs
     assert policy.table([[0.9, 0.9]] * 4) is policy.costs  # plain lists: no kind
     policy.record(greedy, 2, [2] * 4, 1.5 * step_seconds(4, 2))
-    # nothing sampled measured: the greedy scale (1.5) for every entry
+    # nothing sampled measured: the greedy scale (1.5) for every entry with drafts, the
+    # greedy plain step's for the plain step (none measured: its profile)
     assert policy.table(mixed).cost(4, 2) == pytest.approx(1.5 * step_seconds(4, 2))
-    assert policy.table(mixed).cost(4, 0) == pytest.approx(1.5 * step_seconds(4, 0))
+    assert policy.table(mixed).cost(4, 0) == pytest.approx(step_seconds(4, 0))
+    policy.record(greedy, 0, [0] * 4, 1.2 * step_seconds(4, 0))
+    assert policy.table(mixed).cost(4, 0) == pytest.approx(1.2 * step_seconds(4, 0))
     policy.record(mixed, 2, [2] * 4, 3.0 * step_seconds(4, 2))
     assert policy.table(mixed).cost(4, 2) == pytest.approx(3.0 * step_seconds(4, 2))
     assert policy.table(greedy).cost(4, 2) == pytest.approx(1.5 * step_seconds(4, 2))

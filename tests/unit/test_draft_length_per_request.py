@@ -6,10 +6,12 @@ EXPLORE_EVERY-th plan; the fixed policy always gives K."""
 
 from __future__ import annotations
 
+import pytest
 from test_draft_length import BUCKETS
 
 from srt_ascend.speculative.draft_length import (
     EXPLORE_EVERY,
+    PLAIN_SAMPLES,
     AdaptiveDraftLength,
     Estimate,
     FixedDraftLength,
@@ -84,6 +86,27 @@ def test_ragged_cost_follows_the_rows():
     assert abs(costs.cost(4, 3) - 2 * 2.6) < 1e-9  # the scale of its (bucket, K)
 
 
+def test_a_ragged_step_is_never_priced_below_the_plain_step():
+    """The step profile and the row profile are timed apart. Where a full step's rows
+    profile at more than the whole step (192 rows at 51 ms, the K = 2 step at 42.5 ms: bf16
+    on 2 CPU cores without AMX), drafts for a few requests cost the plain step plus their
+    rows, not less than the plain step (they were priced below it, and ran)."""
+    policy = AdaptiveDraftLength(2, [16])
+    policy.ragged = True
+    profile = {(16, 0): 10.0, (16, 1): 20.0, (16, 2): 18.0}
+    rows = {1: 2.0, 16: 8.0, 32: 14.0, 48: 30.0}  # 48 rows: more than the whole K = 2 step
+    policy.costs = costs = CostTable([16], 2, profile, rows)
+    priced = costs.ragged_costs(16, 2, 16, 2)
+    assert priced == pytest.approx([10.0, 10.375, 10.75])  # the plain step, then its rows
+    assert costs.priced(16, 2, 18) == pytest.approx(10.75)
+    assert costs.priced(16, 0) == 10.0
+    # the whole step's fixed part where it is the larger: K = 1 over 32 rows costs 20
+    assert costs.ragged_costs(16, 1, 16)[-1] == pytest.approx(20.0)
+    # drafts accepted half the time: no plan beats the plain step by the margin (priced
+    # below it, one draft at 1.8 did, by 5x)
+    assert policy.plan([[0.5, 0.5]] * 16, count=True, per_request=True) == [0] * 16
+
+
 def test_ragged_lengths_give_each_request_its_own_drafts():
     # rows cost 0.1 each beside a fixed 1 per step: a draft accepted with probability p
     # adds p tokens for 0.1 more; the HIGH requests draft 3, the LOW ones none, in one step
@@ -102,18 +125,28 @@ def test_ragged_lengths_give_each_request_its_own_drafts():
 
 def test_ragged_exploration_gives_a_zero_one_draft_and_measures_the_plain_step():
     """Every EXPLORE_EVERY plans: one gives the requests at 0 a draft, and one runs the plain
-    step while its cost in the bucket is only borrowed and it is close (6.2 tokens per unit
-    against the plan's 8: within EXPLORE_UNMEASURED); measured and below EXPLORE_WITHIN of
-    the plan, it is not run."""
+    step while fewer than PLAIN_SAMPLES of its steps in the bucket were timed, whatever its
+    price (6.2 tokens per unit against the plan's 8 here; the same at a tenth of that);
+    measured and below EXPLORE_WITHIN of the plan, it is not run."""
     policy = ragged_costed(0.1)
     mixed = [HIGH, LOW] * 8
     seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([3, 1] * 8) == 1
     assert seen.count([0] * 16) == 1
     assert seen.count([3, 0] * 8) == EXPLORE_EVERY - 2
-    policy.costs.observe(16, 0, policy.costs.profile[16, 0])  # measured: as profiled
+    for _ in range(PLAIN_SAMPLES - 1):  # measured, as profiled, but on too few steps
+        policy.costs.observe(16, 0, policy.costs.profile[16, 0])
+    seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
+    assert seen.count([0] * 16) == 1
+    policy.costs.observe(16, 0, policy.costs.profile[16, 0])
     seen = [policy.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
     assert seen.count([0] * 16) == 0 and seen.count([3, 0] * 8) == EXPLORE_EVERY - 1
+    # a plain step priced far off, at ten times its profile (a tenth of the plan's rate),
+    # but on fewer than PLAIN_SAMPLES steps: explored all the same
+    far = ragged_costed(0.1)
+    far.costs.observe(16, 0, 10 * far.costs.profile[16, 0])
+    seen = [far.plan(mixed, count=True, per_request=True) for _ in range(EXPLORE_EVERY)]
+    assert seen.count([0] * 16) == 1
 
 
 def test_ragged_plans_with_no_drafts_explore_the_longest_contender():
