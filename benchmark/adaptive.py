@@ -2,14 +2,16 @@
 
     python benchmark/adaptive.py [--sglang-python .venv-sglang/bin/python]
         [--configs off mtp-k1 ...] [--max-concurrency 1 4 16] [--num-prompts 32]
-        [--output-len 64] [--output-len-spread 0.5] [--repeats 1]
+        [--output-len 64] [--output-len-spread 0.5] [--repeats 1] [--warm-runs 0]
         [--dataset heldout|random-ids] [--input-len 128]
         [--accept-prompts 16] [--json-out FILE] [--plot FILE.png] [--skip-serving] [--skip-accept]
 
 Part 1 (`sglang.bench_serving`, held-out text or `--dataset random-ids`, servers as in
 benchmark/serving.py): MTP off,
 fixed K = 1, 2, 3, and `--speculative-adaptive` with K up to 3, each at every concurrency
-(the names with `-serial`: the same with `--disable-overlap-schedule`);
+(the names with `-serial`: the same with `--disable-overlap-schedule`); a fresh server per
+configuration and repeat, timed cold unless `--warm-runs N` runs each concurrency N times
+untimed first (new batch shapes cost most at their first use on a CPU);
 the adaptive server's chosen-K histogram, step costs, catch-up passes (count, positions,
 seconds), plan fit and acceptance per position come from /server_info (cumulative).
 Part 2 (in-process Engine, held-out text, seeded sampling): mean accept length of token-wise
@@ -50,6 +52,8 @@ def serving_runs(a) -> list[dict]:
             proc, url = start_server(a.model_path, args + a.extra_server_args.split())
             try:
                 for c in a.max_concurrency:
+                    for _ in range(a.warm_runs):  # shapes and costs seen once first
+                        bench(a.sglang_python, url, a.model_path, a, c)
                     r = bench(a.sglang_python, url, a.model_path, a, c)
                     state = server_state(url)
                     row = result_row(name, c, rep, r, state)
@@ -136,6 +140,13 @@ def main() -> None:
         "decoded in lockstep finish together and their successors prefill in one batch)",
     )
     p.add_argument("--repeats", type=int, default=1)
+    p.add_argument(
+        "--warm-runs",
+        type=int,
+        default=0,
+        help="untimed bench runs per concurrency before the timed one, on each fresh server "
+        "(0: cold servers, as the records before 2026-12-08)",
+    )
     p.add_argument(
         "--dataset",
         choices=["heldout", "random-ids"],
