@@ -18,8 +18,9 @@ from tqdm import tqdm
 # profile), or the latest when that is lower. A spike (interference only lengthens a step)
 # moves the median little; a drop is believed at once. An entry priced too high may never run
 # again (the policy prefers another), so its window would keep the slow spell for good: in bf16
-# on 2 CPU cores 62 requests drafted at 0.50x of MTP off after their plain step's window filled
-# in a slow start. Priced too low, an entry runs and is measured again at once.
+# on 2 CPU cores the plain step at 62 requests was timed at 2x its profile in the first steps
+# after the prefill, and drafts then won (a run served 0.50x of MTP off). Priced too low, an
+# entry runs and is measured again at once.
 COST_WINDOW = 8
 # Timed runs per profiled entry, after one warm-up; the minimum is kept. The entries are timed
 # in interleaved rounds (a burst of interference then spoils one run of several entries, not
