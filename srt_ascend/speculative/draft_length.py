@@ -392,8 +392,7 @@ class AdaptiveDraftLength(DraftLength):
         best = self._best(rates)
         step = self.steps[bucket] + 1
         if step % EXPLORE_EVERY == 0:  # the runner-up, if a contender
-            few = self.table(estimates).observations(bucket, 0) < PLAIN_SAMPLES
-            if best and (few or step % PLAIN_EVERY == 0):
+            if best and self._plain_due(self.table(estimates), bucket, step):
                 return 0
             second = max(range(best), key=rates.__getitem__, default=None)
             if second is None:
@@ -403,6 +402,13 @@ class AdaptiveDraftLength(DraftLength):
             if rates[second] >= within * rates[best]:
                 return second
         return best
+
+    @staticmethod
+    def _plain_due(costs: CostTable, bucket: int, count: int) -> bool:
+        """Whether an exploring step (the `count`-th of its cadence) runs the plain step
+        whatever its price: while fewer than PLAIN_SAMPLES of its steps in `bucket` are timed,
+        and at every PLAIN_EVERY-th count."""
+        return costs.observations(bucket, 0) < PLAIN_SAMPLES or count % PLAIN_EVERY == 0
 
     @staticmethod
     def _explore_up(rates: dict[int, float]) -> int:
@@ -470,8 +476,7 @@ class AdaptiveDraftLength(DraftLength):
         elif not any(plan) and self.plans % (EXPLORE_EVERY * bucket) == 0:  # the longest contender
             plan = [self._explore_up(self._rates(bucket, estimates))] * n
         elif any(plan) and self.plans % EXPLORE_EVERY == EXPLORE_EVERY // 2:
-            few = costs.observations(bucket, 0) < PLAIN_SAMPLES
-            again = few or self.plans % PLAIN_EVERY == EXPLORE_EVERY // 2
+            again = self._plain_due(costs, bucket, self.plans - EXPLORE_EVERY // 2)
             if again or n / costs.cost(bucket, 0) >= EXPLORE_WITHIN * best:
                 plan = [0] * n
         return plan
