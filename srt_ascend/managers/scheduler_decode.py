@@ -15,21 +15,27 @@ from srt_ascend.managers.batch_log import PoolUsage
 from srt_ascend.managers.io_struct import ReqOutput
 from srt_ascend.managers.schedule_batch import FinishReason, Req
 
-
 # An unstreamed request's outputs between its first and its last (SGLang's
 # SGLANG_FORCE_STREAM_INTERVAL, 50): the tokens arrive with the finish all the same, and a step
 # over many such requests no longer wakes the event loop for each of them (at 62 requests on 2
 # CPU cores, a step's outputs held the GIL about 1.2 ms of its 26).
+DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
 def _force_stream_interval() -> int:
-    """SGLANG_FORCE_STREAM_INTERVAL, or 50 (with one warning line) when it is no positive
-    integer."""
-    value = os.environ.get("SGLANG_FORCE_STREAM_INTERVAL", "50")
+    """SGLANG_FORCE_STREAM_INTERVAL, or DEFAULT_FORCE_STREAM_INTERVAL (with one warning line)
+    when it is no positive integer."""
+    value = os.environ.get("SGLANG_FORCE_STREAM_INTERVAL")
+    if value is None:
+        return DEFAULT_FORCE_STREAM_INTERVAL
     if value.strip().isdigit() and int(value) >= 1:
         return int(value)
     logging.getLogger(__name__).warning(
-        "SGLANG_FORCE_STREAM_INTERVAL=%r is not a positive integer: using 50", value
+        "SGLANG_FORCE_STREAM_INTERVAL=%r is not a positive integer: using %d",
+        value,
+        DEFAULT_FORCE_STREAM_INTERVAL,
     )
-    return 50
+    return DEFAULT_FORCE_STREAM_INTERVAL
 
 
 FORCE_STREAM_INTERVAL = _force_stream_interval()
