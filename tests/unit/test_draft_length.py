@@ -6,7 +6,6 @@ flags."""
 from __future__ import annotations
 
 import random
-from collections import deque
 
 import pytest
 
@@ -313,8 +312,7 @@ def test_the_runner_up_runs_now_and_then_and_corrects_a_wrong_entry() -> None:
     # PLAIN_SAMPLES timed steps there, whatever its price
     stuck = profiled(1, lambda b, k: (1.0, 1.5)[k])
     stuck.costs.observe(1, 1, 3.0)
-    stuck.costs.scale[1, 0] = 2.0  # as if measured once, in a slow spell
-    stuck.costs.recent[1, 0] = deque([2.0])
+    stuck.costs.observe(1, 0, 2.0)  # measured once, in a slow spell: 2x its profile
     ran = []
     for _ in range(4 * EXPLORE_EVERY):
         k = stuck.choose(estimates)
